@@ -1,0 +1,98 @@
+"""What gets measured: an :class:`Impl` is one callable attention with its models.
+
+Built from the stage registry (a stage, or one of its ablation ``variants``) or from a peer, so the
+measuring code never needs to know which is which. Ablation variant names follow the stages'
+convention: ``+x`` are cumulative steps from stage B's settings (in dict order), ``-x`` leave one
+optimization out of the all-on configuration, and ``all`` is the stage with no keyword arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+import stages
+from stages.contract import HbmTraffic, Problem
+
+from . import peers
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str                    # results' impl column: stage name or peer name
+    kind: str                    # "stage", "peer" or "ablation"
+    variant: str                 # "" for plain rows
+    attention: Callable[..., torch.Tensor]
+    hbm_bytes: Callable[[Problem], HbmTraffic] | None
+    workspace_bytes: Callable[[Problem], int] | None
+    kernel_names: tuple[str, ...] = ()
+    variant_kwargs: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.variant}" if self.variant else self.name
+
+
+def cuda_ok(stage) -> bool:
+    return (not stage.requires_cuda) or torch.cuda.is_available()
+
+
+def default_stage_names() -> list[str]:
+    """a, b, c first, then every other registered stage this machine can run."""
+    names = [n for n in ("a", "b", "c") if n in stages.STAGES]
+    names += [n for n, s in stages.STAGES.items() if n not in names and cuda_ok(s)]
+    return names
+
+
+def default_peer_names() -> list[str]:
+    """All four on a GPU; on a CPU only the backends PyTorch has CPU kernels for."""
+    if torch.cuda.is_available():
+        return list(peers.PEERS)
+    return ["sdpa_flash", "sdpa_math"]
+
+
+def stage_impl(name: str, variant: str = "") -> Impl:
+    """The stage ``name`` (variant "" or "all": no kwargs; else one of ``stage.variants``)."""
+    stage = stages.get_stage(name)
+    kwargs: dict = {}
+    if variant and variant != "all":
+        if variant not in stage.variants:
+            raise KeyError(f"stage {name!r} has no variant {variant!r}; it has {list(stage.variants)}")
+        kwargs = dict(stage.variants[variant])
+    fn = functools.partial(stage.attention, **kwargs) if kwargs else stage.attention
+    return Impl(name=name, kind="ablation" if variant else "stage", variant=variant, attention=fn,
+                hbm_bytes=stage.hbm_bytes, workspace_bytes=stage.workspace_bytes,
+                kernel_names=tuple(stage.kernel_names), variant_kwargs=kwargs)
+
+
+def ablation_impls(name: str) -> list[Impl]:
+    """``all`` then every entry of ``stage.variants`` in dict order."""
+    stage = stages.get_stage(name)
+    return [stage_impl(name, "all")] + [stage_impl(name, v) for v in stage.variants]
+
+
+def peer_impl(name: str) -> Impl:
+    return Impl(name=name, kind="peer", variant="", attention=peers.peer_attention(name),
+                hbm_bytes=functools.partial(peers.peer_hbm_bytes, name),
+                workspace_bytes=functools.partial(peers.peer_workspace_bytes, name))
+
+
+def build_impls(stage_names: list[str], peer_names: list[str], ablation: bool = False) -> list[Impl]:
+    """Stages in order (each followed by its ablation rows when asked), then the peers."""
+    out: list[Impl] = []
+    for name in stage_names:
+        out.append(stage_impl(name))
+        if ablation and stages.get_stage(name).variants:
+            out.extend(ablation_impls(name))
+    out.extend(peer_impl(p) for p in peer_names)
+    return out
+
+
+def resolve_impl(name: str, variant: str = "") -> Impl:
+    """An impl by its results-row identity (for the ncu child process)."""
+    if name in peers.PEERS:
+        return peer_impl(name)
+    return stage_impl(name, variant)

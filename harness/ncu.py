@@ -1,0 +1,230 @@
+"""DRAM bytes measured by Nsight Compute (``harness profile`` and ``harness compare --ncu``).
+
+For one impl on one cell we start a child process under ``ncu``::
+
+    ncu --clock-control none --profile-from-start off --cache-control all --target-processes all \
+        --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,\
+l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum \
+        --csv --print-units base  python -m harness _ncu_child --impl c --B 4 ...
+
+The child (:func:`child_main`) makes the cell's seeded inputs, makes one *warm* call (compilation,
+autotuning: not profiled), then brackets exactly one call with ``cudaProfilerStart``/``Stop`` (what
+``--profile-from-start off`` listens to) and an NVTX range ``harness:<impl>`` (for timelines). So
+the profiled window holds the kernels of one call and nothing else: a peer's kernels are whatever
+SDPA launches inside it. We sum ``dram__bytes_*`` over those kernels.
+
+Caveats (also in harness/README.md): ``--clock-control none`` keeps the GPU's own clocks (ncu would
+otherwise lock them to base); ``--cache-control all`` (the default) flushes caches before each kernel
+replay, so each kernel starts with a cold L2 — a later kernel in stage A does not find the S that the
+previous one just wrote. K/V re-reads that hit L2 are not DRAM traffic, so measured bytes can be far
+below the model; an output that fits in the 60 MB L2 may not be written back to DRAM within the
+kernel's window, so writes can read low. Bank-conflict counters only see LSU shared-memory
+accesses (``ld.shared``/``st.shared``/``ldmatrix``), not TMA or wgmma operand reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import io
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from stages.contract import Problem
+
+METRICS: tuple[str, ...] = (
+    "dram__bytes_read.sum",
+    "dram__bytes_write.sum",
+    "lts__t_sector_hit_rate.pct",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum",
+)
+REPO_ROOT = Path(__file__).resolve().parents[1]
+NVTX_RANGE_PREFIX = "harness:"
+
+
+class NcuError(RuntimeError):
+    """ncu is missing, failed, or profiled no kernel."""
+
+
+def find_ncu() -> str | None:
+    """The ncu executable: on PATH, in /usr/local/cuda/bin, or the newest /opt/nvidia/nsight-compute/*/."""
+    found = shutil.which("ncu")
+    if found:
+        return found
+    candidates = ["/usr/local/cuda/bin/ncu"] + sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"), reverse=True)
+    return next((c for c in candidates if os.access(c, os.X_OK)), None)
+
+
+NO_NCU_MESSAGE = ("Nsight Compute (ncu) was not found on PATH, in /usr/local/cuda/bin or in "
+                  "/opt/nvidia/nsight-compute/*/; install Nsight Compute or put ncu on PATH "
+                  "(DRAM bytes can only be measured with it, on a machine with an NVIDIA GPU).")
+
+
+def ncu_command(ncu: str, impl_name: str, variant: str, problem: Problem, seed: int = 0) -> list[str]:
+    """The full command line: ncu options, then the child process (see the module docstring)."""
+    child = [sys.executable, "-m", "harness", "_ncu_child", "--impl", impl_name, "--variant", variant,
+             "--B", str(problem.B), "--H", str(problem.H), "--N", str(problem.N), "--D", str(problem.D),
+             "--dtype", problem.dtype, "--seed", str(seed)] + (["--causal"] if problem.causal else [])
+    return [ncu, "--clock-control", "none", "--profile-from-start", "off", "--cache-control", "all",
+            "--target-processes", "all", "--metrics", ",".join(METRICS), "--csv", "--print-units", "base",
+            *child]
+
+
+def _number(text: str) -> float | None:
+    text = (text or "").strip().replace(",", "")
+    if not text or text.lower() in ("n/a", "nan"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def parse_ncu_csv(text: str) -> list[dict]:
+    """ncu ``--csv`` (details page) output -> one dict per profiled kernel launch, in launch order:
+    ``{"id": str, "name": str, "metrics": {metric: float | None}}``. Non-CSV lines (``==PROF==``,
+    the child's own output) are skipped."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if start is None:
+        return []
+    body = [line for line in lines[start:] if line.startswith('"')]
+    kernels: dict[str, dict] = {}
+    for rec in csv.DictReader(io.StringIO("\n".join(body))):
+        kid = rec.get("ID", "")
+        name = rec.get("Kernel Name") or rec.get("Function Name") or rec.get("Name") or ""
+        k = kernels.setdefault(kid, {"id": kid, "name": name, "metrics": {}})
+        metric = rec.get("Metric Name")
+        if metric:
+            k["metrics"][metric] = _number(rec.get("Metric Value", ""))
+    return list(kernels.values())
+
+
+def summarize(kernels: list[dict]) -> dict:
+    """Results columns from the kernels of one call: summed bytes, mean L2 hit rate, bank conflicts."""
+    def total(metric: str) -> int | None:
+        values = [k["metrics"].get(metric) for k in kernels]
+        values = [v for v in values if v is not None]
+        return int(round(sum(values))) if values else None
+
+    hits = [k["metrics"].get("lts__t_sector_hit_rate.pct") for k in kernels]
+    hits = [h for h in hits if h is not None]
+    ld = total("l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum")
+    st = total("l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum")
+    return {
+        "dram_read_measured": total("dram__bytes_read.sum"),
+        "dram_write_measured": total("dram__bytes_write.sum"),
+        "l2_hit_rate_pct": sum(hits) / len(hits) if hits else None,
+        "smem_bank_conflicts": None if ld is None and st is None else (ld or 0) + (st or 0),
+        "bank_conflicts_ld": ld,
+        "bank_conflicts_st": st,
+    }
+
+
+def kernel_summary(kernels: list[dict]) -> str:
+    """``name×count`` for the kernels seen, names shortened (for the note column)."""
+    counts: dict[str, int] = {}
+    for k in kernels:
+        short = k["name"].split("(")[0][:40]
+        counts[short] = counts.get(short, 0) + 1
+    return ", ".join(f"{n}×{c}" if c > 1 else n for n, c in counts.items())
+
+
+def predicted_bank_conflicts(impl_name: str, problem: Problem, variant_kwargs: dict) -> dict | None:
+    """stages.bank_model's prediction for this impl ({"ld": int, "st": int}) or None."""
+    try:
+        from stages import bank_model
+    except ImportError:
+        return None
+    try:
+        return bank_model.predicted_conflicts(impl_name, problem, **variant_kwargs)
+    except Exception:
+        return None
+
+
+@dataclass
+class NcuResult:
+    """What one profiled call gave: results columns, the kernels seen, and bank conflicts split."""
+
+    columns: dict
+    kernels: list[dict]
+    conflicts_ld: int | None
+    conflicts_st: int | None
+    predicted: dict | None
+
+    @property
+    def note(self) -> str:
+        notes = [f"ncu kernels: {kernel_summary(self.kernels)}"]
+        if self.conflicts_ld is not None or self.conflicts_st is not None:
+            notes.append(f"bank conflicts ld/st measured {self.conflicts_ld}/{self.conflicts_st}")
+        if self.predicted:
+            notes.append(f"predicted {self.predicted.get('ld')}/{self.predicted.get('st')}")
+        return "; ".join(notes)
+
+    def as_row(self) -> dict:
+        """The results columns plus ``note`` (for ``measure_impl``'s ncu hook)."""
+        return {**self.columns, "note": self.note}
+
+
+def profile_impl(impl, problem: Problem, *, seed: int = 0, ncu: str | None = None,
+                 timeout_s: float = 1800) -> NcuResult:
+    """Run the child under ncu for one impl on one cell and summarize the kernels of its one call.
+
+    Raises :class:`NcuError` when ncu is missing, fails, or profiles no kernel.
+    """
+    ncu = ncu or find_ncu()
+    if not ncu:
+        raise NcuError(NO_NCU_MESSAGE)
+    cmd = ncu_command(ncu, impl.name, impl.variant, problem, seed)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=timeout_s)
+    kernels = parse_ncu_csv(proc.stdout)
+    if proc.returncode != 0 or not kernels:
+        detail = [ln for ln in (proc.stdout + "\n" + proc.stderr).splitlines()
+                  if ln.startswith(("==ERROR==", "==WARNING==")) or "Error" in ln]
+        why = "; ".join(detail[-3:]) or (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise NcuError(f"ncu exit {proc.returncode}, {len(kernels)} kernels profiled: {why[:400]}")
+    columns = summarize(kernels)
+    ld, st = columns.pop("bank_conflicts_ld"), columns.pop("bank_conflicts_st")
+    predicted = predicted_bank_conflicts(impl.name, problem, impl.variant_kwargs)
+    return NcuResult(columns, kernels, ld, st, predicted)
+
+
+# --------------------------------------------------------------------------------------- child process
+
+def add_child_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--impl", required=True)
+    p.add_argument("--variant", default="")
+    for name in ("B", "H", "N", "D"):
+        p.add_argument(f"--{name}", type=int, required=True)
+    p.add_argument("--dtype", required=True)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def child_main(args: argparse.Namespace) -> int:
+    """Warm call, then exactly one call inside cudaProfilerStart/Stop and an NVTX range."""
+    import torch
+
+    from .impls import resolve_impl
+    from .inputs import make_inputs
+
+    problem = Problem(args.B, args.H, args.N, args.D, args.dtype, args.causal)
+    impl = resolve_impl(args.impl, args.variant)
+    q, k, v = make_inputs(problem, "cuda", args.seed)
+    impl.attention(q, k, v, causal=problem.causal)  # warm: compile / autotune outside the window
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    torch.cuda.nvtx.range_push(f"{NVTX_RANGE_PREFIX}{impl.label}")
+    out = impl.attention(q, k, v, causal=problem.causal)
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_pop()
+    torch.cuda.profiler.stop()
+    del out
+    return 0

@@ -1,0 +1,654 @@
+"""The figures, drawn from a results directory: ``python -m harness plot results/h200``.
+
+Each ``plot_*`` function takes the de-duplicated rows and ``env.json`` of one results directory
+(see :func:`harness.views.load`) and the folder to write into, and returns the PNG's path, or None
+after printing why it drew nothing (which command would produce the missing data). ``plot_all``
+writes every figure into ``<results_dir>/figures/``:
+
+==================  ==========================================================================
+``waterfall.png``   time, DRAM bytes, peak memory at one cell: A → B → C's optimizations → C
+``throughput.png``  TFLOPS vs N per (D, causal), stages and SDPA peers
+``dram_bytes.png``  DRAM bytes per (batch, head) vs N: traffic model dashed, Nsight measured solid
+``peak_memory.png`` extra device memory of one call vs N, device memory line, OOM points
+``roofline.png``    measured ceilings and each impl by arithmetic intensity and TFLOPS
+``energy.png``      joules per call and TFLOP per joule (= TFLOPS/W)
+==================  ==========================================================================
+
+Matplotlib is used through ``Figure`` objects and the Agg canvas directly (no pyplot), so drawing
+here never changes the backend of a notebook that imports this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import matplotlib
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+from . import views
+from .results import ResultsError
+from .views import HINTS, dram_bytes, flops, is_ok, is_oom, label, select
+
+DPI = 100          # 11-12 inch figures come out ~1100-1200 px wide; README shows them at ~900 px
+WIDTH = 12.0       # inches
+STYLE = {"font.size": 12, "axes.titlesize": 13, "axes.labelsize": 12, "legend.fontsize": 10,
+         "xtick.labelsize": 11, "ytick.labelsize": 11, "axes.grid": True, "grid.alpha": 0.3,
+         "axes.spines.top": False, "axes.spines.right": False}
+
+COLORS = {"a": "#d62728", "b": "#ff7f0e", "c": "#2ca02c", "b_cuda": "#8c564b", "c_cuda": "#17becf",
+          "sdpa_flash": "#1f77b4", "sdpa_cudnn": "#9467bd", "sdpa_efficient": "#bcbd22",
+          "sdpa_math": "#7f7f7f"}
+_EXTRA = ("#e377c2", "#393b79", "#637939", "#843c39")
+FIGURE_NAMES = ("waterfall.png", "throughput.png", "dram_bytes.png", "peak_memory.png",
+                "roofline.png", "energy.png")
+STAGE_IMPLS = ("a", "b", "c", "b_cuda", "c_cuda")
+
+
+# --------------------------------------------------------------------------------------- helpers
+
+def color(impl: str) -> str:
+    if impl in COLORS:
+        return COLORS[impl]
+    return _EXTRA[sum(map(ord, impl)) % len(_EXTRA)]
+
+
+def _new_figure(height: float, nrows: int = 1, ncols: int = 1, **kw) -> tuple[Figure, list]:
+    fig = Figure(figsize=(WIDTH, height), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, ncols, squeeze=False, **kw)
+    return fig, [ax for row in axes for ax in row]
+
+
+def _save(fig: Figure, out_dir: Path, name: str, env: dict, rows: list[dict]) -> Path:
+    # The provenance stamp sits just above the figure's top right corner; bbox_inches="tight" grows the canvas to hold it.
+    fig.text(0.995, 1.0, views.provenance(env, rows), ha="right", va="bottom", fontsize=9, color="0.35")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
+    fig.savefig(path, dpi=DPI, bbox_inches="tight", pad_inches=0.15, metadata={"Software": None})
+    return path
+
+
+def _skip(name: str, why: str, *commands: str) -> None:
+    print(f"plot: skipped {name}: {why}; to produce it run " + " and ".join(f"`{c}`" for c in commands))
+
+
+def _fmt_n(n: float, _pos=None) -> str:
+    n = int(round(n))
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def _fmt_bytes_tick(x: float, _pos=None) -> str:
+    return views.fmt_bytes(x).replace(".0 ", " ")
+
+
+def _log2_n_axis(ax, ns) -> None:
+    ax.set_xscale("log", base=2)
+    ns = sorted(set(ns))
+    if ns:
+        ax.set_xticks(ns)
+    ax.xaxis.set_major_formatter(FuncFormatter(_fmt_n))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("sequence length N (tokens)")
+
+
+def _log_bytes_axis(ax) -> None:
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10))
+    ax.yaxis.set_major_formatter(FuncFormatter(_fmt_bytes_tick))
+
+
+def _panel_title(D: int, causal: int) -> str:
+    return f"D = {D}, {'causal' if causal else 'non-causal'}"
+
+
+def _panels(rows: list[dict]) -> list[tuple[int, int]]:
+    """The (D, causal) combinations present, D major."""
+    return sorted({(r["D"], int(r["causal"])) for r in rows})
+
+
+def _grid(panels: list) -> tuple[int, int]:
+    ncols = 2 if len(panels) > 1 else 1
+    return -(-len(panels) // ncols), ncols
+
+
+def _hide_unused(axes: list, used: int) -> None:
+    for ax in axes[used:]:
+        ax.set_visible(False)
+
+
+def _note(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=11, color="0.3",
+            wrap=True)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def parse_cell(text: str | None) -> dict:
+    """``"N=4096,D=64,dtype=fp16,causal=0"`` (any subset) -> ``{"N": 4096, ...}``."""
+    if not text:
+        return {}
+    cell: dict = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or key not in ("N", "D", "dtype", "causal"):
+            raise ValueError(f"--cell: expected comma-separated N=..,D=..,dtype=..,causal=.., got {part!r}")
+        if key in ("N", "D"):
+            try:
+                cell[key] = int(value)
+            except ValueError:
+                raise ValueError(f"--cell: {key} must be an integer, got {value!r}") from None
+        elif key == "causal":
+            if value.lower() not in ("0", "1", "no", "yes", "false", "true"):
+                raise ValueError(f"--cell: causal must be 0/1 (or yes/no), got {value!r}")
+            cell[key] = int(value.lower() in ("1", "yes", "true"))
+        else:
+            cell[key] = value
+    return cell
+
+
+def resolve_cell(rows: list[dict], cell: dict | None = None) -> dict:
+    """Fill a partial cell with the headline defaults: D=64, fp16, non-causal, N=4096 (or the
+    largest N measured, for a small CPU run)."""
+    cell = dict(cell or {})
+    cell.setdefault("D", 64)
+    cell.setdefault("dtype", "fp16")
+    cell["causal"] = int(cell.get("causal", 0))
+    if "N" not in cell:
+        n = views.headline_n(rows, D=cell["D"], dtype=cell["dtype"], causal=cell["causal"])
+        cell["N"] = n if n is not None else views.HEADLINE_N
+    return cell
+
+
+# ------------------------------------------------------------------------------ 1. the waterfall
+
+def waterfall_steps(rows: list[dict], cell: dict) -> list[tuple[str, str, dict]]:
+    """``(label, impl-for-colour, row)`` from A to C at ``cell``: A, B, then stage C's cumulative
+    ablation rows (variants named ``+x``, in the CSV's order), then C as registered."""
+    at = views.cell_rows(rows, **cell)
+    steps = []
+    for impl in ("a", "b"):
+        found = select(at, impl=impl, kind="stage")
+        if found:
+            steps.append((label(impl), impl, found[-1]))
+    ablation = [r for r in at if r["kind"] == "ablation" and r["variant"].startswith("+")]
+    impls = {r["impl"] for r in ablation}
+    abl_impl = "c" if "c" in impls else (sorted(impls)[0] if impls else None)
+    for r in ablation:
+        if r["impl"] == abl_impl:
+            name = r["variant"][1:]
+            text = "C kernel, all switches off" if name == "none" else "+ " + name.replace("_", " ")
+            steps.append((text, "step", r))
+    found = select(at, impl="c", kind="stage")
+    if found:
+        steps.append((label("c"), "c", found[-1]))
+    return steps
+
+
+def plot_waterfall(rows: list[dict], env: dict, out_dir, *, cell: dict | None = None) -> Path | None:
+    """Three panels, one bar per step from A to C: time (ms, p20–p80 whiskers, speedup over the
+    step above), DRAM bytes (Nsight measured bars, model ◆), peak extra memory (measured, model ◆).
+    A step without a measurement shows its model as a hatched bar, and the legend says so."""
+    name = "waterfall.png"
+    cell = resolve_cell(rows, cell)
+    steps = waterfall_steps(rows, cell)
+    if len(steps) < 2:
+        _skip(name, f"fewer than two of A, B, C at N={cell['N']}, D={cell['D']}, {cell['dtype']}, "
+                    f"causal={cell['causal']}", HINTS["rows"], HINTS["ablation"])
+        return None
+    n_steps = sum(1 for _, kind, _ in steps if kind == "step")
+    greens = matplotlib.colormaps["Greens"]
+    colors, k = [], 0
+    for _, kind, _ in steps:
+        if kind == "step":
+            k += 1
+            colors.append(greens(0.3 + 0.45 * k / max(1, n_steps)))
+        else:
+            colors.append(color(kind))
+    labels = [s[0] for s in steps]
+    y = list(range(len(steps)))
+    fig, axes = _new_figure(2.2 + 0.5 * len(steps), 1, 3, sharey=True)
+    ax_t, ax_d, ax_m = axes
+
+    # time
+    prev = None
+    t_max = max((r["ms_median"] for _, _, r in steps if is_ok(r) and r["ms_median"]), default=1.0)
+    for i, (_, _, r) in enumerate(steps):
+        if not (is_ok(r) and r["ms_median"] is not None):
+            ax_t.text(0, i, f" {r['status']}", va="center", fontsize=10, color="0.3")
+            continue
+        ms = r["ms_median"]
+        err = None
+        if r["ms_p20"] is not None and r["ms_p80"] is not None:
+            err = [[max(0.0, ms - r["ms_p20"])], [max(0.0, r["ms_p80"] - ms)]]
+        ax_t.barh(i, ms, color=colors[i], xerr=err, ecolor="0.2", capsize=3)
+        text = f"{ms:.3g} ms"
+        if prev is not None:
+            text += f"  ×{prev / ms:.2f}"
+        right = max(ms, r["ms_p80"] or ms)
+        ax_t.text(right + 0.03 * t_max, i, text, va="center", fontsize=10)
+        prev = ms
+    ax_t.set_xlim(0, t_max * 1.45)
+    ax_t.set_xlabel("time per call (ms, median; whiskers p20–p80)")
+    ax_t.set_title("time  (×: speedup over the bar above)", fontsize=12)
+
+    legend = {"measured": False, "model": False, "model_only": False}
+
+    def bars(ax, measured_of, model_of, title, xlabel):
+        top = 0.0
+        for i, (_, _, r) in enumerate(steps):
+            meas, model = measured_of(r), model_of(r)
+            if meas is not None:
+                ax.barh(i, meas, color=colors[i])
+                top = max(top, meas)
+                legend["measured"] = True
+            elif model is not None:
+                ax.barh(i, model, color=colors[i], alpha=0.35, hatch="//", edgecolor="0.3")
+                legend["model_only"] = True
+            if model is not None:
+                ax.plot([model], [i], marker="D", color="black", markersize=7, linestyle="none")
+                legend["model"] = True
+                top = max(top, model)
+            shown = meas if meas is not None else model
+            if shown is not None:
+                right = max(v for v in (meas, model) if v is not None)
+                ax.text(right, i, "    " + views.fmt_bytes(shown), va="center", fontsize=10)
+            elif not is_ok(r):
+                ax.text(0, i, f" {r['status']}", va="center", fontsize=10, color="0.3")
+        ax.set_xlim(0, (top or 1) * 1.4)
+        ax.xaxis.set_major_formatter(FuncFormatter(_fmt_bytes_tick))
+        ax.set_xlabel(xlabel)
+        ax.set_title(title, fontsize=12)
+
+    bars(ax_d, lambda r: dram_bytes(r, "measured"), lambda r: dram_bytes(r, "model"),
+         "DRAM traffic (read + write)", "bytes per call")
+    bars(ax_m, lambda r: r["peak_mem_measured"], lambda r: r["peak_mem_model"],
+         "peak extra memory (beyond inputs)", "bytes per call")
+    handles = []
+    if legend["measured"]:
+        handles.append(Patch(color="0.5", label="bar: measured (Nsight Compute; max_memory_allocated)"))
+    if legend["model_only"]:
+        handles.append(Patch(facecolor="0.85", hatch="//", edgecolor="0.3", label="hatched: not measured, model"))
+    if legend["model"]:
+        handles.append(Line2D([], [], marker="D", color="black", linestyle="none", label="model"))
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False, fontsize=10)
+    ax_t.set_yticks(y, labels)
+    ax_t.invert_yaxis()
+    for ax in axes:
+        ax.grid(axis="y", visible=False)
+    r0 = steps[0][2]
+    fig.suptitle(f"A → B → C, one optimization at a time  —  N={cell['N']}, D={cell['D']}, "
+                 f"B={r0['B']}, H={r0['H']}, {cell['dtype']}, {'causal' if cell['causal'] else 'non-causal'}\n"
+                 "'+ x' rows: stage C's kernel from B's settings, each adding one optimization to the row above",
+                 fontsize=12)
+    return _save(fig, Path(out_dir), name, env, rows)
+
+
+# ------------------------------------------------------------------------------ 2. throughput
+
+def plot_throughput(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") -> Path | None:
+    """TFLOPS (4·B·H·N²·D FLOPs, half for causal, over the median time) vs N, one panel per
+    (D, causal); stages solid, SDPA peers dashed; the measured matmul ceiling dotted."""
+    name = "throughput.png"
+    data = [r for r in views.plain(rows) if r["dtype"] == dtype and is_ok(r) and r["tflops"] is not None]
+    if not data:
+        _skip(name, f"no timed {dtype} rows", HINTS["rows"])
+        return None
+    panels = _panels(data)
+    nrows, ncols = _grid(panels)
+    fig, axes = _new_figure(0.6 + 4.0 * nrows, nrows, ncols, sharey=True)
+    ceiling = views.ceilings(env)[1].get(dtype)
+    handles: dict[str, Line2D] = {}
+    for ax, (D, causal) in zip(axes, panels):
+        sub = select(data, D=D, causal=causal)
+        for impl, rs in views.by_impl(sub).items():
+            rs = views.one_per_n(rs)
+            peer = rs[0]["kind"] == "peer"
+            (line,) = ax.plot([r["N"] for r in rs], [r["tflops"] for r in rs], color=color(impl),
+                              marker="s" if peer else "o", linestyle="--" if peer else "-",
+                              linewidth=1.6 if peer else 2.4, markersize=5 if peer else 6, label=label(impl))
+            handles.setdefault(impl, line)
+        if ceiling:
+            ax.axhline(ceiling, color="0.4", linestyle=":", linewidth=1.5)
+            ax.text(0.01, ceiling, f"{dtype} matmul ceiling {ceiling:.0f} TFLOPS", va="bottom",
+                    transform=ax.get_yaxis_transform(), fontsize=10, color="0.3")
+        _log2_n_axis(ax, [r["N"] for r in sub])
+        ax.set_title(_panel_title(D, causal))
+        top = max([r["tflops"] for r in data] + ([ceiling] if ceiling else []))
+        ax.set_ylim(0, top * 1.12)  # room for the ceiling's label
+    for ax in axes[::ncols]:
+        ax.set_ylabel("TFLOPS")
+    _hide_unused(axes, len(panels))
+    ordered = sorted(handles, key=views.impl_sort_key)
+    fig.legend([handles[i] for i in ordered], [label(i) for i in ordered], loc="outside lower center",
+               ncol=min(5, len(ordered)), frameon=False)
+    fig.suptitle(f"Throughput vs sequence length, {dtype} forward  (FLOPs = 4·B·H·N²·D, half for causal; "
+                 "stages solid, SDPA dashed)", fontsize=12)
+    return _save(fig, Path(out_dir), name, env, rows)
+
+
+# ------------------------------------------------------------------------------ 3. DRAM bytes
+
+def _model_or_measured(ax, pts, impl: str, k: int, measured: bool) -> None:
+    """Measured: solid with dots, thinner for each later impl so coinciding lines stay visible as
+    nested stripes. Model: dashed, each impl's dashes shifted so that two impls with the same model
+    (B and C run one algorithm) show as alternating colours instead of one hiding the other."""
+    if measured:
+        ax.plot(*zip(*pts), color=color(impl), linestyle="-", marker="o", markersize=5,
+                linewidth=max(1.2, 3.2 - 0.5 * k))
+    else:
+        ax.plot(*zip(*pts), color=color(impl), linestyle=(4 * (k % 3), (4, 8)), linewidth=1.8)
+
+
+def plot_dram_bytes(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") -> Path | None:
+    """DRAM bytes per (batch, head) vs N, log-log: each stage's traffic model dashed, Nsight Compute
+    measurement solid (peers: measured only). Per head, so cells with different B·H compare; faint
+    guides show the O(N²) and O(N) slopes."""
+    name = "dram_bytes.png"
+    data = [r for r in views.plain(rows) if r["dtype"] == dtype
+            and (dram_bytes(r, "model") is not None or dram_bytes(r, "measured") is not None)]
+    if not data:
+        _skip(name, f"no {dtype} rows with DRAM bytes", HINTS["rows"], HINTS["dram"])
+        return None
+    panels = _panels(data)
+    nrows, ncols = _grid(panels)
+    fig, axes = _new_figure(0.6 + 4.0 * nrows, nrows, ncols, sharey=True)
+    impls_seen: set[str] = set()
+    any_measured = False
+    for ax, (D, causal) in zip(axes, panels):
+        sub = select(data, D=D, causal=causal)
+        lo_y = []
+        for k, (impl, rs) in enumerate(views.by_impl(sub).items()):
+            impls_seen.add(impl)
+            for which in ("model", "measured"):
+                pts = [(r["N"], dram_bytes(r, which) / (r["B"] * r["H"]))
+                       for r in views.one_per_n([r for r in rs if dram_bytes(r, which) is not None])]
+                if not pts:
+                    continue
+                any_measured |= which == "measured"
+                _model_or_measured(ax, pts, impl, k, which == "measured")
+                lo_y.append(min(p[1] for p in pts))
+        ns = sorted({r["N"] for r in sub})
+        if len(ns) >= 2 and lo_y:
+            # slope guides through the panel's smallest value at the smallest N
+            n0, y0 = ns[0], min(lo_y) / 3
+            for power, text in ((2, "∝ N²"), (1, "∝ N")):
+                ax.plot([n0, ns[-1]], [y0, y0 * (ns[-1] / n0) ** power], color="0.6", linewidth=1, linestyle=":")
+                ax.text(ns[-1], y0 * (ns[-1] / n0) ** power, " " + text, fontsize=10, color="0.4", va="center")
+        _log2_n_axis(ax, ns)
+        _log_bytes_axis(ax)
+        ax.set_title(_panel_title(D, causal))
+    for ax in axes[::ncols]:
+        ax.set_ylabel("DRAM bytes per (batch, head)")
+    _hide_unused(axes, len(panels))
+    ordered = sorted(impls_seen, key=views.impl_sort_key)
+    handles = [Line2D([], [], color=color(i), linewidth=2.2, label=label(i)) for i in ordered]
+    handles += [Line2D([], [], color="0.3", linestyle="--", label="traffic model"),
+                Line2D([], [], color="0.3", linestyle="-", marker="o", label="Nsight Compute measured")]
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(6, len(handles)), frameon=False)
+    title = f"DRAM traffic vs sequence length, {dtype} forward (read + write, per batch·head)"
+    if not any_measured:
+        title += f"\nno Nsight measurements yet: `{HINTS['dram']}`"
+    fig.suptitle(title, fontsize=12)
+    return _save(fig, Path(out_dir), name, env, rows)
+
+
+# ------------------------------------------------------------------------------ 4. peak memory
+
+def plot_peak_memory(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") -> Path | None:
+    """Extra device memory of one call (beyond inputs) vs N, one panel per D: measured solid, the
+    stage's workspace model dashed, the device's memory as a horizontal line, OOM cells as ✕."""
+    name = "peak_memory.png"
+    data = [r for r in views.plain(rows) if r["dtype"] == dtype
+            and (r["peak_mem_measured"] is not None or r["peak_mem_model"] is not None or is_oom(r))]
+    if not data:
+        _skip(name, f"no {dtype} rows with peak memory", HINTS["rows"])
+        return None
+    # memory hardly depends on masking: draw the non-causal rows where there are any
+    Ds = sorted({r["D"] for r in data})
+    panels = []
+    for D in Ds:
+        causals = sorted({int(r["causal"]) for r in data if r["D"] == D})
+        panels.append((D, causals[0]))
+    nrows, ncols = _grid(panels)
+    fig, axes = _new_figure(0.6 + 4.2 * nrows, nrows, ncols, sharey=True)
+    total = views.device_memory(env)
+    impls_seen: set[str] = set()
+    any_oom = False
+    for ax, (D, causal) in zip(axes, panels):
+        sub = select(data, D=D, causal=causal)
+        for k, (impl, rs) in enumerate(views.by_impl(sub).items()):
+            impls_seen.add(impl)
+            for col in ("peak_mem_model", "peak_mem_measured"):
+                pts = [(r["N"], r[col]) for r in views.one_per_n([r for r in rs if r[col] is not None and is_ok(r)])]
+                if pts:
+                    _model_or_measured(ax, pts, impl, k, col == "peak_mem_measured")
+            for r in rs:
+                if is_oom(r):
+                    any_oom = True
+                    y = r["peak_mem_model"] or total
+                    if y:
+                        ax.plot([r["N"]], [y], marker="X", markersize=13, color=color(impl),
+                                markeredgecolor="black", linestyle="none", zorder=5)
+                        ax.annotate("OOM", (r["N"], y), textcoords="offset points", xytext=(-8, 9),
+                                    fontsize=10, ha="right", fontweight="bold")
+        if total:
+            ax.axhline(total, color="black", linewidth=1.4)
+            ax.text(0.01, total, f" device memory {views.fmt_bytes(total)}", transform=ax.get_yaxis_transform(),
+                    va="bottom", fontsize=10)
+        _log2_n_axis(ax, [r["N"] for r in sub])
+        _log_bytes_axis(ax)
+        if total:
+            ax.set_ylim(top=max(ax.get_ylim()[1], total * 4))  # room for the label above the line
+        ax.set_title(f"D = {D}{', causal' if causal else ''}")
+    for ax in axes[::ncols]:
+        ax.set_ylabel("peak extra memory per call")
+    _hide_unused(axes, len(panels))
+    ordered = sorted(impls_seen, key=views.impl_sort_key)
+    handles = [Line2D([], [], color=color(i), linewidth=2.2, label=label(i)) for i in ordered]
+    handles += [Line2D([], [], color="0.3", linestyle="--", label="workspace model"),
+                Line2D([], [], color="0.3", linestyle="-", marker="o", label="measured")]
+    if any_oom:
+        handles.append(Line2D([], [], marker="X", color="0.5", markeredgecolor="black", markersize=11,
+                              linestyle="none", label="out of memory (at model)"))
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(6, len(handles)), frameon=False)
+    title = f"Peak extra device memory of one call, {dtype} (whole call, B and H as swept)"
+    if not total:
+        title += "\n(device memory unknown: env.json has no memory_bytes)"
+    fig.suptitle(title, fontsize=12)
+    return _save(fig, Path(out_dir), name, env, rows)
+
+
+# ------------------------------------------------------------------------------ 5. roofline
+
+_CELL_MARKERS = {(0, 0): "o", (1, 0): "s", (0, 1): "^", (1, 1): "v"}  # (second D?, causal)
+
+
+def plot_roofline(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") -> Path | None:
+    """Each impl at the headline cells (N=4096 or the largest N, D = 64/128, causal no/yes), placed
+    by arithmetic intensity = FLOPs / DRAM bytes (measured: filled marker; model: hollow) and its
+    achieved TFLOPS, under the device's measured ceilings (copy bandwidth, matmul rate)."""
+    name = "roofline.png"
+    points = []  # (impl, D, causal, intensity, tflops, measured?)
+    unplaced = set()
+    for D in sorted({r["D"] for r in rows if r["dtype"] == dtype}):
+        for causal in (0, 1):
+            N = views.headline_n(rows, D=D, dtype=dtype, causal=causal)
+            if N is None:
+                continue
+            for r in views.plain(views.cell_rows(rows, N=N, D=D, dtype=dtype, causal=causal)):
+                if not (is_ok(r) and r["tflops"]):
+                    continue
+                meas, model = dram_bytes(r, "measured"), dram_bytes(r, "model")
+                nbytes = meas or model
+                if not nbytes:
+                    unplaced.add(r["impl"])
+                    continue
+                points.append((r["impl"], D, causal, flops(r) / nbytes, r["tflops"], meas is not None))
+    if not points:
+        _skip(name, f"no timed {dtype} rows with DRAM bytes at the headline cells", HINTS["rows"], HINTS["dram"])
+        return None
+    fig, (ax,) = _new_figure(6.5)
+    bw, rates = views.ceilings(env)
+    peak = rates.get(dtype)
+    xs = [p[3] for p in points]
+    x_lo, x_hi = min(xs) / 4, max(xs) * 4
+    if bw and peak:
+        x_lo = min(x_lo, peak * 1e3 / bw / 8)
+        x_hi = max(x_hi, peak * 1e3 / bw * 4)
+    if bw:
+        ridge = peak * 1e3 / bw if peak else x_hi
+        xe = [x_lo, min(ridge, x_hi)]
+        ax.plot(xe, [x * bw / 1e3 for x in xe], color="black", linewidth=2)
+        # the angle is given in data space (the line's slope) and turned into screen space at draw time
+        ax.text(x_lo * 1.3, x_lo * 1.3 * bw / 1e3 * 1.15, f"copy bandwidth {bw / 1e3:.2f} TB/s", fontsize=10,
+                rotation=math.degrees(math.atan(bw / 1e3)), transform_rotates_text=True,
+                rotation_mode="anchor", va="bottom")
+    if peak:
+        start = peak * 1e3 / bw if bw else x_lo
+        ax.plot([start, x_hi], [peak, peak], color="black", linewidth=2)
+        ax.text(x_hi, peak * 1.05, f"{dtype} matmul {peak:.0f} TFLOPS ", ha="right", va="bottom", fontsize=10)
+    if not (bw and peak):
+        missing = [n for n, v in (("copy bandwidth", bw), (f"{dtype} matmul rate", peak)) if not v]
+        ax.text(0.02, 0.97, f"ceiling not measured: {', '.join(missing)} (`{HINTS['ceilings']}`)",
+                transform=ax.transAxes, fontsize=10, va="top", color="0.3")
+    Ds = sorted({p[1] for p in points})
+    for impl, D, causal, x, t, measured in points:
+        marker = _CELL_MARKERS[(int(D != Ds[0]), causal)]
+        c = color(impl)
+        ax.plot([x], [t], marker=marker, markersize=10, linestyle="none", markeredgewidth=2,
+                markeredgecolor=c, markerfacecolor=c if measured else "none")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    ax.set_xlim(x_lo, x_hi)
+    ys = [p[4] for p in points] + ([peak] if peak else [])
+    ax.set_ylim(min(ys) / 3, max(ys) * 2.5)
+    ax.set_xlabel("arithmetic intensity (FLOPs per DRAM byte)")
+    ax.set_ylabel("achieved TFLOPS")
+    impls = sorted({p[0] for p in points}, key=views.impl_sort_key)
+    h1 = [Line2D([], [], marker="o", color=color(i), linestyle="none", markersize=9, label=label(i)) for i in impls]
+    cells = sorted({(p[1], p[2]) for p in points})
+    h2 = [Line2D([], [], marker=_CELL_MARKERS[(int(D != Ds[0]), c)], color="0.3", linestyle="none", markersize=9,
+                 label=_panel_title(D, c)) for D, c in cells]
+    h2 += [Line2D([], [], marker="o", color="0.3", linestyle="none", markersize=9, label="filled: measured bytes"),
+           Line2D([], [], marker="o", color="0.3", markerfacecolor="none", markeredgewidth=2, linestyle="none",
+                  markersize=9, label="hollow: model bytes")]
+    leg = ax.legend(handles=h1, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="impl", frameon=False)
+    ax.add_artist(leg)
+    ax.legend(handles=h2, loc="lower left", bbox_to_anchor=(1.01, 0.0), title="cell", frameon=False)
+    Ns = sorted({views.headline_n(rows, D=D, dtype=dtype, causal=c) for D, c in cells})
+    title = f"Roofline at N={', '.join(map(str, Ns))}, {dtype} forward (FLOPs = 4·B·H·N²·D, half for causal)"
+    if unplaced:
+        title += (f"\nnot placed where DRAM bytes are missing: "
+                  f"{', '.join(label(i) for i in sorted(unplaced, key=views.impl_sort_key))}")
+    ax.set_title(title, fontsize=12)
+    return _save(fig, Path(out_dir), name, env, rows)
+
+
+# ------------------------------------------------------------------------------ 6. energy
+
+def plot_energy(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") -> Path | None:
+    """Joules per call and TFLOP per joule (FLOPs / energy; the same number as TFLOPS per watt)
+    per impl at the headline N, one bar per (D, causal); from NVML's energy counter over a ≥ 2 s loop."""
+    name = "energy.png"
+    data = [r for r in views.plain(rows) if r["dtype"] == dtype and is_ok(r) and r["energy_j_per_call"]]
+    if not data:
+        _skip(name, f"no {dtype} rows with energy", HINTS["energy"])
+        return None
+    Ns = {r["N"] for r in data}
+    N = views.HEADLINE_N if views.HEADLINE_N in Ns else max(Ns)
+    cells = sorted({(r["D"], int(r["causal"])) for r in data if r["N"] == N})
+    picked = {}
+    for D, causal in cells:
+        for r in views.cell_rows(data, N=N, D=D, dtype=dtype, causal=causal):
+            picked[(r["impl"], D, causal)] = r
+    impls = sorted({k[0] for k in picked}, key=views.impl_sort_key)
+    fig, axes = _new_figure(5.6, 1, 2)
+    width = 0.8 / len(cells)
+    shades = (1.0, 0.7, 0.5, 0.35)
+    for ax, metric, ylabel in ((axes[0], "j", "energy per call (J)"),
+                               (axes[1], "eff", "TFLOP per joule  (= TFLOPS/W)")):
+        for j, (D, causal) in enumerate(cells):
+            for i, impl in enumerate(impls):
+                r = picked.get((impl, D, causal))
+                if r is None:
+                    continue
+                value = r["energy_j_per_call"] if metric == "j" else flops(r) / r["energy_j_per_call"] / 1e12
+                ax.bar(i - 0.4 + width * (j + 0.5), value, width, color=color(impl),
+                       alpha=shades[j % len(shades)], edgecolor="0.2", hatch="//" if causal else None)
+        ax.set_xticks(range(len(impls)), [label(i) for i in impls], rotation=30, ha="right")
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="x", visible=False)
+    axes[0].set_yscale("log")
+    handles = [Patch(facecolor="0.5", alpha=shades[j % len(shades)], edgecolor="0.2", hatch="//" if c else None,
+                     label=_panel_title(D, c)) for j, (D, c) in enumerate(cells)]
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False)
+    powers = [r["power_w"] for r in picked.values() if r["power_w"]]
+    watts = f"; average power {min(powers):.0f}–{max(powers):.0f} W" if powers else ""
+    fig.suptitle(f"Energy at N={N}, {dtype} forward (NVML energy counter over a ≥ 2 s loop{watts})", fontsize=12)
+    return _save(fig, Path(out_dir), name, env, rows)
+
+
+# ------------------------------------------------------------------------------ all + CLI
+
+def plot_all(results_dir, *, cell: dict | None = None, dtype: str = "fp16", out_dir=None) -> list[Path]:
+    """Draw every figure from ``results_dir`` into ``out_dir`` (default ``<results_dir>/figures``);
+    returns the paths written. Raises :class:`ResultsError` for a missing or malformed runs.csv."""
+    rows, env = views.load(results_dir)
+    out = Path(out_dir) if out_dir is not None else Path(results_dir) / "figures"
+    cell = {"dtype": dtype, **(cell or {})}
+    written = [
+        plot_waterfall(rows, env, out, cell=cell),
+        plot_throughput(rows, env, out, dtype=dtype),
+        plot_dram_bytes(rows, env, out, dtype=dtype),
+        plot_peak_memory(rows, env, out, dtype=dtype),
+        plot_roofline(rows, env, out, dtype=dtype),
+        plot_energy(rows, env, out, dtype=dtype),
+    ]
+    return [p for p in written if p is not None]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``plot RESULTS_DIR [--cell ...] [--dtype ...] [--out DIR]``."""
+    p = subparsers.add_parser("plot", help="draw the figures from a results directory",
+                              description="Draw the figures of a results directory into <results_dir>/figures/.")
+    p.add_argument("results_dir", help="a results/<gpu>/ directory holding runs.csv and env.json")
+    p.add_argument("--cell", default=None, metavar="N=..,D=..,dtype=..,causal=..",
+                   help="the waterfall's cell (default N=4096, D=64, fp16, non-causal)")
+    p.add_argument("--dtype", default="fp16", choices=("fp16", "bf16", "fp32"),
+                   help="dtype of the sweep figures (default fp16)")
+    p.add_argument("--out", default=None, help="folder for the PNGs (default <results_dir>/figures)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    try:
+        cell = parse_cell(args.cell)
+        paths = plot_all(args.results_dir, cell=cell, dtype=args.dtype, out_dir=args.out)
+    except (ResultsError, ValueError) as e:
+        print(f"plot: error: {e}", file=sys.stderr)
+        return 2
+    for p in paths:
+        print(f"wrote {p}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.plots")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    return run(parser.parse_args(["plot", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Tile configurations for stage C: which ones exist, which fit, which one a problem gets.
+
+A configuration is (BLOCK_M, BLOCK_N, num_warps, num_stages). Bigger BLOCK_M re-reads K and V fewer
+times and gives the tensor cores bigger tiles; bigger BLOCK_N amortizes the softmax bookkeeping;
+more stages hide more latency. All three cost shared memory and registers, and a tile that does not
+fit either fails to launch or drops occupancy to one program per SM. So:
+
+1. ``candidate_configs`` lists a few sensible shapes per head dim (the tests run every one of them);
+2. ``fits`` checks one against the GPU's shared-memory budget (estimate below);
+3. ``choose_config`` takes the tuned winner for this GPU from ``tuned/<gpu-slug>.json`` when the
+   tuner (``python -m stages.c_optimized.tune``) has measured one, else the first candidate that fits.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+TUNED_DIR = Path(__file__).with_name("tuned")
+
+
+@dataclass(frozen=True)
+class Config:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def with_stages(self, num_stages: int) -> "Config":
+        return replace(self, num_stages=num_stages)
+
+    def __str__(self) -> str:
+        return f"M{self.block_m}-N{self.block_n}-w{self.num_warps}-s{self.num_stages}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Config":
+        m = re.fullmatch(r"M(\d+)-N(\d+)-w(\d+)-s(\d+)", text)
+        if not m:
+            raise ValueError(f"config must look like 'M128-N64-w4-s3', got {text!r}")
+        return cls(*(int(g) for g in m.groups()))
+
+
+#: Stage B's configuration. With every switch off, stage C runs exactly this.
+BASELINE = Config(64, 64, 4, 1)
+
+#: Shared memory per thread block, bytes (CUDA programming guide, "compute capabilities" table).
+SHARED_MEMORY_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+
+
+def shared_memory_bytes(config: Config, D: int, element_bytes: int) -> int:
+    """Estimated shared memory of one program: the Q tile (staged through shared memory by TMA and
+    by wgmma operand loads) plus ``num_stages`` buffers of one K and one V tile. Triton may add a
+    little scratch for layout conversions; the budget check keeps a 10% margin for it."""
+    q_tile = config.block_m * D * element_bytes
+    kv_stage = 2 * config.block_n * D * element_bytes
+    return q_tile + max(config.num_stages, 1) * kv_stage
+
+
+def fits(config: Config, D: int, element_bytes: int, arch: int) -> bool:
+    limit = SHARED_MEMORY_LIMIT.get(arch, 99 * 1024)
+    return shared_memory_bytes(config, D, element_bytes) <= 0.9 * limit
+
+
+def candidate_configs(D: int, dtype: torch.dtype, arch: int) -> list[Config]:
+    """The configurations worth trying for this head dim and GPU, best guess first; only those that fit."""
+    if dtype == torch.float32:
+        # fp32 products run on the FMA units ("ieee"), registers are the limit: small tiles.
+        shapes = [Config(64, 32, 4, 2), Config(32, 32, 4, 2)]
+    elif arch >= 90:
+        # Hopper: wgmma wants BLOCK_M a multiple of 64 per warpgroup; 8 warps = 2 warpgroups.
+        shapes = {
+            16: [Config(128, 64, 4, 3), Config(128, 128, 4, 3)],
+            32: [Config(128, 64, 4, 3), Config(128, 128, 4, 3)],
+            64: [Config(128, 64, 4, 3), Config(128, 128, 8, 3), Config(128, 64, 4, 4), Config(128, 128, 4, 2),
+                 Config(64, 64, 4, 3)],
+            128: [Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(128, 64, 4, 3), Config(128, 128, 8, 3),
+                  Config(64, 64, 4, 3)],
+            256: [Config(64, 64, 4, 2), Config(64, 32, 4, 2), Config(128, 32, 8, 2)],
+        }[D]
+    else:
+        shapes = {
+            16: [Config(128, 64, 4, 3), Config(64, 64, 4, 3)],
+            32: [Config(128, 64, 4, 3), Config(64, 64, 4, 3)],
+            64: [Config(128, 64, 4, 3), Config(128, 32, 4, 3), Config(64, 64, 4, 3)],
+            128: [Config(128, 32, 8, 3), Config(64, 64, 4, 3), Config(128, 64, 8, 2)],
+            256: [Config(64, 32, 4, 2), Config(32, 32, 4, 2)],
+        }[D]
+    e = torch.tensor([], dtype=dtype).element_size()
+    fitting = [c for c in shapes if fits(c, D, e, arch)]
+    return fitting or [Config(32, 32, 4, 1)]
+
+
+def device_arch(device: torch.device | None) -> int:
+    """Compute capability as 80, 90, ...; the portable sm_80 path for CPUs and the interpreter."""
+    if device is not None and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return 10 * major + minor
+    if device is None and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return 10 * major + minor
+    return 80
+
+
+def gpu_slug() -> str | None:
+    if not torch.cuda.is_available():
+        return None
+    name = re.sub(r"^(nvidia|amd)\s+", "", torch.cuda.get_device_name().strip(), flags=re.I)
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+@lru_cache(maxsize=None)
+def tuned_table(slug: str | None) -> dict:
+    """The tuner's winners for one GPU: ``{"fp16/D64/causal0/N4096": "M128-N64-w4-s3", ...}``."""
+    if slug is None:
+        return {}
+    path = TUNED_DIR / f"{slug}.json"
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text()).get("best", {})
+
+
+def tuned_key(dtype: torch.dtype, D: int, causal: bool, N: int) -> str:
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    return f"{name}/D{D}/causal{int(causal)}/N{N}"
+
+
+def choose_config(D: int, dtype: torch.dtype, causal: bool, arch: int, N: int) -> Config:
+    """The tuned configuration for the nearest tuned N on this GPU, else the first candidate that fits."""
+    table = tuned_table(gpu_slug())
+    if table:
+        prefix = tuned_key(dtype, D, causal, 0).rsplit("/N", 1)[0]
+        tuned_ns = sorted(int(k.rsplit("/N", 1)[1]) for k in table if k.startswith(prefix + "/N"))
+        if not tuned_ns and dtype == torch.bfloat16:
+            # bf16 has fp16's size and tensor-core rate: an fp16 winner is the best guess.
+            return choose_config(D, torch.float16, causal, arch, N)
+        if tuned_ns:
+            nearest = min(tuned_ns, key=lambda n: abs(n.bit_length() - N.bit_length()))
+            config = Config.parse(table[tuned_key(dtype, D, causal, nearest)])
+            e = torch.tensor([], dtype=dtype).element_size()
+            if fits(config, D, e, arch):
+                return config
+    return candidate_configs(D, dtype, arch)[0]

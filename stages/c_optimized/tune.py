@@ -1,0 +1,102 @@
+"""Tune stage C's tile configuration on this GPU and cache the winners.
+
+    python -m stages.c_optimized.tune                      # FA-paper shapes, fp16+bf16, D 64/128
+    python -m stages.c_optimized.tune --N 1024,4096 --D 64 --dtype fp16 --csv tuning.csv
+
+For every (dtype, D, causal, N) it times each candidate of ``configs.candidate_configs`` (all of
+which the tests prove correct) with ``triton.testing.do_bench`` and writes the fastest to
+``tuned/<gpu-slug>.json``, which ``choose_config`` reads. Every timing goes to the CSV too, so the
+choice can be checked. Shapes follow the FlashAttention-paper setting: B·N = 16384 tokens,
+H·D = 2048.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m stages.c_optimized.tune", description=__doc__.split("\n")[0])
+    ap.add_argument("--N", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--D", default="64,128")
+    ap.add_argument("--dtype", default="fp16,bf16")
+    ap.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    ap.add_argument("--csv", default=None, help="also write every timing to this CSV")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tuning needs a CUDA GPU; none found", file=sys.stderr)
+        return 2
+
+    import triton.testing
+
+    from ..contract import DTYPES
+    from . import configs
+    from .kernels import attention
+
+    arch = configs.device_arch(torch.device("cuda"))
+    slug = configs.gpu_slug()
+    path = configs.TUNED_DIR / f"{slug}.json"
+    data = json.loads(path.read_text()) if path.exists() else {"gpu": torch.cuda.get_device_name(), "best": {}}
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    rows = []
+    for dtype_name in args.dtype.split(","):
+        dtype = DTYPES[dtype_name]
+        for D in (int(d) for d in args.D.split(",")):
+            for causal in causals:
+                for N in (int(n) for n in args.N.split(",")):
+                    B, H = max(1, 16384 // N), max(1, 2048 // D)
+                    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype) for _ in range(3))
+                    flops = 4.0 * B * H * N * N * D / (2 if causal else 1)
+                    best = None
+                    for config in configs.candidate_configs(D, dtype, arch):
+                        try:
+                            fn = lambda: attention(q, k, v, causal=causal, config=config)  # noqa: E731
+                            fn()
+                            ms = triton.testing.do_bench(fn, warmup=25, rep=100)
+                        except Exception as e:  # a config that fails to compile or launch is skipped
+                            print(f"  {config}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                            continue
+                        tflops = flops / ms * 1e-9
+                        rows.append({"dtype": dtype_name, "D": D, "causal": int(causal), "N": N,
+                                     "config": str(config), "ms": f"{ms:.4f}", "tflops": f"{tflops:.1f}"})
+                        if best is None or ms < best[1]:
+                            best = (config, ms, tflops)
+                    if best:
+                        data["best"][configs.tuned_key(dtype, D, causal, N)] = str(best[0])
+                        print(f"{dtype_name} D={D} causal={int(causal)} N={N}: {best[0]} {best[2]:.0f} TFLOPS"
+                              f"{_cudnn_for_orientation(q, k, v, causal, flops)}", flush=True)
+                    del q, k, v
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data["arch"] = arch
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    configs.tuned_table.cache_clear()
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    print(f"wrote {path}")
+    return 0
+
+
+def _cudnn_for_orientation(q, k, v, causal: bool, flops: float) -> str:
+    """PyTorch's cuDNN attention on the same inputs, printed beside the winner (not stored)."""
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            ms = triton.testing.do_bench(lambda: sdpa(q, k, v, is_causal=causal), warmup=25, rep=100)
+        return f"   (SDPA cuDNN {flops / ms * 1e-9:.0f})"
+    except Exception as e:  # cuDNN may refuse a shape or be missing
+        return f"   (SDPA cuDNN: {type(e).__name__})"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Shared test setup: GPU marker handling, output poisoning, the device to test on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import stages  # noqa: F401  (chooses the Triton interpreter when there is no GPU, before triton loads)
+from stages import contract
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: none here (run on the GPU with `pytest -m gpu`)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs():
+    """Every stage output starts as NaN, so an element a kernel forgets to write fails the test."""
+    contract.poison_outputs = True
+    yield
+    contract.poison_outputs = False
+
+
+@pytest.fixture
+def device() -> str:
+    return "cuda" if HAS_CUDA else "cpu"

@@ -1,0 +1,525 @@
+"""The harness: formulas, the results schema, fault handling, the CLI, and small end-to-end runs.
+
+CPU tests run the real stages in the Triton interpreter on tiny problems; GPU tests (``-m gpu``)
+run ``compare``, ``profile`` and ``device`` for real.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import stages
+from stages.contract import HbmTraffic, Problem, Stage
+
+from harness import cli, impls, inputs, measure, ncu, peers, reference, results, table
+from harness.inspect_code import count_instructions, describe_layout, parse_ptxas, smem_layouts
+
+HAS_CUDA = torch.cuda.is_available()
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+def _fake_attention(q, k, v, *, causal=False, sm_scale=None):
+    return reference.torch_same_precision(q, k, v, causal=causal, sm_scale=sm_scale)
+
+
+def _fake_stage(name: str, attention=_fake_attention, **kw) -> Stage:
+    return Stage(name=name, title=f"fake {name}", techniques=(), attention=attention,
+                 hbm_bytes=lambda p: HbmTraffic(read=p.qkvo_bytes * 3 // 4, write=p.qkvo_bytes // 4),
+                 workspace_bytes=lambda p: 0, **kw)
+
+
+@pytest.fixture
+def fake_stages():
+    """Register fake stages for the duration of a test, then restore the registry."""
+    saved = dict(stages.STAGES)
+    added = []
+
+    def add(stage: Stage) -> Stage:
+        added.append(stage.name)
+        return stages.register(stage)
+
+    yield add
+    stages.STAGES.clear()
+    stages.STAGES.update(saved)
+
+
+def _run_cli(argv, capsys) -> tuple[int, str, str]:
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _rows(out_dir) -> list[dict]:
+    return results.load_rows(Path(out_dir))
+
+
+# ------------------------------------------------------------------------------------------ formulas
+
+def test_flops_formula():
+    p = Problem(2, 3, 128, 64, "fp16", False)
+    assert p.flops == 4 * 2 * 3 * 128 * 128 * 64
+    assert Problem(2, 3, 128, 64, "fp16", True).flops == p.flops / 2
+
+
+def test_peer_byte_models():
+    p = Problem(1, 2, 256, 64, "fp16")
+    tile = 1 * 2 * 256 * 64 * 2
+    flash = peers.peer_hbm_bytes("sdpa_flash", p)
+    assert (flash.read, flash.write) == (3 * tile, tile)
+    math_ = peers.peer_hbm_bytes("sdpa_math", p)
+    sp = 1 * 2 * 256 * 256 * 2
+    assert (math_.read, math_.write) == (3 * tile + 2 * sp, tile + 2 * sp)
+    assert peers.peer_workspace_bytes("sdpa_math", p) == 2 * sp
+
+
+def test_row_derived_numbers(fake_stages):
+    fake_stages(_fake_stage("fake"))
+    p = Problem(1, 2, 32, 16, "fp32")
+    data = measure.prepare_cell(p, torch.device("cpu"))
+    row = measure.measure_impl(impls.stage_impl("fake"), data, run_id="t", on_gpu=False)
+    assert row["status"] == "ok"
+    assert row["tflops"] == pytest.approx(p.flops / (row["ms_median"] * 1e-3) / 1e12)
+    model = row["dram_read_model"] + row["dram_write_model"]
+    assert model == p.qkvo_bytes
+    assert row["gbps_model"] == pytest.approx(model / (row["ms_median"] * 1e-3) / 1e9)
+    assert row["peak_mem_model"] == p.heads * p.N * p.D * 4  # workspace 0 + output
+    assert row["ms_p20"] <= row["ms_median"] <= row["ms_p80"]
+    assert row["device"] == "interpreter"
+    assert row["rel_err"] == pytest.approx(row["torch_rel_err"])
+
+
+def test_inputs_same_within_cell_fresh_across_cells():
+    p = Problem(1, 2, 16, 16, "fp16")
+    a = inputs.make_inputs(p, "cpu")
+    b = inputs.make_inputs(p, "cpu")
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert a[0].dtype == torch.float16 and a[0].shape == (1, 2, 16, 16)
+    c = inputs.make_inputs(Problem(1, 2, 16, 16, "fp16", causal=True), "cpu")
+    assert not torch.equal(a[0], c[0])
+
+
+def test_reference_matches_sdpa_and_chunking(monkeypatch):
+    q, k, v = inputs.make_inputs(Problem(1, 2, 40, 16, "fp32", True), "cpu")
+    expect = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    monkeypatch.setattr(reference, "CHUNK_BYTES", 40 * 8 * 7)  # 7 rows per chunk: ragged last chunk
+    ref = reference.reference_attention(q, k, v, causal=True)
+    assert ref.dtype == torch.float64
+    assert reference.rel_err(ref, expect) < 1e-12
+    assert reference.rel_err(torch.zeros_like(ref), ref) == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------------------------- results schema
+
+def _sample_row(**kw) -> dict:
+    row = {"run_id": "r", "impl": "a", "kind": "stage", "variant": "", "B": 1, "H": 2, "N": 64, "D": 16,
+           "dtype": "fp16", "causal": 0, "device": "interpreter", "ms_median": 1.5, "ms_p20": 1.0,
+           "ms_p80": 2.0, "dram_read_model": 1000, "status": "ok"}
+    row.update(kw)
+    return row
+
+
+def test_results_round_trip(tmp_path):
+    with results.RowWriter(tmp_path) as w:
+        w.write(_sample_row())
+        w.write(_sample_row(impl="b", variant="", status="oom", ms_median=None))
+    rows = results.load_rows(tmp_path)
+    assert [r["impl"] for r in rows] == ["a", "b"]
+    assert rows[0]["ms_median"] == 1.5 and rows[0]["dram_read_model"] == 1000 and rows[0]["N"] == 64
+    assert rows[1]["ms_median"] is None and rows[1]["status"] == "oom"
+    # appending keeps the header once
+    with results.RowWriter(tmp_path) as w:
+        w.write(_sample_row(impl="c"))
+    text = (tmp_path / "runs.csv").read_text().splitlines()
+    assert text[0].startswith("run_id,") and sum(line.startswith("run_id,") for line in text) == 1
+    assert len(results.load_rows(tmp_path)) == 3
+
+
+def test_results_schema_errors(tmp_path):
+    path = tmp_path / "runs.csv"
+    path.write_text("impl,kind\na,stage\n")
+    with pytest.raises(results.ResultsError, match="missing columns"):
+        results.load_rows(path)
+    with pytest.raises(results.ResultsError, match="header"):
+        results.RowWriter(tmp_path)
+
+    path.unlink()
+    with results.RowWriter(tmp_path) as w:
+        w.write(_sample_row())
+        w.write(_sample_row(impl=""))  # missing required value, line 3
+    with pytest.raises(results.ResultsError, match=r"runs\.csv:3: column 'impl' is empty"):
+        results.load_rows(tmp_path)
+
+    path.unlink()
+    with results.RowWriter(tmp_path) as w:
+        w.write(_sample_row(ms_median="fast"))
+    with pytest.raises(results.ResultsError, match=r"runs\.csv:2: column 'ms_median' should be a number"):
+        results.load_rows(tmp_path)
+    with pytest.raises(results.ResultsError, match="unknown result columns"):
+        with results.RowWriter(tmp_path / "other") as w:
+            w.write(_sample_row(bogus=1))
+
+
+def test_resume_skips_done_cells(tmp_path, fake_stages):
+    calls = []
+
+    def counting(q, k, v, *, causal=False, sm_scale=None):
+        calls.append(q.shape[2])
+        return _fake_attention(q, k, v, causal=causal)
+
+    fake_stages(_fake_stage("fake", counting))
+    cells = [results.Cell(1, 1, n, 16, "fp32", False) for n in (16, 32)]
+    impl_list = [impls.stage_impl("fake")]
+    with results.RowWriter(tmp_path) as w:
+        measure.run_cells(cells[:1], impl_list, w, run_id="1", device=torch.device("cpu"))
+    n_first = len(calls)
+    done = results.done_cells(tmp_path)
+    assert results.cell_key({"impl": "fake", "variant": "", **cells[0].row_fields()}) in done
+    skipped = []
+    with results.RowWriter(tmp_path) as w:
+        rows = measure.run_cells(cells, impl_list, w, run_id="2", device=torch.device("cpu"), skip=done,
+                                 on_skip=skipped.append)
+    assert [r["N"] for r in rows] == [32] and skipped == [1]
+    assert set(calls[n_first:]) == {32}
+    assert [r["N"] for r in results.load_rows(tmp_path)] == [16, 32]
+
+
+# ---------------------------------------------------------------------------------------- faults
+
+def test_oom_and_error_rows_and_run_continues(tmp_path, fake_stages):
+    def oom(q, k, v, *, causal=False, sm_scale=None):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64 GiB")
+
+    def broken(q, k, v, *, causal=False, sm_scale=None):
+        raise RuntimeError("kernel exploded\nsecond line")
+
+    def refuses(q, k, v, *, causal=False, sm_scale=None):
+        raise ValueError("head dim D must be one of [64, 128], got 16")
+
+    fake_stages(_fake_stage("oomy", oom))
+    fake_stages(_fake_stage("broken", broken))
+    fake_stages(_fake_stage("picky", refuses))
+    fake_stages(_fake_stage("fine"))
+    cell = results.Cell(1, 2, 16, 16, "fp32", False)
+    impl_list = impls.build_impls(["oomy", "broken", "picky", "fine"], [])
+    with results.RowWriter(tmp_path) as w:
+        measure.run_cells([cell], impl_list, w, run_id="r", device=torch.device("cpu"))
+    rows = {r["impl"]: r for r in results.load_rows(tmp_path)}
+    assert rows["oomy"]["status"] == "oom"
+    assert rows["broken"]["status"] == "error: RuntimeError: kernel exploded"
+    assert rows["picky"]["status"].startswith("unsupported: ValueError: head dim")
+    assert rows["fine"]["status"] == "ok" and rows["fine"]["ms_median"] is not None
+    assert rows["oomy"]["dram_read_model"] is not None  # models are kept on failed rows
+
+
+def test_rows_written_before_interrupt_are_kept(tmp_path, fake_stages):
+    def interrupt(q, k, v, *, causal=False, sm_scale=None):
+        raise KeyboardInterrupt
+
+    fake_stages(_fake_stage("fine"))
+    fake_stages(_fake_stage("ctrlc", interrupt))
+    with pytest.raises(KeyboardInterrupt):
+        with results.RowWriter(tmp_path) as w:
+            measure.run_cells([results.Cell(1, 1, 16, 16, "fp32", False)],
+                              impls.build_impls(["fine", "ctrlc"], []), w, run_id="r", device=torch.device("cpu"))
+    assert [r["impl"] for r in results.load_rows(tmp_path)] == ["fine"]
+
+
+def test_unsupported_peer_row():
+    p = Problem(1, 1, 16, 16, "fp32")
+    data = measure.prepare_cell(p, torch.device("cpu"))
+    # EFFICIENT has no CPU kernel, so on a CPU it refuses (on a GPU this cell runs: skip the check there)
+    row = measure.measure_impl(impls.peer_impl("sdpa_efficient"), data, run_id="r", on_gpu=False)
+    if not HAS_CUDA:
+        assert row["status"].startswith("unsupported:"), row["status"]
+    ok = measure.measure_impl(impls.peer_impl("sdpa_math"), data, run_id="r", on_gpu=False)
+    assert ok["status"] == "ok" and ok["rel_err"] < 1e-5
+
+
+def test_speedups():
+    rows = [{"impl": "a", "kind": "stage", "status": "ok", "ms_median": 8.0},
+            {"impl": "b", "kind": "stage", "status": "ok", "ms_median": 4.0},
+            {"impl": "c", "kind": "stage", "status": "ok", "ms_median": 1.0},
+            {"impl": "c", "kind": "ablation", "variant": "all", "status": "ok", "ms_median": 1.0},
+            {"impl": "c", "kind": "ablation", "variant": "+none", "status": "ok", "ms_median": 4.0},
+            {"impl": "c", "kind": "ablation", "variant": "+pipe", "status": "ok", "ms_median": 2.0},
+            {"impl": "c", "kind": "ablation", "variant": "-pipe", "status": "ok", "ms_median": 2.0},
+            {"impl": "sdpa_flash", "kind": "peer", "status": "oom", "ms_median": None}]
+    got = table.speedups(rows)
+    assert got[0] == (None, 1.0) and got[1] == (2.0, 2.0) and got[2] == (4.0, 8.0)
+    assert got[4][0] == 1.0 and got[5][0] == 2.0 and got[6][0] == 0.5
+    assert got[7] == (None, None)
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+@pytest.mark.parametrize("argv, names", [
+    (["compare", "--stages", "a,zz"], "--stages"),
+    (["compare", "--N", "0"], "--N"),
+    (["compare", "--dtype", "fp8"], "--dtype"),
+    (["compare", "--D", "48"], "--D"),
+    (["sweep", "--N", "12,x"], "--N"),
+    (["sweep", "--D", "64,"], "--D"),
+    (["sweep", "--dtype", "fp16,int8"], "--dtype"),
+    (["compare", "--peers", "flashy"], "--peers"),
+    (["inspect", "--stages", "nope"], "--stages"),
+])
+def test_cli_argument_errors(argv, names, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {names}" in err and "Traceback" not in err
+
+
+def test_cli_lists_commands(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("compare", "sweep", "profile", "inspect", "device"):
+        assert name in out
+    assert "_ncu_child" not in out
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU messages")
+def test_cli_no_gpu_messages(capsys, tmp_path):
+    code, out, err = _run_cli(["device", "--out", str(tmp_path)], capsys)
+    assert code != 0 and "needs a CUDA GPU" in err
+    code, out, err = _run_cli(["profile", "--out", str(tmp_path)], capsys)
+    assert code != 0 and ("ncu" in err)
+
+
+def test_grid_shapes_fa_paper_setting():
+    parser = cli.build_parser()
+    args = parser.parse_args(["sweep", "--N", "512,32768", "--D", "64,128", "--causal", "both", "--dtype", "fp16"])
+    cells = cli._grid_cells(args, cli.SWEEP_N)
+    assert len(cells) == 2 * 2 * 2
+    by = {(c.N, c.D): (c.B, c.H) for c in cells}
+    assert by[(512, 64)] == (32, 32) and by[(512, 128)] == (32, 16) and by[(32768, 64)] == (1, 32)
+    args = parser.parse_args(["sweep", "--N", "64", "--D", "16", "--B", "3", "--H", "5", "--causal", "no"])
+    assert [(c.B, c.H) for c in cli._grid_cells(args, cli.SWEEP_N)] == [(3, 5)]
+
+
+# --------------------------------------------------------------------------------------- end to end
+
+def test_compare_end_to_end_real_stages(tmp_path, capsys):
+    for name in ("a", "b", "c"):
+        if name not in stages.STAGES:
+            pytest.skip(f"stage {name} not registered yet")
+    code, out, err = _run_cli(["compare", "--B", "1", "--H", "2", "--N", "16", "--D", "16", "--dtype", "fp32",
+                               "--stages", "a,b,c", "--peers", "math", "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert "rel err" in out and "sdpa_math" in out
+    if not HAS_CUDA:
+        assert "times are CPU-interpreter times, not GPU times" in out
+    rows = _rows(tmp_path)
+    assert [r["impl"] for r in rows] == ["a", "b", "c", "sdpa_math"]
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["rel_err"] < 1e-5 and r["torch_rel_err"] is not None
+        assert (r["N"], r["D"], r["dtype"]) == (16, 16, "fp32")
+    env = json.loads((tmp_path / "env.json").read_text())
+    assert env["torch"] == torch.__version__ and env["runs"]
+
+
+def test_compare_ablation_rows(tmp_path, capsys, fake_stages):
+    fake_stages(_fake_stage("fake", variants={"+x": {}, "-x": {}}))
+    code, out, err = _run_cli(["compare", "--N", "16", "--D", "16", "--H", "1", "--dtype", "fp32",
+                               "--stages", "fake", "--peers", "none", "--ablation", "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    rows = _rows(tmp_path)
+    assert [(r["kind"], r["variant"]) for r in rows] == [("stage", ""), ("ablation", "all"), ("ablation", "+x"),
+                                                       ("ablation", "-x")]
+    assert rows[1]["ms_median"] == rows[0]["ms_median"]  # 'all' reuses the stage's measurement
+
+
+def test_sweep_resume_cli(tmp_path, capsys, fake_stages):
+    fake_stages(_fake_stage("fake"))
+    argv = ["sweep", "--N", "16,32", "--D", "16", "--causal", "both", "--dtype", "fp32", "--B", "1", "--H", "1",
+            "--stages", "fake", "--peers", "none", "--out", str(tmp_path)]
+    code, out, err = _run_cli(argv[:2] + ["16"] + argv[3:], capsys)  # only N=16 first
+    assert code == 0, err
+    assert len(_rows(tmp_path)) == 2
+    code, out, err = _run_cli(argv + ["--resume"], capsys)
+    assert code == 0, err
+    rows = _rows(tmp_path)
+    assert sorted((r["N"], r["causal"]) for r in rows) == [(16, 0), (16, 1), (32, 0), (32, 1)]
+    assert "2 skipped" in out
+
+
+def test_tests_never_write_into_repo_results():
+    # every CLI call above passes --out tmp_path; on a CPU the default is a temporary directory anyway
+    if not HAS_CUDA:
+        assert not str(cli.default_out_dir()).startswith(str(REPO / "results"))
+
+
+# ------------------------------------------------------------------------------------------ inspect
+
+PTX = """
+//
+.version 8.7
+.target sm_80
+.address_size 64
+.visible .entry k(
+\t.param .u64 .ptr .global .align 1 k_param_0
+)
+{
+\t.reg .b32 \t%r<10>;
+$L__BB0_1:
+\t@%p1 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];
+\tld.global.L1::evict_last.v2.b32 { %r1, %r2 }, [ %rd1 + 0 ];
+\t@!%p2 ld.global.b32 %r5, [ %rd2 + 0 ];
+\tcp.async.cg.shared.global [ %r6 + 0 ], [ %rd3 + 0 ], 0x10, %r7;   // async copy
+\tcp.async.cg.shared.global [ %r6 + 16 ], [ %rd3 + 16 ], 0x10, %r7;
+\tcp.async.ca.shared.global [ %r6 + 32 ], [ %rd3 + 32 ], 0x4, %r7;
+\tcp.async.commit_group;
+\tcp.async.wait_group 0x1;
+\tcp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%r1], [%rd1, {%r2, %r3}], [%r4];
+\tmbarrier.try_wait.parity.shared::cta.b64 %p3, [%r1], %r2;
+\tldmatrix.sync.aligned.m8n8.x4.shared.b16 { %r1, %r2, %r3, %r4 }, [ %r5 + 0 ];
+\tmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 { %f1, %f2, %f3, %f4 }, { %r1, %r2, %r3, %r4 }, { %r5, %r6 }, { %f1, %f2, %f3, %f4 };
+\twgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%f1}, %rd1, %rd2, 1, 1, 1, 0, 1;
+\twgmma.wait_group.sync.aligned 0;
+\tex2.approx.ftz.f32 %f5, %f6;
+\tex2.approx.f32 %f7, %f8;
+\tbar.sync \t0;
+\tst.global.v4.b32 [ %rd4 + 0 ], { %r1, %r2, %r3, %r4 };
+\tst.shared.v4.b32 [ %r1 + 0 ], { %r1, %r2, %r3, %r4 };
+\t// ld.global.v4.b32 in a comment does not count
+\tret;
+}
+"""
+
+
+def test_count_instructions_hand_made_ptx():
+    c = count_instructions(PTX)
+    assert c["ld.global.v4"] == 1 and c["ld.global.v2"] == 1 and c["ld.global.scalar"] == 1
+    assert c["cp.async.cg.shared.global"] == 2 and c["cp.async.ca.shared.global"] == 1
+    assert c["cp.async.commit_group"] == 1 and c["cp.async.wait_group"] == 1  # wgmma.wait_group is not cp.async
+    assert c["cp.async.bulk.tensor"] == 1 and c["mbarrier"] == 1
+    assert c["ldmatrix"] == 1 and c["mma.sync"] == 1 and c["wgmma.mma_async"] == 1
+    assert c["ex2.approx"] == 2 and c["bar.sync"] == 1
+    assert c["st.global.v4"] == 1 and c["st.shared"] == 1
+
+
+def test_parse_ptxas_and_layouts():
+    text = ("ptxas info    : Compiling entry function 'k' for 'sm_90a'\n"
+            "    0 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n"
+            "ptxas info    : Used 142 registers, used 1 barriers\n")
+    assert parse_ptxas(text) == {"registers": 142, "spill_stores": 8, "spill_loads": 12, "stack_bytes": 0}
+    ttgir = ("#shared = #ttg.swizzled_shared<{vec = 8, perPhase = 1, maxPhase = 8, order = [1, 0]}>\n"
+             "#shared1 = #ttg.nvmma_shared<{swizzlingByteWidth = 128, transposed = true, elementBitWidth = 16}>\n"
+             "#smem = #ttg.shared_memory\n")
+    layouts = smem_layouts(ttgir)
+    assert len(layouts) == 2
+    assert describe_layout(layouts[0]) == "XOR swizzle vec=8 perPhase=1 maxPhase=8"
+    assert describe_layout(layouts[1]).startswith("128B swizzle")
+
+
+@pytest.mark.parametrize("name", ["a", "b", "c"])
+def test_inspect_real_stage_json(name, capsys):
+    stage = stages.STAGES.get(name)
+    if stage is None or stage.compile is None:
+        pytest.skip(f"stage {name} has no compile hook (yet)")
+    code, out, err = _run_cli(["inspect", "--stages", name, "--arch", "80", "--D", "64", "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["kernels"], data["skipped"]
+    for k in data["kernels"]:
+        assert k["stage"] == name and k["arch"] == 80 and k["target"] == "sm_80"
+        counts = k["instructions"]
+        assert counts["mma.sync"] > 0 or name == "a"  # a's softmax kernel has no matmul
+        if k.get("registers") is not None:
+            assert k["registers"] > 0 and k["spill_stores"] is not None
+    if name == "c":
+        c = data["kernels"][0]["instructions"]
+        assert c["cp.async.cg.shared.global"] > 0 and c["cp.async.wait_group"] > 0  # pipelining shows in PTX
+
+
+def test_inspect_table_output(capsys):
+    if not any(s.compile for s in stages.STAGES.values()):
+        pytest.skip("no stage has a compile hook yet")
+    code, out, err = _run_cli(["inspect", "--arch", "90", "--no-ptxas"], capsys)
+    assert code == 0, err
+    assert "sm_90" in out and "shared memory, bytes" in out
+
+
+# --------------------------------------------------------------------------------------------- ncu
+
+NCU_CSV = '''==PROF== Connected to process 1234 (/usr/bin/python3.12)
+==PROF== Profiling "tiled_attention_kernel" - 0: 0%....50%....100% - 3 passes
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","1234","python3.12","127.0.0.1","tiled_attention_kernel","1","7","(128, 1, 1)","(64, 128, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","1,048,576"
+"0","1234","python3.12","127.0.0.1","tiled_attention_kernel","1","7","(128, 1, 1)","(64, 128, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","524288"
+"0","1234","python3.12","127.0.0.1","tiled_attention_kernel","1","7","(128, 1, 1)","(64, 128, 1)","0","9.0","Command line profiler metrics","lts__t_sector_hit_rate.pct","%","80.5"
+"0","1234","python3.12","127.0.0.1","tiled_attention_kernel","1","7","(128, 1, 1)","(64, 128, 1)","0","9.0","Command line profiler metrics","l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum","","10"
+"1","1234","python3.12","127.0.0.1","other_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","1000"
+"1","1234","python3.12","127.0.0.1","other_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","lts__t_sector_hit_rate.pct","%","n/a"
+==PROF== Disconnected from process 1234
+'''
+
+
+def test_parse_ncu_csv_and_summarize():
+    kernels = ncu.parse_ncu_csv(NCU_CSV)
+    assert [k["name"] for k in kernels] == ["tiled_attention_kernel", "other_kernel"]
+    s = ncu.summarize(kernels)
+    assert s["dram_read_measured"] == 1_048_576 + 1000 and s["dram_write_measured"] == 524288
+    assert s["l2_hit_rate_pct"] == pytest.approx(80.5)
+    assert s["smem_bank_conflicts"] == 10 and s["bank_conflicts_ld"] == 10 and s["bank_conflicts_st"] is None
+    assert ncu.parse_ncu_csv("==ERROR== something\n") == []
+
+
+def test_ncu_command_shape():
+    cmd = ncu.ncu_command("/x/ncu", "c", "-tma", Problem(1, 2, 64, 16, "bf16", True), seed=3)
+    assert cmd[0] == "/x/ncu" and "--clock-control" in cmd and cmd[cmd.index("--clock-control") + 1] == "none"
+    assert "--profile-from-start" in cmd and ",".join(ncu.METRICS) in cmd
+    child = cmd[cmd.index("_ncu_child"):]
+    assert child[child.index("--variant") + 1] == "-tma" and "--causal" in child and "bf16" in child
+
+
+# ------------------------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+def test_gpu_compare(tmp_path, capsys):
+    code, out, err = _run_cli(["compare", "--B", "2", "--H", "8", "--N", "1024", "--D", "64", "--no-energy",
+                               "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    rows = _rows(tmp_path)
+    by = {r["impl"]: r for r in rows}
+    for name in ("a", "b", "c"):
+        assert by[name]["status"] == "ok" and by[name]["device"] == "gpu"
+        assert by[name]["peak_mem_measured"] is not None and by[name]["ms_median"] > 0
+        assert by[name]["rel_err"] <= max(2 * by[name]["torch_rel_err"], 2e-3)
+    assert by["sdpa_flash"]["status"] == "ok"
+    env = json.loads((tmp_path / "env.json").read_text())
+    assert env["gpu_name"] and env["sm_count"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_profile(tmp_path, capsys):
+    if not ncu.find_ncu():
+        pytest.skip("ncu not found")
+    code, out, err = _run_cli(["profile", "--N", "1024", "--D", "64", "--B", "1", "--H", "8", "--dtype", "fp16",
+                               "--stages", "b", "--peers", "flash", "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    rows = {r["impl"]: r for r in _rows(tmp_path)}
+    assert rows["b"]["status"] == "ok", rows["b"]
+    assert rows["b"]["dram_read_measured"] > 0 and rows["sdpa_flash"]["dram_read_measured"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_device(tmp_path, capsys):
+    code, out, err = _run_cli(["device", "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    ceilings = json.loads((tmp_path / "env.json").read_text())["ceilings"]
+    assert ceilings["copy_gbps"] > 100 and ceilings["matmul_fp16_tflops"] > 10

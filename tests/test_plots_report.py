@@ -1,0 +1,250 @@
+"""Figures and the README report, from a synthetic results directory (CPU, a few seconds)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from harness import plots, report
+from harness.results import COLUMNS, ResultsError
+
+try:
+    from fixtures_results import build_results, build_rows
+except ImportError:  # tests/ imported as a package
+    from tests.fixtures_results import build_results, build_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+README = """# the lab
+
+intro text
+
+<!-- results:begin -->
+old table
+<!-- results:end -->
+
+## reading path
+"""
+
+
+@pytest.fixture
+def results(tmp_path) -> Path:
+    return build_results(tmp_path / "results" / "h200")
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    plots.add_parser(sub)
+    report.add_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+# ------------------------------------------------------------------------------------- figures
+
+def test_plot_all_writes_every_figure(results):
+    paths = plots.plot_all(results)
+    assert [p.name for p in paths] == list(plots.FIGURE_NAMES)
+    for p in paths:
+        assert p.parent == results / "figures"
+        data = p.read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 10_000, p
+
+
+def test_plot_without_optional_data_skips_with_a_message(tmp_path, capsys):
+    # stages only, no peers, no DRAM bytes, no energy, no ablation, no ceilings: draw what is there
+    rows = [r for r in build_rows() if r["kind"] == "stage"]
+    for r in rows:
+        for c in ("dram_read_model", "dram_write_model", "dram_read_measured", "dram_write_measured",
+                  "energy_j_per_call", "power_w"):
+            r.pop(c, None)
+    d = build_results(tmp_path, rows=rows, ceilings=False, total_memory=False)
+    names = [p.name for p in plots.plot_all(d)]
+    assert names == ["waterfall.png", "throughput.png", "peak_memory.png"]
+    out = capsys.readouterr().out
+    for skipped in ("dram_bytes.png", "roofline.png", "energy.png"):
+        assert f"skipped {skipped}" in out
+    assert "python -m harness" in out
+
+
+def test_plot_tolerates_env_without_ceilings_or_memory(tmp_path):
+    d = build_results(tmp_path, ceilings=False, total_memory=False)
+    assert len(plots.plot_all(d)) == len(plots.FIGURE_NAMES)
+
+
+def test_plot_without_env_json_still_draws(results):
+    (results / "env.json").unlink()
+    assert len(plots.plot_all(results)) == len(plots.FIGURE_NAMES)
+
+
+def test_waterfall_cell_flag(results):
+    cell = plots.parse_cell("N=2048,D=128,causal=yes")
+    assert cell == {"N": 2048, "D": 128, "causal": 1}
+    rows, env = plots.views.load(results)
+    steps = plots.waterfall_steps(rows, plots.resolve_cell(rows, cell))
+    assert [s[1] for s in steps] == ["a", "b", "c"]  # no ablation rows there
+    steps = plots.waterfall_steps(rows, plots.resolve_cell(rows, {}))
+    assert [s[0] for s in steps] == ["A naive", "B tiled", "C kernel, all switches off", "+ tuned tiles",
+                                     "+ pipelining", "+ tma", "+ exp2", "+ causal skip", "C optimized"]
+    assert plots.plot_waterfall(rows, env, results / "figures", cell=cell).exists()
+
+
+def test_env_keys_in_either_form():
+    views = plots.views
+    flat = {"ceilings": {"copy_gbps": 4300.0, "matmul_fp16_tflops": 740.0}, "memory_bytes": 150}
+    nested = {"ceilings": {"copy_bandwidth_gbps": 4300.0, "matmul_tflops": {"fp16": 740.0}},
+              "total_memory_bytes": 150}
+    for env in (flat, nested):
+        assert views.ceilings(env) == (4300.0, {"fp16": 740.0})
+        assert views.device_memory(env) == 150
+    assert views.ceilings({}) == (None, {}) and views.device_memory({}) is None
+    assert views.ceilings({"ceilings": None}) == (None, {})
+
+
+@pytest.mark.parametrize("bad", ["N=abc", "X=1", "D", "causal=maybe"])
+def test_parse_cell_rejects_bad_input(bad):
+    with pytest.raises(ValueError, match="--cell"):
+        plots.parse_cell(bad)
+
+
+def test_plot_cli(results, capsys):
+    assert _cli(["plot", str(results), "--cell", "N=4096,D=64"]) == 0
+    assert "waterfall.png" in capsys.readouterr().out
+    assert _cli(["plot", str(results / "nowhere")]) == 2
+    assert "no such results file" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ malformed input
+
+def _write_csv(path: Path, header, lines) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "runs.csv").write_text(",".join(header) + "\n" + "".join(",".join(l) + "\n" for l in lines))
+    return path
+
+
+def _good_line() -> list[str]:
+    values = {"impl": "a", "kind": "stage", "B": "1", "H": "2", "N": "128", "D": "64", "dtype": "fp16",
+              "causal": "0", "status": "ok", "ms_median": "1.5"}
+    return [values.get(c, "") for c in COLUMNS]
+
+
+def test_missing_results_file(tmp_path):
+    with pytest.raises(ResultsError, match="no such results file"):
+        plots.plot_all(tmp_path)
+    with pytest.raises(ResultsError, match="no such results file"):
+        report.render_block(tmp_path)
+
+
+def test_bad_header(tmp_path):
+    d = _write_csv(tmp_path, ["impl", "kind", "bogus"], [["a", "stage", "1"]])
+    with pytest.raises(ResultsError, match="missing columns"):
+        plots.plot_all(d)
+
+
+def test_missing_column(tmp_path):
+    header = [c for c in COLUMNS if c != "tflops"]
+    line = [v for c, v in zip(COLUMNS, _good_line()) if c != "tflops"]
+    d = _write_csv(tmp_path, header, [line])
+    with pytest.raises(ResultsError, match="tflops"):
+        report.render_block(d)
+
+
+def test_non_numeric_value(tmp_path):
+    line = _good_line()
+    line[COLUMNS.index("ms_median")] = "fast"
+    d = _write_csv(tmp_path, COLUMNS, [_good_line(), line])
+    with pytest.raises(ResultsError, match=r"runs.csv:3: column 'ms_median' should be a number, got 'fast'"):
+        plots.plot_all(d)
+
+
+def test_empty_required_value(tmp_path):
+    line = _good_line()
+    line[COLUMNS.index("impl")] = ""
+    d = _write_csv(tmp_path, COLUMNS, [line])
+    with pytest.raises(ResultsError, match="'impl' is empty"):
+        report.render_block(d)
+
+
+# ------------------------------------------------------------------------------------- report
+
+def test_render_table_has_headline_cells_and_impls(results):
+    rows, env = plots.views.load(results)
+    md = report.render_table(rows, env)
+    assert "NVIDIA H200" in md and "2026-11-29" in md
+    for D in (64, 128):
+        for masking in ("non-causal", "causal"):
+            assert f"#### N = 4096, D = {D}, fp16, {masking}" in md
+    for name in ("A naive", "B tiled", "C optimized", "SDPA FLASH (FA2)", "SDPA CUDNN", "SDPA EFFICIENT",
+                 "SDPA MATH"):
+        assert f"| {name} |" in md
+    assert "| A naive | 15.3 | 36 | 1.00× |" in md
+    assert "C optimized vs SDPA CUDNN" in md and "| 64 | no |" in md
+    assert "interpreter" not in md
+
+
+def test_render_table_small_interpreter_run(tmp_path):
+    # a CPU run: small N only, no N=4096: the table falls back to the largest N and says times are CPU times
+    rows = [dict(r, device="interpreter") for r in build_rows() if r["N"] in (512, 1024) and r["kind"] != "ablation"]
+    d = build_results(tmp_path, rows=rows)
+    md = report.render_table(*plots.views.load(d))
+    assert "#### N = 1024, D = 64, fp16, non-causal" in md
+    assert "not GPU times" in md
+
+
+def test_render_table_shows_oom(tmp_path):
+    rows = [r for r in build_rows() if r["N"] == 16384]
+    md = report.render_table(*plots.views.load(build_results(tmp_path, rows=rows)))
+    assert "| A naive | — | — | — |" in md and "| oom |" in md
+
+
+def test_update_readme_round_trip_and_check(results, tmp_path, capsys):
+    plots.plot_all(results)
+    readme = tmp_path / "README.md"
+    readme.write_text(README)
+    assert report.check_readme(readme, results)  # stale: "old table"
+    assert report.update_readme(readme, results) is True
+    text = readme.read_text()
+    assert text.startswith("# the lab\n\nintro text\n\n<!-- results:begin -->\n")
+    assert text.endswith("<!-- results:end -->\n\n## reading path\n")
+    assert "old table" not in text and "| C optimized |" in text
+    assert "](results/h200/figures/waterfall.png)" in text
+    assert report.check_readme(readme, results) == ""
+    assert report.update_readme(readme, results) is False
+    assert _cli(["report", str(results), "--readme", str(readme), "--check"]) == 0
+
+    readme.write_text(text.replace("| C optimized |", "| C (hand-edited) |"))
+    assert _cli(["report", str(results), "--readme", str(readme), "--check"]) == 1
+    assert "stale" in capsys.readouterr().err
+    assert _cli(["report", str(results), "--readme", str(readme)]) == 0
+    assert readme.read_text() == text
+
+
+@pytest.mark.parametrize("text", ["# no markers\n", "<!-- results:end -->\n<!-- results:begin -->\n",
+                                  "<!-- results:begin -->\n<!-- results:begin -->\n<!-- results:end -->\n"])
+def test_update_readme_needs_markers(results, tmp_path, text):
+    readme = tmp_path / "README.md"
+    readme.write_text(text)
+    with pytest.raises(report.ReadmeError, match="results:"):
+        report.update_readme(readme, results)
+    assert readme.read_text() == text
+
+
+def test_report_cli_prints_markdown(results, capsys):
+    assert _cli(["report", str(results)]) == 0
+    assert "| SDPA CUDNN |" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------ the committed results
+
+def test_committed_h200_readme_block_is_current():
+    results = ROOT / "results" / "h200"
+    readme = ROOT / "README.md"
+    if not (results / "runs.csv").exists():
+        pytest.skip("no committed results/h200/runs.csv yet")
+    if not readme.exists() or report.BEGIN not in readme.read_text():
+        pytest.skip("README.md has no results markers yet")
+    diff = report.check_readme(readme, results)
+    assert diff == "", f"README's results block is stale; run `python -m harness report results/h200 --readme README.md`\n{diff}"
