@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import os
 import sys
 import tempfile
 from collections import Counter
@@ -200,6 +199,8 @@ def _environment(run_id: str) -> dict:
     from .results import base_env
 
     env = base_env(run_id)
+    if Path(sys.argv[0]).name == "__main__.py":  # `python -m harness ...` reads better than `__main__.py ...`
+        env["command"] = " ".join(["python -m harness"] + sys.argv[1:])
     env.update(gpu_env() if _on_gpu() else cpu_env())
     return env
 

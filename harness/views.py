@@ -49,7 +49,7 @@ def load(results_dir) -> tuple[list[dict], dict]:
     A missing or malformed CSV raises :class:`ResultsError`; a missing ``env.json`` does not (the
     figures then carry no GPU name), because the rows alone are enough to draw from.
     """
-    rows = latest_rows(load_rows(results_dir))
+    rows = merge_profile(latest_rows(load_rows(results_dir)), results_dir)
     try:
         env = load_env(results_dir)
     except ResultsError as e:
@@ -57,6 +57,31 @@ def load(results_dir) -> tuple[list[dict], dict]:
             raise
         env = {}
     return rows, env
+
+
+#: what ``harness profile`` measures; it writes to ``<results>/profile/runs.csv`` so that its rows
+#: (which have no times) do not replace the timed rows of the same cell.
+PROFILE_COLUMNS = ("dram_read_measured", "dram_write_measured", "l2_hit_rate_pct", "smem_bank_conflicts")
+
+
+def merge_profile(rows: list[dict], results_dir) -> list[dict]:
+    """Fill the Nsight Compute columns of ``rows`` from ``results_dir/profile/runs.csv`` where a
+    profiled row of the same cell exists; profiled cells with no timed row are added as they are."""
+    from pathlib import Path
+
+    from .results import cell_key
+
+    path = Path(results_dir) / "profile" / "runs.csv"
+    if not path.exists():
+        return rows
+    profiled = {cell_key(r): r for r in latest_rows(load_rows(path)) if is_ok(r)}
+    merged = []
+    for row in rows:
+        prof = profiled.pop(cell_key(row), None)
+        if prof is not None:
+            row = {**row, **{c: prof[c] for c in PROFILE_COLUMNS if prof[c] is not None}}
+        merged.append(row)
+    return merged + list(profiled.values())
 
 
 def is_ok(row: dict) -> bool:

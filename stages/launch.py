@@ -102,11 +102,26 @@ def _compile_in_child(module: str, name: str, problem, arch: int, switches: dict
     env = dict(os.environ, TRITON_INTERPRET="0")
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "stages.launch"], input=json.dumps(request), text=True,
+    proc = subprocess.run([sys.executable, "-m", "stages.launch"], input=json.dumps(request, default=_encode),
+                          text=True,
                           capture_output=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"compiling {module}.{name} for sm_{arch} failed:\n{proc.stderr[-4000:]}")
     return [CompiledKernel(**k) for k in json.loads(proc.stdout)]
+
+
+def _encode(obj) -> dict:
+    """Switch values that are not JSON (stage C's ``Config``) travel as text plus a ``parse`` classmethod."""
+    return {"__parse__": f"{type(obj).__module__}:{type(obj).__qualname__}", "text": str(obj)}
+
+
+def _decode(d: dict):
+    if "__parse__" not in d:
+        return d
+    import importlib
+
+    module, name = d["__parse__"].split(":")
+    return getattr(importlib.import_module(module), name).parse(d["text"])
 
 
 def _child_main() -> None:
@@ -117,7 +132,7 @@ def _child_main() -> None:
 
     from .contract import Problem
 
-    request = json.load(sys.stdin)
+    request = json.load(sys.stdin, object_hook=_decode)
     fn = getattr(importlib.import_module(request["module"]), request["name"])
     kernels = fn(Problem(**request["problem"]), request["arch"], **request["switches"])
     out = []

@@ -17,3 +17,5 @@ STAGE = register(Stage(
 ))
 
 __all__ = ["STAGE", "attention", "compile", "hbm_bytes", "workspace_bytes"]
+
+from . import cuda_twin  # noqa: E402,F401  (registers the CUDA C++ twin; compiles on first use)

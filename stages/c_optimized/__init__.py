@@ -34,3 +34,5 @@ STAGE = register(Stage(
 
 __all__ = ["STAGE", "SWITCHES", "VARIANTS", "Config", "attention", "candidate_configs", "choose_config",
            "compile", "hbm_bytes", "workspace_bytes"]
+
+from . import cuda_twin  # noqa: E402,F401  (registers the CUDA C++ twin; compiles on first use)

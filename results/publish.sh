@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Measure everything the lab publishes for the GPU of this machine into results/<gpu>/, then draw
+# the figures and the README table from it. One command for a full set:
+#
+#     results/publish.sh            # all parts, ~20 minutes on an H200
+#     results/publish.sh fp16 bf16  # only some parts (the H200 set was measured in two sessions)
+#
+# Parts: tests tune fp16 bf16 extras figures. Rows are appended as measured and sweeps --resume,
+# so a part that is interrupted can be run again and continues where it stopped.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+parts=${*:-tests tune fp16 bf16 extras figures}
+slug=$($py -c "import torch; from harness.results import slugify; print(slugify(torch.cuda.get_device_name()))")
+out=${OUT_DIR:-results/$slug}
+mkdir -p "$out"
+run() { echo "+ $*" >&2; "$@"; }
+has() { [[ " $parts " == *" $1 "* ]]; }
+
+if has tests; then  # the GPU tests first: nothing is published from kernels that fail them
+  run $py -m pytest -q -m gpu -p no:warnings tests/ -n 8 2>/dev/null || run $py -m pytest -q -m gpu -p no:warnings tests/
+  run $py -m pytest -q -p no:warnings tests/test_stages.py -n 8 -k "candidate or variant"
+fi
+if has tune; then   # stage C's tile configs for this GPU -> stages/c_optimized/tuned/<slug>.json
+  run $py -m stages.c_optimized.tune --N 1024,4096,16384 --dtype fp16 --csv "$out/tuning.csv"
+fi
+if has fp16; then
+  run $py -m harness device --out "$out"
+  run $py -m harness sweep --dtype fp16 --out "$out" --resume
+fi
+if has bf16; then
+  run $py -m harness sweep --dtype bf16 --out "$out" --resume
+fi
+if has extras; then
+  # stage C's ablation at the headline size; energy at the headline cell; DRAM bytes by Nsight Compute
+  run $py -m harness sweep --stages c --ablation --peers none --N 4096 --D 64,128 --dtype fp16 --out "$out" --resume
+  run $py -m harness sweep --energy --N 4096 --D 64 --causal no --dtype fp16 --out "$out"
+  run $py -m harness profile --N 1024,4096,16384 --D 64 --causal no --dtype fp16 --peers flash,cudnn --out "$out/profile"
+  if $py -c "import stages, sys; sys.exit('c_cuda' not in stages.STAGES)"; then
+    run $py -m harness profile --stages b_cuda,c_cuda --ablation --peers none --N 4096 --D 64,128 --dtype fp16 --out "$out/profile"
+  fi
+fi
+if has figures; then
+  run $py -m harness plot "$out"
+  run $py -m harness report "$out"
+fi
