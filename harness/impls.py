@@ -63,8 +63,11 @@ def stage_impl(name: str, variant: str = "") -> Impl:
             raise KeyError(f"stage {name!r} has no variant {variant!r}; it has {list(stage.variants)}")
         kwargs = dict(stage.variants[variant])
     fn = functools.partial(stage.attention, **kwargs) if kwargs else stage.attention
+    # A variant's traffic model takes the variant's switches (stage contract): C with B's tiles
+    # requests B's bytes.
+    hbm = functools.partial(stage.hbm_bytes, **kwargs) if kwargs else stage.hbm_bytes
     return Impl(name=name, kind="ablation" if variant else "stage", variant=variant, attention=fn,
-                hbm_bytes=stage.hbm_bytes, workspace_bytes=stage.workspace_bytes,
+                hbm_bytes=hbm, workspace_bytes=stage.workspace_bytes,
                 kernel_names=tuple(stage.kernel_names), variant_kwargs=kwargs)
 
 

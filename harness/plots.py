@@ -242,15 +242,19 @@ def plot_waterfall(rows: list[dict], env: dict, out_dir, *, cell: dict | None = 
     legend = {"measured": False, "model": False, "model_only": False}
 
     def bars(ax, measured_of, model_of, title, xlabel):
+        # Log scale: stage A's N² bytes and the fused stages' O(N) bytes differ by 10-100x, and on a
+        # linear axis the fused stages' bars would vanish. Bars start at a floor below every value.
+        values = [v for _, _, r in steps for v in (measured_of(r), model_of(r)) if v]
+        floor = min(values) / 4 if values else 1.0
         top = 0.0
         for i, (_, _, r) in enumerate(steps):
             meas, model = measured_of(r), model_of(r)
             if meas is not None:
-                ax.barh(i, meas, color=colors[i])
+                ax.barh(i, meas - floor, left=floor, color=colors[i])
                 top = max(top, meas)
                 legend["measured"] = True
             elif model is not None:
-                ax.barh(i, model, color=colors[i], alpha=0.35, hatch="//", edgecolor="0.3")
+                ax.barh(i, model - floor, left=floor, color=colors[i], alpha=0.35, hatch="//", edgecolor="0.3")
                 legend["model_only"] = True
             if model is not None:
                 ax.plot([model], [i], marker="D", color="black", markersize=7, linestyle="none")
@@ -262,9 +266,10 @@ def plot_waterfall(rows: list[dict], env: dict, out_dir, *, cell: dict | None = 
                 ax.text(right, i, "    " + views.fmt_bytes(shown), va="center", fontsize=10)
             elif not is_ok(r):
                 ax.text(0, i, f" {r['status']}", va="center", fontsize=10, color="0.3")
-        ax.set_xlim(0, (top or 1) * 1.4)
+        ax.set_xscale("log")
+        ax.set_xlim(floor, (top or 1) * 8)
         ax.xaxis.set_major_formatter(FuncFormatter(_fmt_bytes_tick))
-        ax.set_xlabel(xlabel)
+        ax.set_xlabel(xlabel + " (log scale)")
         ax.set_title(title, fontsize=12)
 
     bars(ax_d, lambda r: dram_bytes(r, "measured"), lambda r: dram_bytes(r, "model"),

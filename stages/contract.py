@@ -104,7 +104,8 @@ class Stage:
     workspace_bytes: Callable[[Problem], int]
     kernel_names: tuple[str, ...] = field(default=())  # prefixes of its GPU kernels (for ncu filters)
     requires_cuda: bool = False     # True for stages with no CPU/interpreter path (the CUDA twins)
-    #: named keyword-argument sets for ``attention``: the ablation switches. The harness runs each
+    #: named keyword-argument sets for ``attention``: the ablation switches (``hbm_bytes`` takes the
+    #: same keywords, since a switch such as the tile shape changes the bytes). The harness runs each
     #: variant on the same inputs to measure what one optimization is worth, e.g. stage C's
     #: ``{"-pipelining": {"pipelining": False}, ...}`` or a CUDA twin's ``{"unpadded": {"smem_pad": False}}``.
     variants: dict = field(default_factory=dict)

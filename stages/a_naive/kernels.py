@@ -7,7 +7,7 @@
 Nothing here is deliberately slow: both matmuls are tiled and run on tensor cores (``tl.dot``), and
 every load is a coalesced tile. What makes stage A slow is *where the intermediates live*: S and P
 are written to device memory and read back, O(N²) bytes per head, while Q, K, V and O are only
-O(N·D). At N = 4096, D = 64 the two N×N matrices are 64× larger than Q, K, V and O together.
+O(N·D). At N = 4096, D = 64 the two N×N matrices are N/(2D) = 32× larger than Q, K, V and O together.
 
 Read top to bottom: the three kernels, then ``attention`` (the launcher), then the traffic and
 workspace models that the harness sets beside Nsight Compute's measurement.

@@ -201,7 +201,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     return o
 
 
-def hbm_bytes(problem: Problem) -> HbmTraffic:
+def hbm_bytes(problem: Problem, **_layout) -> HbmTraffic:
+    # (the shared-memory layout switches of the variants do not change device-memory traffic)
     """Bytes ``flash_b.cu`` requests from global memory, if no cache helped.
 
     Per (batch, head), with e bytes per element and T_q = ceil(N / 32) query tiles:

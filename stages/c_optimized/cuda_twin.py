@@ -70,7 +70,8 @@ def kv_rows_read(problem: Problem) -> int:
     return BC * tiles_q * (tiles_q - 1) // 2 + n
 
 
-def hbm_bytes(problem: Problem) -> HbmTraffic:
+def hbm_bytes(problem: Problem, **_layout) -> HbmTraffic:
+    # (the shared-memory layout switches of the variants do not change device-memory traffic)
     """Bytes ``flash_c.cu`` requests from global memory, if no cache helped.
 
     Per (batch, head), with e bytes per element: Q read once (N·D·e), K and V read

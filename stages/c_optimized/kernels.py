@@ -247,17 +247,19 @@ def compile(problem: Problem, arch: int, **switches) -> list[CompiledKernel]:
     return [launch.compile(arch) for launch in launches]
 
 
-def hbm_bytes(p: Problem, config: Config | None = None, causal_skip: bool = True, **_switches) -> HbmTraffic:
+def hbm_bytes(p: Problem, config: Config | None = None, causal_skip: bool = True, tuned_tiles: bool = True,
+              **_other_switches) -> HbmTraffic:
     """Bytes requested from device memory by one call with the tile config the stage would choose.
 
     Non-causal: Q read once, K and V read once per Q tile (⌈N/BLOCK_M⌉ times), O written once, as in
     stage B but with a larger BLOCK_M. Causal with skipping: Q tile i reads only K/V rows
     [0, min((i+1)·BLOCK_M, N)), so K and V are read Σ_i min((i+1)·BLOCK_M, N) rows: about half.
     The config is the one ``choose_config`` picks for this problem on the current device (the
-    default table when there is no GPU).
+    default table when there is no GPU); the ablation switches are accepted like ``attention``'s,
+    and ``tuned_tiles`` and ``causal_skip`` change the bytes (pipelining, TMA and exp2 do not).
     """
     if config is None:
-        config = choose_config(p.D, DTYPES[p.dtype], p.causal, device_arch(None), p.N)
+        config = choose_config(p.D, DTYPES[p.dtype], p.causal, device_arch(None), p.N) if tuned_tiles else BASELINE
     BM = config.block_m
     row = p.D * p.element_bytes
     tiles = cdiv(p.N, BM)
