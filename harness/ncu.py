@@ -68,7 +68,8 @@ NO_NCU_MESSAGE = ("Nsight Compute (ncu) was not found on PATH, in /usr/local/cud
 
 def ncu_command(ncu: str, impl_name: str, variant: str, problem: Problem, seed: int = 0) -> list[str]:
     """The full command line: ncu options, then the child process (see the module docstring)."""
-    child = [sys.executable, "-m", "harness", "_ncu_child", "--impl", impl_name, "--variant", variant,
+    # "--variant=-tma", not "--variant -tma": argparse would take "-tma" for an option.
+    child = [sys.executable, "-m", "harness", "_ncu_child", "--impl", impl_name, f"--variant={variant}",
              "--B", str(problem.B), "--H", str(problem.H), "--N", str(problem.N), "--D", str(problem.D),
              "--dtype", problem.dtype, "--seed", str(seed)] + (["--causal"] if problem.causal else [])
     return [ncu, "--clock-control", "none", "--profile-from-start", "off", "--cache-control", "all",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from harness.inspect_code import count_instructions
 from stages import STAGES
 from stages.contract import Problem
 
@@ -11,11 +12,12 @@ PROBLEM = Problem(B=4, H=32, N=4096, D=64, dtype="fp16")
 
 
 def ops(ptx: str) -> dict[str, int]:
-    words = {"cp_async": "cp.async.cg.shared.global", "commit": "cp.async.commit_group",
-             "wait": "cp.async.wait_group", "tma": "cp.async.bulk.tensor", "mbarrier": "mbarrier.",
-             "mma_sync": "mma.sync", "ldmatrix": "ldmatrix", "wgmma": "wgmma.mma_async", "ex2": "ex2.approx",
-             "ld_v4": "ld.global.v4"}
-    return {name: ptx.count(word) for name, word in words.items()}
+    """The instruction counts `harness inspect` prints, under short names."""
+    c = count_instructions(ptx)
+    return {"cp_async": c["cp.async.cg.shared.global"], "commit": c["cp.async.commit_group"],
+            "wait": c["cp.async.wait_group"], "tma": c["cp.async.bulk.tensor"], "mbarrier": c["mbarrier"],
+            "mma_sync": c["mma.sync"], "ldmatrix": c["ldmatrix"], "wgmma": c["wgmma.mma_async"],
+            "ex2": c["ex2.approx"], "ld_v4": c["ld.global.v4"]}
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ run ``compare``, ``profile`` and ``device`` for real.
 
 from __future__ import annotations
 
+import argparse
+
 import json
 from pathlib import Path
 
@@ -479,8 +481,12 @@ def test_ncu_command_shape():
     cmd = ncu.ncu_command("/x/ncu", "c", "-tma", Problem(1, 2, 64, 16, "bf16", True), seed=3)
     assert cmd[0] == "/x/ncu" and "--clock-control" in cmd and cmd[cmd.index("--clock-control") + 1] == "none"
     assert "--profile-from-start" in cmd and ",".join(ncu.METRICS) in cmd
-    child = cmd[cmd.index("_ncu_child"):]
-    assert child[child.index("--variant") + 1] == "-tma" and "--causal" in child and "bf16" in child
+    child = cmd[cmd.index("_ncu_child") + 1:]
+    # The child must parse what the parent wrote, including a variant name that starts with "-".
+    parser = argparse.ArgumentParser()
+    ncu.add_child_arguments(parser)
+    args = parser.parse_args(child)
+    assert (args.impl, args.variant, args.causal, args.dtype, args.N, args.seed) == ("c", "-tma", True, "bf16", 64, 3)
 
 
 # ------------------------------------------------------------------------------------------- GPU
