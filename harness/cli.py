@@ -530,12 +530,10 @@ def _arch(text: str) -> int:
 def run_inspect(args: argparse.Namespace) -> int:
     import json
 
-    from rich.table import Table
-
     import stages
     from stages.contract import Problem
 
-    from .inspect_code import INSTRUCTION_KEYS, inspect_stage
+    from .inspect_code import inspect_stage
 
     parser = args._parser
     if args.stages is None:

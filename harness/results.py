@@ -49,13 +49,14 @@ import csv
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Iterator
+
+from stages.contract import slugify  # noqa: F401  (results/<slug>/ is named by it)
 
 COLUMNS: tuple[str, ...] = (
     "run_id", "impl", "kind", "variant", "B", "H", "N", "D", "dtype", "causal", "device",
@@ -81,12 +82,6 @@ ENV_JSON = "env.json"
 
 class ResultsError(ValueError):
     """A results file is missing, malformed or does not follow the schema."""
-
-
-def slugify(name: str) -> str:
-    """``'NVIDIA H200'`` -> ``'h200'``; ``'NVIDIA GeForce RTX 4090'`` -> ``'geforce-rtx-4090'``."""
-    name = re.sub(r"^(nvidia|amd)\s+", "", name.strip(), flags=re.I)
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
 
 
 def cell_key(row: dict) -> tuple:

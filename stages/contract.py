@@ -17,6 +17,7 @@ where to expect it.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -125,6 +126,13 @@ class CompiledKernel:
     shared_bytes: int
     num_warps: int
     num_stages: int
+
+
+def slugify(name: str) -> str:
+    """A GPU's name as a directory/file name, shared by ``results/<slug>/`` and stage C's tuning
+    cache: ``'NVIDIA H200'`` -> ``'h200'``; ``'NVIDIA GeForce RTX 4090'`` -> ``'geforce-rtx-4090'``."""
+    name = re.sub(r"^(nvidia|amd)\s+", "", name.strip(), flags=re.I)
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
 
 
 def cdiv(a: int, b: int) -> int:

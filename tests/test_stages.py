@@ -100,7 +100,7 @@ def test_every_ablation_variant_is_correct(variant, device):
 
 def test_all_switches_off_is_stage_b():
     """With every switch off, stage C launches stage B's configuration with B's masking."""
-    q, k, v = contract_meta = (torch.empty((1, 2, 300, 64), dtype=torch.float16, device="meta"),) * 3
+    q, k, v = (torch.empty((1, 2, 300, 64), dtype=torch.float16, device="meta"),) * 3
     (launch,) = c_kernels.plan(q, k, v, torch.empty_like(q), causal=True, scale=0.125, arch=90,
                                **{s: False for s in SWITCHES})
     assert (launch.args["BLOCK_M"], launch.args["BLOCK_N"]) == (stages.b_tiled.kernels.BLOCK_M,

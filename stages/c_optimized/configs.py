@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from ..contract import slugify
+
 TUNED_DIR = Path(__file__).with_name("tuned")
 
 
@@ -108,10 +110,8 @@ def device_arch(device: torch.device | None) -> int:
 
 
 def gpu_slug() -> str | None:
-    if not torch.cuda.is_available():
-        return None
-    name = re.sub(r"^(nvidia|amd)\s+", "", torch.cuda.get_device_name().strip(), flags=re.I)
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    """This GPU's name as the tuning cache names it (None without a GPU)."""
+    return slugify(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
 
 
 @lru_cache(maxsize=None)
