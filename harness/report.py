@@ -105,16 +105,24 @@ def cell_table(rows: list[dict], *, N: int, D: int, dtype: str, causal: int) -> 
     return "\n".join(lines)
 
 
+def throughput_ratios(rows: list[dict], *, dtype: str = "fp16", impl: str = "c",
+                      peer: str = "sdpa_cudnn") -> dict[tuple[int, int, int], float]:
+    """``impl``'s TFLOPS over ``peer``'s in every (D, causal, N) cell that has both, same dtype."""
+    data = [r for r in views.plain(rows) if r["dtype"] == dtype and is_ok(r) and r["tflops"]]
+    ratios: dict[tuple[int, int, int], float] = {}
+    for D, causal, N in sorted({(r["D"], int(r["causal"]), r["N"]) for r in data}):
+        at = views.cell_rows(data, N=N, D=D, dtype=dtype, causal=causal)
+        mine, theirs = select(at, impl=impl), select(at, impl=peer)
+        if mine and theirs:
+            ratios[D, causal, N] = mine[-1]["tflops"] / theirs[-1]["tflops"]
+    return ratios
+
+
 def ratio_table(rows: list[dict], *, dtype: str = "fp16", impl: str = "c", peer: str = "sdpa_cudnn") -> str:
     """``impl``'s throughput as a fraction of ``peer``'s over N, one line per (D, causal); '' without data."""
-    data = [r for r in views.plain(rows) if r["dtype"] == dtype and is_ok(r) and r["tflops"]]
     ratios: dict[tuple, dict[int, float]] = {}
-    for D, causal in sorted({(r["D"], int(r["causal"])) for r in data}):
-        for N in sorted({r["N"] for r in select(data, D=D, causal=causal)}):
-            at = views.cell_rows(data, N=N, D=D, dtype=dtype, causal=causal)
-            mine, theirs = select(at, impl=impl), select(at, impl=peer)
-            if mine and theirs:
-                ratios.setdefault((D, causal), {})[N] = mine[-1]["tflops"] / theirs[-1]["tflops"]
+    for (D, causal, N), ratio in throughput_ratios(rows, dtype=dtype, impl=impl, peer=peer).items():
+        ratios.setdefault((D, causal), {})[N] = ratio
     if not ratios:
         return ""
     Ns = sorted({n for line in ratios.values() for n in line})
@@ -214,18 +222,11 @@ def render_reading(rows: list[dict], *, dtype: str = "fp16") -> str:
     if a_bytes and b_bytes:
         out[-1] += f" and cuts the DRAM traffic {a_bytes / b_bytes:.0f}-fold ({fmt_bytes(a_bytes)} → {fmt_bytes(b_bytes)})"
     out[-1] += f"; the optimizations of stage C add another {t['c'] / t['b']:.2f}× on top."
-    ratios = []
-    for D in views.HEADLINE_DS:
-        for causal in (False, True):
-            for n in sorted({r["N"] for r in data if r["D"] == D and r["causal"] == int(causal)}):
-                if n < 1024:
-                    continue
-                c, ref = (_tflops_at(data, impl, N=n, D=D, dtype=dtype, causal=causal) for impl in ("c", "sdpa_cudnn"))
-                if c and ref:
-                    ratios.append((c / ref, D, causal, n))
+    ratios = sorted((ratio, D, bool(causal), n) for (D, causal, n), ratio in throughput_ratios(data, dtype=dtype).items()
+                    if D in views.HEADLINE_DS and n >= 1024)
     if ratios:
-        lo, hi = min(ratios), max(ratios)
-        med = sorted(r[0] for r in ratios)[len(ratios) // 2]
+        lo, hi = ratios[0], ratios[-1]
+        med = ratios[len(ratios) // 2][0]
         out.append(f"Against PyTorch's cuDNN attention, the fastest kernel on this machine, stage C reaches "
                    f"{lo[0]:.2f}–{hi[0]:.2f}× of its throughput for N ≥ 1024 (median {med:.2f}), weakest at "
                    f"D = {lo[1]}{' causal' if lo[2] else ''}, N = {lo[3]} and best at "
@@ -253,16 +254,9 @@ def render_ratio_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> s
         table = ratio_table(rows, dtype=dt)
         if not table:
             continue
-        ratios = []
-        data = [r for r in views.plain(rows) if r["dtype"] == dt]
-        for r in data:
-            if r["impl"] == "c" and r["N"] >= 1024 and is_ok(r) and r["tflops"]:
-                ref = _tflops_at(data, "sdpa_cudnn", N=r["N"], D=r["D"], dtype=dt, causal=bool(r["causal"]))
-                if ref:
-                    ratios.append(r["tflops"] / ref)
+        ratios = sorted(ratio for (_D, _causal, n), ratio in throughput_ratios(rows, dtype=dt).items() if n >= 1024)
         parts.append(table)
         if ratios:
-            ratios.sort()
             parts.append(f"Over N ≥ 1024 ({len(ratios)} cells, {dt}): min {ratios[0]:.2f}, "
                          f"median {ratios[len(ratios) // 2]:.2f}, max {ratios[-1]:.2f}.")
     if len(parts) == 1:
