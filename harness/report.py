@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 from . import views
-from .results import ResultsError
+from .results import ResultsError, load_rows
 from .views import dram_bytes, fmt_bytes, fmt_num, is_ok, label, select
 
 BEGIN = "<!-- results:begin -->"
@@ -107,14 +107,24 @@ def cell_table(rows: list[dict], *, N: int, D: int, dtype: str, causal: int) -> 
 
 def throughput_ratios(rows: list[dict], *, dtype: str = "fp16", impl: str = "c",
                       peer: str = "sdpa_cudnn") -> dict[tuple[int, int, int], float]:
-    """``impl``'s TFLOPS over ``peer``'s in every (D, causal, N) cell that has both, same dtype."""
+    """``impl``'s TFLOPS over ``peer``'s in every (D, causal, N) cell that has both, same dtype.
+
+    Pass all rows (``results.load_rows``), not only the latest per cell: each ratio is taken from
+    the latest run that measured *both* impls in the cell, so the two sides were timed side by side
+    (a later run of only one of them, such as an ablation run, does not pair with an older run of
+    the other). A cell no run measured both in falls back to the latest row of each."""
     data = [r for r in views.plain(rows) if r["dtype"] == dtype and is_ok(r) and r["tflops"]]
     ratios: dict[tuple[int, int, int], float] = {}
     for D, causal, N in sorted({(r["D"], int(r["causal"]), r["N"]) for r in data}):
         at = views.cell_rows(data, N=N, D=D, dtype=dtype, causal=causal)
         mine, theirs = select(at, impl=impl), select(at, impl=peer)
-        if mine and theirs:
-            ratios[D, causal, N] = mine[-1]["tflops"] / theirs[-1]["tflops"]
+        if not (mine and theirs):
+            continue
+        common = {r["run_id"] for r in mine} & {r["run_id"] for r in theirs}
+        if common:
+            run = max(common)
+            mine, theirs = select(mine, run_id=run), select(theirs, run_id=run)
+        ratios[D, causal, N] = mine[-1]["tflops"] / theirs[-1]["tflops"]
     return ratios
 
 
@@ -136,7 +146,7 @@ def ratio_table(rows: list[dict], *, dtype: str = "fp16", impl: str = "c", peer:
     return "\n".join(lines)
 
 
-def render_table(rows: list[dict], env: dict, *, dtype: str = "fp16") -> str:
+def render_table(rows: list[dict], env: dict, *, dtype: str = "fp16", all_rows: list[dict] | None = None) -> str:
     """The README's results tables (Markdown) from de-duplicated rows and ``env.json``'s contents."""
     gpu = env.get("gpu_name") or "an unknown GPU"
     date = str(env.get("date") or "")[:10] or "undated"
@@ -162,7 +172,7 @@ def render_table(rows: list[dict], env: dict, *, dtype: str = "fp16") -> str:
     if not any_cell:
         parts.append(f"_No {dtype} rows at D = {' or '.join(map(str, views.HEADLINE_DS))} yet: "
                      f"run `{views.HINTS['rows']}`._")
-    ratio = ratio_table(rows, dtype=dtype)
+    ratio = ratio_table(all_rows if all_rows is not None else rows, dtype=dtype)
     if ratio:
         parts.append(ratio)
     return "\n\n".join(parts) + "\n"
@@ -178,9 +188,10 @@ def render_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> str:
     other figures present in ``<results_dir>/figures``."""
     results_dir, readme_dir = Path(results_dir), Path(readme_dir)
     rows, env = views.load(results_dir)
+    all_rows = load_rows(results_dir)
     rel = _posix_rel(results_dir, readme_dir)
-    parts = [_generated_note(rel), render_table(rows, env, dtype=dtype).rstrip("\n")]
-    reading = render_reading(rows, dtype=dtype)
+    parts = [_generated_note(rel), render_table(rows, env, dtype=dtype, all_rows=all_rows).rstrip("\n")]
+    reading = render_reading(rows, dtype=dtype, all_rows=all_rows)
     if reading:
         parts.append(reading)
     figures = [(name, caption) for name, caption in FIGURE_CAPTIONS if (results_dir / "figures" / name).exists()]
@@ -204,7 +215,7 @@ def _tflops_at(rows: list[dict], impl: str, **cell) -> float | None:
     return at[-1]["tflops"] if at else None
 
 
-def render_reading(rows: list[dict], *, dtype: str = "fp16") -> str:
+def render_reading(rows: list[dict], *, dtype: str = "fp16", all_rows: list[dict] | None = None) -> str:
     """Three sentences that read the headline numbers, computed from the rows (so they cannot go
     stale): what fusion bought, how far C is from the best vendor kernel, and where stages lose."""
     data = [r for r in views.plain(rows) if r["dtype"] == dtype]
@@ -222,7 +233,8 @@ def render_reading(rows: list[dict], *, dtype: str = "fp16") -> str:
     if a_bytes and b_bytes:
         out[-1] += f" and cuts the DRAM traffic {a_bytes / b_bytes:.0f}-fold ({fmt_bytes(a_bytes)} → {fmt_bytes(b_bytes)})"
     out[-1] += f"; the optimizations of stage C add another {t['c'] / t['b']:.2f}× on top."
-    ratios = sorted((ratio, D, bool(causal), n) for (D, causal, n), ratio in throughput_ratios(data, dtype=dtype).items()
+    paired = throughput_ratios(all_rows if all_rows is not None else data, dtype=dtype)
+    ratios = sorted((ratio, D, bool(causal), n) for (D, causal, n), ratio in paired.items()
                     if D in views.HEADLINE_DS and n >= 1024)
     if ratios:
         lo, hi = ratios[0], ratios[-1]
@@ -236,8 +248,8 @@ def render_reading(rows: list[dict], *, dtype: str = "fp16") -> str:
     ref_small = _tflops_at(data, "sdpa_cudnn", N=small, D=64, dtype=dtype, causal=False)
     loses = []
     if c_small and ref_small:
-        loses.append(f"at N = {small} stage C drops to {c_small / ref_small:.2f}× of cuDNN (each Q tile walks "
-                     f"only {max(1, small // 64)} K/V tiles there, so filling and draining the pipeline weigh more)")
+        loses.append(f"at N = {small} stage C drops to {c_small / ref_small:.2f}× of cuDNN (each block of query "
+                     f"rows walks only a few K/V tiles there, so its fixed start-up and epilogue costs weigh more)")
     if t["b_cuda"]:
         loses.append(f"the hand-written B (CUDA C++), whose scores run on the CUDA cores instead of the tensor "
                      f"cores, is {t['a'] / t['b_cuda']:.1f}× *slower* than stage A")
@@ -248,7 +260,7 @@ def render_reading(rows: list[dict], *, dtype: str = "fp16") -> str:
 
 def render_ratio_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> str:
     """Stage C against SDPA CUDNN over the whole sweep, fp16 and bf16, with min/median/max."""
-    rows, _env = views.load(results_dir)
+    rows = load_rows(results_dir)  # all runs: ratios pair the two impls within one run
     parts = [_generated_note(_posix_rel(Path(results_dir), Path(readme_dir)))]
     for dt in ("fp16", "bf16"):
         table = ratio_table(rows, dtype=dt)

@@ -1,7 +1,9 @@
 """Time per call, in ms: median and the 20th/80th percentiles.
 
-On a GPU: ``triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])`` after a
-warm call made by the caller (so compilation and autotuning are not timed). do_bench runs ``fn``
+On a GPU: ``triton.testing.do_bench(fn, warmup=100, rep=100, quantiles=[0.5, 0.2, 0.8])`` after a
+warm call made by the caller (so compilation and autotuning are not timed). The warmup is 100 ms,
+not do_bench's 25: compiling a kernel leaves the GPU idle for seconds, and a sub-millisecond
+kernel timed right after that can catch the clocks still ramping. do_bench runs ``fn``
 for ~100 ms of repetitions, clears the L2 cache before each one (it writes a 256 MB buffer), and
 times each with CUDA events; warmup/rep are in ms.
 
@@ -26,7 +28,7 @@ class Timing:
     method: str  # "do_bench" or "perf_counter"
 
 
-def bench_gpu(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100) -> Timing:
+def bench_gpu(fn: Callable[[], object], warmup_ms: int = 100, rep_ms: int = 100) -> Timing:
     """do_bench on the current CUDA device (call ``fn`` once before: compilation is not timed)."""
     import triton.testing
 

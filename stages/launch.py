@@ -50,7 +50,10 @@ class Launch:
                 isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0)
             if aligned:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-        src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+        source = ASTSource
+        if getattr(fn, "is_gluon", lambda: False)():
+            from triton.experimental.gluon._runtime import GluonASTSource as source
+        src = source(fn, signature, constexprs=constexprs, attrs=attrs)
         options = {"num_warps": self.num_warps, "num_stages": self.num_stages, **self.extra}
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
         return CompiledKernel(name=fn.__name__, asm=dict(compiled.asm), shared_bytes=int(compiled.metadata.shared),

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.inspect_code import count_instructions
+from harness.inspect_code import count_instructions, run_ptxas
 from stages import STAGES
+from stages.c_optimized import configs
 from stages.contract import Problem
 
 PROBLEM = Problem(B=4, H=32, N=4096, D=64, dtype="fp16")
@@ -82,3 +83,36 @@ def test_stage_c_shared_memory_fits_the_budget(compiled):
         (kernel,) = compiled["c", arch, False]
         limit = {80: 163 * 1024, 90: 227 * 1024}[arch]
         assert 0 < kernel.shared_bytes <= limit
+
+
+def test_stage_c_sm90_is_warp_specialized_with_softmax_overlapped(compiled):
+    """Untuned on Hopper, stage C runs the Gluon kernel. Its PTX shows the three ideas: partitions
+    that re-balance registers (setmaxnreg), bulk TMA copies on mbarriers, and a wgmma wait that
+    leaves one group (the P·V product) in flight while the softmax runs."""
+    (kernel,) = compiled["c", 90, False]
+    assert kernel.name == "ws_attention_kernel"
+    ptx = kernel.asm["ptx"]
+    assert "setmaxnreg.dec.sync.aligned.u32" in ptx and "setmaxnreg.inc.sync.aligned.u32" in ptx
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx
+    c = ops(ptx)
+    assert c["tma"] > 0 and c["mbarrier"] > 0 and c["wgmma"] > 0 and c["ex2"] > 0, c
+    no_ws = STAGES["c"].compile(PROBLEM, 90, warp_specialization=False)[0]
+    assert no_ws.name == "optimized_attention_kernel"
+    assert "wgmma.wait_group.sync.aligned 1;" not in no_ws.asm["ptx"], "tl's loop waits for every QKᵀ at once"
+
+
+@pytest.mark.parametrize("D", sorted(configs.WS_SHAPES))
+def test_every_warp_specialized_config_compiles_without_spills(D):
+    """Every candidate of the warp-specialized kernel assembles for sm_90 within the shared-memory
+    budget and without register spills worth the name. Two consumer warpgroups get 240 registers
+    per thread and spill nothing; three get 160, and at D = 64 causal ptxas spills 8 bytes
+    (three consumers at D = 128 spill ~1 KB, which is why they are not candidates)."""
+    for config in configs.WS_SHAPES[D]:
+        for causal in (False, True):
+            (kernel,) = STAGES["c"].compile(Problem(2, 4, 1000, D, "fp16", causal), 90, config=config)
+            assert kernel.name == "ws_attention_kernel"
+            assert kernel.shared_bytes <= 227 * 1024
+            facts = run_ptxas(kernel.asm["ptx"], "sm_90a")
+            assert "ptxas_error" not in facts, facts
+            allowed = 0 if config.consumers == 2 else 16
+            assert facts["spill_stores"] <= allowed and facts["spill_loads"] <= allowed, (str(config), causal, facts)

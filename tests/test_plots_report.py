@@ -259,3 +259,17 @@ def test_committed_h200_figures_regenerate(tmp_path):
     written = plots.plot_all(ROOT / "results" / "h200", out_dir=tmp_path)
     assert sorted(p.name for p in written) == sorted(plots.FIGURE_NAMES)
     assert all(p.stat().st_size > 10_000 for p in written)
+
+
+def test_ratios_pair_the_two_impls_within_one_run():
+    """A later run that re-measures only stage C (an ablation run) must not be divided by an older
+    run's cuDNN time: the ratio comes from the latest run that timed both side by side."""
+    rows = [r for r in build_rows() if r["N"] == 4096 and r["D"] == 64 and not r["causal"]
+            and r["kind"] in ("stage", "peer")]
+    both = {r["impl"]: r for r in rows}
+    first = report.throughput_ratios(rows)[64, 0, 4096]
+    assert first == pytest.approx(both["c"]["tflops"] / both["sdpa_cudnn"]["tflops"])
+    later_c = dict(both["c"], run_id="2026-11-30T09:00:00Z", tflops=both["c"]["tflops"] * 3)
+    assert report.throughput_ratios(rows + [later_c])[64, 0, 4096] == pytest.approx(first)
+    later_pair = [later_c, dict(both["sdpa_cudnn"], run_id="2026-11-30T09:00:00Z")]
+    assert report.throughput_ratios(rows + later_pair)[64, 0, 4096] == pytest.approx(3 * first)

@@ -10,7 +10,9 @@ import torch
 import stages
 from stages import STAGES, contract
 from stages.c_optimized import SWITCHES, VARIANTS, candidate_configs
+from stages.c_optimized import hopper_ws
 from stages.c_optimized import kernels as c_kernels
+from stages.launch import Launch
 
 from .helpers import DTYPES, check_against_reference, make_qkv
 
@@ -68,7 +70,7 @@ def _candidates():
     seen = []
     for arch in (80, 90):
         for D in (16, 64, 128):
-            for dtype in ("fp16", "fp32"):
+            for dtype in ("fp16", "bf16", "fp32") if arch == 90 else ("fp16", "fp32"):
                 for config in candidate_configs(D, DTYPES[dtype], arch):
                     seen.append((arch, D, dtype, config))
     return seen
@@ -80,11 +82,16 @@ def test_every_candidate_config_is_correct(arch, D, dtype, config, device):
     runs the TMA descriptor path in the interpreter; on a GPU only the device's own path runs."""
     if device == "cuda" and c_kernels.device_arch(torch.device("cuda")) < arch:
         pytest.skip(f"sm_{arch} path needs an sm_{arch} GPU")
+    if config.ws and device != "cuda":
+        pytest.skip("the warp-specialized Gluon kernel has no interpreter; test_compiled_code checks it on a CPU")
     for N, causal in ((193, True), (130, False)):
         q, k, v = make_qkv(2, 2, N, D, DTYPES[dtype], device)
         o = contract.new_output(q)
         plan = c_kernels.plan(q, k, v, o, causal=causal, scale=D ** -0.5, arch=arch, config=config)
-        assert plan[0].args["USE_TMA"] == (arch >= 90)
+        if config.ws:
+            assert plan[0].kernel is hopper_ws.ws_attention_kernel
+        else:
+            assert plan[0].args["USE_TMA"] == (arch >= 90)
         for launch in plan:
             launch.run()
         check_against_reference(o, q, k, v, causal=causal, dtype_name=dtype)
@@ -201,3 +208,29 @@ def test_gpu_strided_large(stage, layout):
     for causal in (False, True):
         o = STAGES[stage].attention(q, k, v, causal=causal)
         check_against_reference(o, q, k, v, causal=causal, dtype_name="fp16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("consumers", [2, 3])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_gpu_warp_specialized_persistent_programs(dtype, D, consumers):
+    """Three persistent programs for many work items: each program walks several (batch, head, row
+    block) items, so the K/V ring, the Q prefetch and the ping-pong turns carry over between items."""
+    if c_kernels.device_arch(torch.device("cuda")) != 90:
+        pytest.skip("the warp-specialized kernel is for sm_90")
+    if D == 128 and consumers == 3:
+        pytest.skip("three consumers at D = 128 spill registers; not a candidate")
+    for N, causal in ((1, True), (100, False), (257, True), (1000, False), (1000, True)):
+        q, k, v = make_qkv(3, 2, N, D, DTYPES[dtype], "cuda")
+        o = contract.new_output(q)
+        for persistent in (True, False):
+            grid, args, options = hopper_ws.plan_args(q, k, v, o, causal=causal, qk_scale=D ** -0.5 * c_kernels.LOG2E,
+                                                      block_n=128, stages=3, consumers=consumers,
+                                                      persistent=persistent, num_sms=3)
+            assert grid[0] == (3 if persistent else args["total"])
+            o.fill_(float("nan"))
+            Launch(hopper_ws.ws_attention_kernel, grid, args, num_warps=options["num_warps"],
+                   num_stages=options["num_stages"], extra={"maxnreg": options["maxnreg"]}).run()
+            torch.cuda.synchronize()
+            check_against_reference(o, q, k, v, causal=causal, dtype_name=dtype)

@@ -1,4 +1,5 @@
-"""Stage C: fused attention with pipelining, TMA, tuned tiles, exp2 and causal skipping (see README.md)."""
+"""Stage C: fused attention with pipelining, TMA, tuned tiles, exp2, causal skipping and, on Hopper,
+warp specialization (see README.md)."""
 
 from .. import register
 from ..contract import Stage
@@ -8,7 +9,7 @@ from .kernels import attention, compile, hbm_bytes, workspace_bytes
 #: The ablation. "+name": cumulative steps from stage B's settings (every switch off), adding one
 #: optimization at a time in this order; "-name": all on but one. The stage with no keyword
 #: arguments is the "all" row.
-SWITCHES = ("tuned_tiles", "pipelining", "tma", "exp2", "causal_skip")
+SWITCHES = ("tuned_tiles", "pipelining", "tma", "exp2", "causal_skip", "warp_specialization")
 _cumulative = {}
 for _i, _name in enumerate(SWITCHES):
     _cumulative["+" + _name] = {s: (j <= _i) for j, s in enumerate(SWITCHES)}
@@ -22,12 +23,14 @@ STAGE = register(Stage(
                 "software pipelining of K/V loads (cp.async / TMA, num_stages > 1)",
                 "TMA tensor descriptors on sm_90", "exp2 with log2(e) folded into the scale",
                 "causal tile skipping (mask only the diagonal)",
+                "Hopper: warp-specialized Gluon kernel (producer warp, ping-pong consumer warpgroups, "
+                "softmax overlapped with wgmma, persistent grid)",
                 "tensor-core MMA with register-resident accumulators (always on)",
                 "swizzled shared memory (always on)"),
     attention=attention,
     hbm_bytes=hbm_bytes,
     workspace_bytes=workspace_bytes,
-    kernel_names=("optimized_attention_kernel",),
+    kernel_names=("optimized_attention_kernel", "ws_attention_kernel"),
     variants=VARIANTS,
     compile=compile,
 ))

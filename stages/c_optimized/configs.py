@@ -28,23 +28,43 @@ TUNED_DIR = Path(__file__).with_name("tuned")
 
 @dataclass(frozen=True)
 class Config:
+    """A Triton-``tl`` kernel config ``M128-N64-w4-s3``, or, with ``ws``, one of the Hopper
+    warp-specialized kernel (``hopper_ws.py``): ``WS-M128-N128-s3-P`` has 128/64 = 2 consumer
+    warpgroups, 128-row K/V tiles, a 3-slot K/V ring and (``-P``) a persistent grid."""
+
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    ws: bool = False
+    persistent: bool = False
 
     def with_stages(self, num_stages: int) -> "Config":
         return replace(self, num_stages=num_stages)
 
+    @property
+    def consumers(self) -> int:
+        return self.block_m // 64
+
     def __str__(self) -> str:
+        if self.ws:
+            return f"WS-M{self.block_m}-N{self.block_n}-s{self.num_stages}" + ("-P" if self.persistent else "")
         return f"M{self.block_m}-N{self.block_n}-w{self.num_warps}-s{self.num_stages}"
 
     @classmethod
     def parse(cls, text: str) -> "Config":
         m = re.fullmatch(r"M(\d+)-N(\d+)-w(\d+)-s(\d+)", text)
-        if not m:
-            raise ValueError(f"config must look like 'M128-N64-w4-s3', got {text!r}")
-        return cls(*(int(g) for g in m.groups()))
+        if m:
+            return cls(*(int(g) for g in m.groups()))
+        m = re.fullmatch(r"WS-M(\d+)-N(\d+)-s(\d+)(-P)?", text)
+        if m:
+            bm, bn, st = (int(g) for g in m.groups()[:3])
+            return cls(bm, bn, 4 * (bm // 64), st, ws=True, persistent=bool(m.group(4)))
+        raise ValueError(f"config must look like 'M128-N64-w4-s3' or 'WS-M128-N128-s3-P', got {text!r}")
+
+
+def ws_config(block_m: int, block_n: int, num_stages: int, persistent: bool) -> Config:
+    return Config(block_m, block_n, 4 * (block_m // 64), num_stages, ws=True, persistent=persistent)
 
 
 #: Stage B's configuration. With every switch off, stage C runs exactly this.
@@ -61,7 +81,7 @@ def shared_memory_bytes(config: Config, D: int, element_bytes: int) -> int:
     229 400 B compiled vs 229 376 B estimated for 128×128 tiles, 3 stages, D = 128)."""
     q_tile = config.block_m * D * element_bytes
     kv_stage = 2 * config.block_n * D * element_bytes
-    return q_tile + max(config.num_stages, 1) * kv_stage
+    return q_tile + max(config.num_stages, 1) * kv_stage  # the same for the warp-specialized kernel
 
 
 def fits(config: Config, D: int, element_bytes: int, arch: int) -> bool:
@@ -69,8 +89,9 @@ def fits(config: Config, D: int, element_bytes: int, arch: int) -> bool:
     return shared_memory_bytes(config, D, element_bytes) + 1024 <= limit  # 1 KB for barriers and scratch
 
 
-def candidate_configs(D: int, dtype: torch.dtype, arch: int) -> list[Config]:
-    """The configurations worth trying for this head dim and GPU, best guess first; only those that fit."""
+def candidate_configs(D: int, dtype: torch.dtype, arch: int, warp_specialization: bool = True) -> list[Config]:
+    """The configurations worth trying for this head dim and GPU, best guess first; only those that
+    fit. On Hopper (fp16/bf16, D 64/128) the warp-specialized kernel's configs come first."""
     if dtype == torch.float32:
         # fp32 products run on the FMA units ("ieee"), registers are the limit: small tiles.
         shapes = [Config(64, 32, 4, 2), Config(32, 32, 4, 2)]
@@ -79,12 +100,12 @@ def candidate_configs(D: int, dtype: torch.dtype, arch: int) -> list[Config]:
         shapes = {
             16: [Config(128, 64, 4, 3), Config(128, 128, 4, 3)],
             32: [Config(128, 64, 4, 3), Config(128, 128, 4, 3)],
-            64: [Config(128, 64, 4, 3), Config(128, 64, 4, 4), Config(128, 128, 8, 3), Config(128, 128, 8, 4),
-                 Config(128, 128, 4, 2), Config(64, 64, 4, 3)],
-            128: [Config(128, 64, 8, 3), Config(128, 128, 8, 3), Config(128, 64, 8, 4), Config(128, 128, 8, 2),
-                  Config(128, 64, 4, 3), Config(64, 64, 4, 3)],
+            64: [Config(128, 64, 4, 3), Config(128, 64, 4, 4), Config(128, 128, 8, 3), Config(64, 64, 4, 3)],
+            128: [Config(128, 128, 8, 3), Config(128, 64, 8, 3), Config(128, 64, 4, 3), Config(64, 64, 4, 3)],
             256: [Config(64, 64, 4, 2), Config(64, 32, 4, 2), Config(128, 32, 8, 2)],
         }[D]
+        if warp_specialization and arch == 90 and D in WS_SHAPES:
+            shapes = WS_SHAPES[D] + shapes
     else:
         shapes = {
             16: [Config(128, 64, 4, 3), Config(64, 64, 4, 3)],
@@ -98,31 +119,53 @@ def candidate_configs(D: int, dtype: torch.dtype, arch: int) -> list[Config]:
     return fitting or [Config(32, 32, 4, 1)]
 
 
+#: The warp-specialized kernel's configs (sm_90, fp16/bf16). D = 64: three consumer warpgroups
+#: (192 query rows) share each K/V tile, as FlashAttention-3 does for small heads; D = 128: two,
+#: because three would spill registers (checked by a compiled-code test). Persistent and one
+#: program per work item both stay: which wins depends on N and causality (tuning.csv).
+WS_SHAPES = {
+    64: [ws_config(192, 128, 3, True), ws_config(192, 128, 3, False), ws_config(128, 128, 3, True)],
+    128: [ws_config(128, 128, 3, True), ws_config(128, 128, 3, False)],
+}
+
+
 def device_arch(device: torch.device | None) -> int:
     """Compute capability as 80, 90, ...; the portable sm_80 path for CPUs and the interpreter."""
     if device is not None and device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return 10 * major + minor
+        return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
     if device is None and torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        return 10 * major + minor
+        return _cuda_arch(torch.cuda.current_device())
     return 80
 
 
+@lru_cache(maxsize=None)
+def _cuda_arch(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return 10 * major + minor
+
+
+@lru_cache(maxsize=None)
 def gpu_slug() -> str | None:
     """This GPU's name as the tuning cache names it (None without a GPU)."""
     return slugify(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
 
 
 @lru_cache(maxsize=None)
-def tuned_table(slug: str | None) -> dict:
-    """The tuner's winners for one GPU: ``{"fp16/D64/causal0/N4096": "M128-N64-w4-s3", ...}``."""
+def num_sms(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (the persistent grid's size)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@lru_cache(maxsize=None)
+def tuned_table(slug: str | None, table: str = "best") -> dict:
+    """The tuner's winners for one GPU: ``{"fp16/D64/causal0/N4096": "M128-N64-w4-s3", ...}``.
+    ``table="best_tl"`` holds the best ``tl``-kernel config of each cell (warp specialization off)."""
     if slug is None:
         return {}
     path = TUNED_DIR / f"{slug}.json"
     if not path.exists():
         return {}
-    return json.loads(path.read_text()).get("best", {})
+    return json.loads(path.read_text()).get(table, {})
 
 
 def tuned_key(dtype: torch.dtype, D: int, causal: bool, N: int) -> str:
@@ -130,19 +173,22 @@ def tuned_key(dtype: torch.dtype, D: int, causal: bool, N: int) -> str:
     return f"{name}/D{D}/causal{int(causal)}/N{N}"
 
 
-def choose_config(D: int, dtype: torch.dtype, causal: bool, arch: int, N: int) -> Config:
-    """The tuned configuration for the nearest tuned N on this GPU, else the first candidate that fits."""
-    table = tuned_table(gpu_slug())
+@lru_cache(maxsize=4096)  # on every call's path: keep the launch short (see hopper_ws.plan_args)
+def choose_config(D: int, dtype: torch.dtype, causal: bool, arch: int, N: int,
+                  warp_specialization: bool = True) -> Config:
+    """The tuned configuration for the nearest tuned N on this GPU, else the first candidate that fits.
+    With ``warp_specialization=False`` only ``tl``-kernel configs are eligible."""
+    table = tuned_table(gpu_slug(), "best" if warp_specialization else "best_tl")
     if table:
         prefix = tuned_key(dtype, D, causal, 0).rsplit("/N", 1)[0]
         tuned_ns = sorted(int(k.rsplit("/N", 1)[1]) for k in table if k.startswith(prefix + "/N"))
         if not tuned_ns and dtype == torch.bfloat16:
             # bf16 has fp16's size and tensor-core rate: an fp16 winner is the best guess.
-            return choose_config(D, torch.float16, causal, arch, N)
+            return choose_config(D, torch.float16, causal, arch, N, warp_specialization)
         if tuned_ns:
             nearest = min(tuned_ns, key=lambda n: abs(n.bit_length() - N.bit_length()))
             config = Config.parse(table[tuned_key(dtype, D, causal, nearest)])
             e = torch.tensor([], dtype=dtype).element_size()
-            if fits(config, D, e, arch):
+            if fits(config, D, e, arch) and (warp_specialization or not config.ws):
                 return config
-    return candidate_configs(D, dtype, arch)[0]
+    return candidate_configs(D, dtype, arch, warp_specialization)[0]

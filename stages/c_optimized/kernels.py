@@ -24,6 +24,12 @@ per (Q tile, batch·head). What changes, each behind a switch so the harness can
 ``causal_skip``  Causal attention visits only K/V tiles at or below the diagonal: tiles wholly below
                  run mask-free, only the diagonal tiles pay for the mask, tiles above are never
                  loaded. Halves the work and the K/V traffic. Programs with the most work start first.
+``warp_specialization``  Hopper only (fp16/bf16, D 64/128): the kernel of ``hopper_ws.py``, written in
+                 Gluon. A producer warp feeds a ring of K/V buffers; two or three consumer
+                 warpgroups share each tile, take turns on the tensor cores (ping-pong), and each
+                 overlaps its softmax with its own previous P·V wgmma; optionally a persistent
+                 grid. It builds on every switch above, so it runs only when they are all on and the
+                 tuner found it faster for the problem's shape (``configs.WS_SHAPES``).
 
 Always on (no switch, because Triton gives no way to turn them off): tensor-core MMA (``mma.sync``
 + ``ldmatrix`` on sm_80, ``wgmma`` on sm_90) with fp32 accumulators resident in registers and the
@@ -45,7 +51,8 @@ import triton.language as tl
 
 from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_output, validate_inputs
 from ..launch import Launch, compiles_without_interpreter, meta_inputs
-from .configs import BASELINE, Config, choose_config, device_arch, shared_memory_bytes
+from . import hopper_ws
+from .configs import BASELINE, Config, choose_config, device_arch, num_sms, shared_memory_bytes
 
 LOG2E = 1.4426950408889634
 
@@ -187,12 +194,26 @@ def _tma_supported(arch: int, *tensors: torch.Tensor) -> bool:
 
 def plan(q, k, v, o, *, causal: bool, scale: float, arch: int, config: Config | None = None,
          tuned_tiles: bool = True, pipelining: bool = True, tma: bool = True, exp2: bool = True,
-         causal_skip: bool = True) -> list[Launch]:
+         causal_skip: bool = True, warp_specialization: bool = True) -> list[Launch]:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     B, H, N, D = q.shape
+    # The warp-specialized kernel has pipelining, TMA, exp2 and causal skipping built in.
+    # (Causal skipping only matters, and so only rules it out, for causal problems.)
+    ws_allowed = (warp_specialization and tuned_tiles and pipelining and tma and exp2 and (causal_skip or not causal)
+                  and hopper_ws.supported(q, D, arch) and _tma_supported(arch, q, k, v, o))
     if config is None:
-        config = choose_config(D, q.dtype, causal, arch, N) if tuned_tiles else BASELINE
+        config = choose_config(D, q.dtype, causal, arch, N, ws_allowed) if tuned_tiles else BASELINE
+    if config.ws:
+        if not ws_allowed:
+            raise ValueError(f"config {config} needs the warp-specialized kernel: sm_90, fp16/bf16, D 64 or 128, "
+                             f"16-byte aligned strides and every switch on (got arch={arch}, dtype={q.dtype}, D={D})")
+        sms = num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 132
+        grid, args, options = hopper_ws.plan_args(
+            q, k, v, o, causal=causal, qk_scale=scale * LOG2E, block_n=config.block_n, stages=config.num_stages,
+            consumers=config.consumers, persistent=config.persistent, num_sms=sms)
+        return [Launch(hopper_ws.ws_attention_kernel, grid, args, num_warps=options["num_warps"],
+                       num_stages=options["num_stages"], extra={"maxnreg": options["maxnreg"]})]
     if not pipelining:
         config = config.with_stages(1)
     use_tma = tma and _tma_supported(arch, q, k, v, o)
@@ -223,17 +244,17 @@ def plan(q, k, v, o, *, causal: bool, scale: float, arch: int, config: Config | 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               sm_scale: float | None = None, config: Config | None = None, tuned_tiles: bool = True,
               pipelining: bool = True, tma: bool = True, exp2: bool = True,
-              causal_skip: bool = True) -> torch.Tensor:
+              causal_skip: bool = True, warp_specialization: bool = True) -> torch.Tensor:
     """Optimized fused attention. Returns O [B, H, N, D].
 
-    ``config`` forces a tile configuration (the tests run every candidate); the five switches turn
+    ``config`` forces a tile configuration (the tests run every candidate); the six switches turn
     single optimizations off for the ablation (see the module docstring).
     """
     scale = validate_inputs(q, k, v, causal=causal, sm_scale=sm_scale)
     o = new_output(q)
     for launch in plan(q, k, v, o, causal=causal, scale=scale, arch=device_arch(q.device), config=config,
                        tuned_tiles=tuned_tiles, pipelining=pipelining, tma=tma, exp2=exp2,
-                       causal_skip=causal_skip):
+                       causal_skip=causal_skip, warp_specialization=warp_specialization):
         launch.run()
     return o
 
@@ -248,7 +269,8 @@ def compile(problem: Problem, arch: int, **switches) -> list[CompiledKernel]:
 
 
 def hbm_bytes(p: Problem, config: Config | None = None, causal_skip: bool = True, tuned_tiles: bool = True,
-              **_other_switches) -> HbmTraffic:
+              warp_specialization: bool = True, pipelining: bool = True, tma: bool = True, exp2: bool = True,
+              **_other) -> HbmTraffic:
     """Bytes requested from device memory by one call with the tile config the stage would choose.
 
     Non-causal: Q read once, K and V read once per Q tile (⌈N/BLOCK_M⌉ times), O written once, as in
@@ -256,10 +278,15 @@ def hbm_bytes(p: Problem, config: Config | None = None, causal_skip: bool = True
     [0, min((i+1)·BLOCK_M, N)), so K and V are read Σ_i min((i+1)·BLOCK_M, N) rows: about half.
     The config is the one ``choose_config`` picks for this problem on the current device (the
     default table when there is no GPU); the ablation switches are accepted like ``attention``'s,
-    and ``tuned_tiles`` and ``causal_skip`` change the bytes (pipelining, TMA and exp2 do not).
+    and change the bytes only through BLOCK_M (``tuned_tiles``, ``warp_specialization``: the
+    warp-specialized kernel's work item is its consumers' rows together) and ``causal_skip``.
     """
     if config is None:
-        config = choose_config(p.D, DTYPES[p.dtype], p.causal, device_arch(None), p.N) if tuned_tiles else BASELINE
+        dtype = DTYPES[p.dtype]
+        arch = device_arch(None)
+        ws = (warp_specialization and pipelining and tma and exp2 and (causal_skip or not p.causal) and arch == 90
+              and dtype != torch.float32 and p.D in (64, 128))
+        config = choose_config(p.D, dtype, p.causal, arch, p.N, ws) if tuned_tiles else BASELINE
     BM = config.block_m
     row = p.D * p.element_bytes
     tiles = cdiv(p.N, BM)

@@ -5,7 +5,8 @@
 
 For every (dtype, D, causal, N) it times each candidate of ``configs.candidate_configs`` (all of
 which the tests prove correct) with ``triton.testing.do_bench`` and writes the fastest to
-``tuned/<gpu-slug>.json``, which ``choose_config`` reads. Every timing goes to the CSV too, so the
+``tuned/<gpu-slug>.json``, which ``choose_config`` reads: under ``best`` the fastest of all, under
+``best_tl`` the fastest ``tl``-kernel config (what runs with warp specialization switched off). Every timing goes to the CSV too, so the
 choice can be checked. Shapes follow the FlashAttention-paper setting: B·N = 16384 tokens,
 H·D = 2048.
 """
@@ -41,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     arch = configs.device_arch(torch.device("cuda"))
     slug = configs.gpu_slug()
     path = configs.TUNED_DIR / f"{slug}.json"
-    data = json.loads(path.read_text()) if path.exists() else {"gpu": torch.cuda.get_device_name(), "best": {}}
+    data = json.loads(path.read_text()) if path.exists() else {"gpu": torch.cuda.get_device_name()}
+    data.setdefault("best", {})
+    data.setdefault("best_tl", {})
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     rows = []
     for dtype_name in args.dtype.split(","):
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                     B, H = max(1, 16384 // N), max(1, 2048 // D)
                     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype) for _ in range(3))
                     flops = 4.0 * B * H * N * N * D / (2 if causal else 1)
-                    best = None
+                    best = best_tl = None
                     for config in configs.candidate_configs(D, dtype, arch):
                         try:
                             fn = lambda: attention(q, k, v, causal=causal, config=config)  # noqa: E731
@@ -66,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
                                      "config": str(config), "ms": f"{ms:.4f}", "tflops": f"{tflops:.1f}"})
                         if best is None or ms < best[1]:
                             best = (config, ms, tflops)
+                        if not config.ws and (best_tl is None or ms < best_tl[1]):
+                            best_tl = (config, ms, tflops)
+                    if best_tl:
+                        data["best_tl"][configs.tuned_key(dtype, D, causal, N)] = str(best_tl[0])
                     if best:
                         data["best"][configs.tuned_key(dtype, D, causal, N)] = str(best[0])
                         print(f"{dtype_name} D={D} causal={int(causal)} N={N}: {best[0]} {best[2]:.0f} TFLOPS"
@@ -75,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     data["arch"] = arch
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     configs.tuned_table.cache_clear()
+    configs.choose_config.cache_clear()
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))

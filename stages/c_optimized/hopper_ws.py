@@ -1,0 +1,346 @@
+"""Stage C's Hopper path: warp specialization and softmax overlapped with the tensor cores.
+
+Written in Gluon (``triton.experimental.gluon``), Triton's lower-level dialect, because Triton 3.6
+cannot get here from ``tl`` code: its automatic warp specialization does not compile this loop for
+sm_90, and its pipeliner waits for every ``Q·Kᵀ`` wgmma right after issuing it (see NOTES.md). Gluon
+lets the kernel say explicitly what FlashAttention-3 does on Hopper:
+
+* **Warp specialization.** One *producer* warp only issues TMA copies of K and V tiles into a ring
+  of ``STAGES`` shared-memory buffers; two or three *consumer* warpgroups (4 warps each) only
+  compute. They talk through mbarriers: ``ready`` (the copy engine signals bytes arrived) and
+  ``empty`` (every consumer signals it is done reading a buffer). The producer gives its registers
+  away (``setmaxnreg``: 24 per thread) so the consumers can hold bigger tiles.
+* **Consumers share K/V.** A work item is 64 query rows per consumer (128 or 192) of one
+  (batch, head); every K/V tile is loaded once for all consumers.
+* **Ping-pong.** The consumers pass a token through a pair of mbarriers before issuing their
+  matrix products, so one warpgroup's softmax lines up with another's wgmma.
+* **Intra-warpgroup overlap.** Inside one consumer, iteration j issues ``S_j = Q·K_jᵀ`` and then
+  ``O += P_{j-1}·V_{j-1}`` as asynchronous wgmma, waits only for ``S_j``, and computes the softmax of
+  ``S_j`` while ``P_{j-1}·V_{j-1}`` is still running on the tensor cores. It waits for that one only
+  right before rescaling O. The softmax leaves the critical path.
+* **P never leaves registers**: the probabilities are converted in registers to the A-operand
+  layout of the second wgmma; O is normalized in registers and stored straight to global memory
+  (masked past N), which keeps the Q buffer free for the next item's prefetch.
+* **Persistent grid** (optional): one program per SM walks work items; the producer runs ahead into
+  the next item and each consumer prefetches its next Q block before storing O.
+
+Everything else is stage C's algorithm: online softmax in base 2 with the scale folded in, causal
+tiles above the diagonal never loaded, masks only on the tiles that need them.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+#: Query rows per consumer warpgroup: wgmma's M is 64 per warpgroup.
+ROWS_PER_CONSUMER = 64
+
+
+@gluon.jit
+def _tile_coords(t, n_m, BH, H, ROWS_PER_PROGRAM: gl.constexpr, CAUSAL: gl.constexpr, LPT: gl.constexpr):
+    """Work item t -> (batch, head, first query row).
+
+    Head-major order: consecutive items share a head, so programs running at the same time read the
+    same K/V from L2. ``LPT`` (causal only): longest items first across all heads (row block major),
+    so that items dealt round-robin to a persistent grid add up to nearly equal work per program."""
+    if LPT:
+        r = n_m - 1 - t // BH
+        bh = t % BH
+    else:
+        bh = t // n_m
+        r = t % n_m
+        if CAUSAL:
+            r = n_m - 1 - r  # longest first within a head
+    return bh // H, bh % H, r * ROWS_PER_PROGRAM
+
+
+@gluon.jit
+def _kv_range(start_m, N, ROWS_PER_PROGRAM: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """How many K/V tiles a work item visits, and how many of the first ones need no mask."""
+    if CAUSAL:
+        hi = gl.minimum(start_m + ROWS_PER_PROGRAM, N)
+        n_unmasked = gl.minimum(start_m, N) // BLOCK_N  # tiles wholly left of the diagonal
+    else:
+        hi = N
+        n_unmasked = N // BLOCK_N
+    return gl.cdiv(hi, BLOCK_N), n_unmasked
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM: gl.constexpr, BLOCK_N: gl.constexpr,
+              CAUSAL: gl.constexpr, LPT: gl.constexpr):
+    """One warp: keep the K/V ring full. Waits until every consumer released a buffer, then asks the
+    copy engine for the next K and V tiles; each copy signals its ``ready`` barrier on arrival. It
+    runs ahead into the next work item while the consumers finish the current one."""
+    k_bufs, v_bufs, k_ready, v_ready, kv_empty = ring
+    STAGES: gl.constexpr = k_bufs.shape[0]
+    it = 0
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        b, h, start_m = _tile_coords(t, n_m, total // n_m, H, ROWS_PER_PROGRAM, CAUSAL, LPT)
+        n_tiles, n_unmasked = _kv_range(start_m, N, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL)
+        for j in range(n_tiles):
+            s = it % STAGES
+            # A fresh mbarrier counts as "phase 1 completed", so the first lap does not wait.
+            mbarrier.wait(kv_empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [b, h, j * BLOCK_N, 0], k_ready.index(s), k_bufs.index(s))
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [b, h, j * BLOCK_N, 0], v_ready.index(s), v_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _softmax_step(S, m_i, l_i, cols, rows, N, qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """Online-softmax update for one score tile (base 2, scale folded in): returns P (fp32), the
+    rescale factor alpha for the running output, and the new running max and sum."""
+    if MASK:
+        valid = gl.expand_dims(cols, 0) < N
+        if CAUSAL:
+            valid = valid & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
+        S = gl.where(valid, S, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(S, axis=1) * qk_scale)
+    p = gl.exp2(S * qk_scale - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _my_turn(turns, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong scheduling: consumer WG issues its k-th batch of wgmma only after the previous
+    consumer issued its own, so one warpgroup's softmax lines up with the other's matrix products."""
+    if PINGPONG:
+        if WG == 0:
+            mbarrier.wait(turns.index(0), (k & 1) ^ 1)  # consumer 0 goes first
+        else:
+            mbarrier.wait(turns.index(WG), k & 1)
+
+
+@gluon.jit
+def _pass_turn(turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turns.index((WG + 1) % CONSUMERS), count=1)
+
+
+@gluon.jit
+def _consume_tile(j, it, k, acc, p_prev, m_i, l_i, q_tile, ring, turns, rows, N, qk_scale,
+                  s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+                  WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
+                  MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """K/V tile j of a work item (ring slot it+j): S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1} in flight
+    together; softmax(S_j) runs while the second one is still on the tensor cores."""
+    k_bufs, v_bufs, k_ready, v_ready, kv_empty = ring
+    STAGES: gl.constexpr = k_bufs.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.shape[3]
+    D: gl.constexpr = k_bufs.shape[4]
+    ROWS: gl.constexpr = q_tile.shape[0]
+    cur = it + j
+    s = cur % STAGES
+    sp = (cur - 1) % STAGES
+    mbarrier.wait(k_ready.index(s), (cur // STAGES) & 1)
+    _my_turn(turns, k + j, WG, PINGPONG)
+    S = warpgroup_mma(q_tile, k_bufs.index(s).reshape([BLOCK_N, D]).permute((1, 0)),
+                      gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(sp), ((cur - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p_prev, v_bufs.index(sp).reshape([BLOCK_N, D]), acc, is_async=True)
+    _pass_turn(turns, WG, CONSUMERS, PINGPONG)
+    # wgmma groups retire in order: "at most one outstanding" means S_j is done, P·V may not be.
+    S = warpgroup_mma_wait(1, deps=(S, ))
+    cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    p, alpha, m_i, l_i = _softmax_step(S, m_i, l_i, cols, rows, N, qk_scale, MASK, CAUSAL)
+    acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+    mbarrier.arrive(kv_empty.index(sp), count=1)  # this consumer is done with slot cur-1
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    p_prev = gl.convert_layout(p.to(q_tile.dtype), p_layout)
+    return acc, p_prev, m_i, l_i
+
+
+@gluon.jit
+def _consumer(q_desc, O, stride_ob, stride_oh, stride_on, q_smem, q_bar, ring, turns, H, N, n_m, total, qk_scale,
+              WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
+              EVEN_N: gl.constexpr, LPT: gl.constexpr):
+    """One warpgroup: for each work item of this program, the whole flash loop for its 64 rows."""
+    k_bufs, v_bufs, k_ready, v_ready, kv_empty = ring
+    STAGES: gl.constexpr = k_bufs.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.shape[3]
+    D: gl.constexpr = k_bufs.shape[4]
+    ROWS: gl.constexpr = q_smem.shape[2]
+    ROWS_PER_PROGRAM: gl.constexpr = ROWS * CONSUMERS
+    NEED_MASK: gl.constexpr = CAUSAL or not EVEN_N
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q_tile = q_smem.reshape([ROWS, D])
+
+    t = gl.program_id(0)
+    b, h, start_m = _tile_coords(t, n_m, total // n_m, H, ROWS_PER_PROGRAM, CAUSAL, LPT)
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, h, start_m + WG * ROWS, 0], q_bar, q_smem)
+    it = 0        # K/V ring slots consumed so far
+    item = 0      # work items done so far (parity of the Q barrier)
+    while t < total:
+        row0 = start_m + WG * ROWS
+        n_tiles, n_unmasked = _kv_range(start_m, N, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL)
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        k = it + item  # wgmma batches issued so far (ping-pong turn counter)
+        mbarrier.wait(q_bar, item & 1)
+
+        # Tile 0: nothing to overlap with yet. Masked whenever any tile may need a mask; one tile
+        # of selects is cheap and keeps a single prologue.
+        s0 = it % STAGES
+        mbarrier.wait(k_ready.index(s0), (it // STAGES) & 1)
+        _my_turn(turns, k, WG, PINGPONG)
+        S = warpgroup_mma(q_tile, k_bufs.index(s0).reshape([BLOCK_N, D]).permute((1, 0)),
+                          gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        _pass_turn(turns, WG, CONSUMERS, PINGPONG)
+        S = warpgroup_mma_wait(0, deps=(S, ))
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        p, alpha, m_i, l_i = _softmax_step(S, m_i, l_i, cols, rows, N, qk_scale, NEED_MASK, CAUSAL)
+        p_prev = gl.convert_layout(p.to(q_tile.dtype), p_layout)
+        acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+
+        # Tiles wholly inside the valid region, then the ones that need the causal / ragged-N mask.
+        for j in range(1, n_unmasked):
+            acc, p_prev, m_i, l_i = _consume_tile(j, it, k, acc, p_prev, m_i, l_i, q_tile, ring, turns, rows, N,
+                                                  qk_scale, s_layout, o_layout, p_layout, WG, CONSUMERS, PINGPONG,
+                                                  False, CAUSAL)
+        for j in range(gl.maximum(n_unmasked, 1), n_tiles):
+            acc, p_prev, m_i, l_i = _consume_tile(j, it, k, acc, p_prev, m_i, l_i, q_tile, ring, turns, rows, N,
+                                                  qk_scale, s_layout, o_layout, p_layout, WG, CONSUMERS, PINGPONG,
+                                                  NEED_MASK, CAUSAL)
+
+        # Epilogue: the last P·V.
+        sl = (it + n_tiles - 1) % STAGES
+        mbarrier.wait(v_ready.index(sl), ((it + n_tiles - 1) // STAGES) & 1)
+        _my_turn(turns, k + n_tiles, WG, PINGPONG)
+        acc = warpgroup_mma(p_prev, v_bufs.index(sl).reshape([BLOCK_N, D]), acc, is_async=True)
+        _pass_turn(turns, WG, CONSUMERS, PINGPONG)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(kv_empty.index(sl), count=1)
+        it += n_tiles
+        item += 1
+
+        # Q is no longer read: fetch the next work item's rows while this one is normalized and stored.
+        t_next = t + gl.num_programs(0)
+        b_next, h_next, start_next = _tile_coords(t_next, n_m, total // n_m, H, ROWS_PER_PROGRAM, CAUSAL, LPT)
+        more = t_next < total
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes, pred=more)
+        tma.async_copy_global_to_shared(q_desc, [b_next, h_next, start_next + WG * ROWS, 0], q_bar, q_smem,
+                                        pred=more)
+
+        out = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
+        o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+        o_cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = (O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+                  + gl.expand_dims(o_rows, 1) * stride_on + gl.expand_dims(o_cols, 0))
+        gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(o_rows, 1) < N)
+        t = t_next
+        b = b_next
+        h = h_next
+        start_m = start_next
+
+
+@gluon.jit
+def ws_attention_kernel(q_desc, k_desc, v_desc, O, stride_ob, stride_oh, stride_on, qk_scale, H, N, n_m, total,
+                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                        PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, EVEN_N: gl.constexpr, LPT: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr):
+    """Grid: one program per SM (persistent) or per work item; work item t covers
+    ``CONSUMERS × 64`` query rows of one (batch, head). See the module docstring."""
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    ROWS_PER_PROGRAM: gl.constexpr = ROWS * CONSUMERS
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(turns.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+    ring = (k_bufs, v_bufs, k_ready, v_ready, kv_empty)
+
+    # The same consumer function runs in the default partition (WG 0) and in worker partitions.
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(0), q_bars.index(0), ring, turns,
+                         H, N, n_m, total, qk_scale, 0, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, LPT)),
+            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(1), q_bars.index(1), ring, turns,
+                         H, N, n_m, total, qk_scale, 1, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, LPT)),
+            (_producer, (k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, LPT)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(0), q_bars.index(0), ring, turns,
+                         H, N, n_m, total, qk_scale, 0, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, LPT)),
+            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(1), q_bars.index(1), ring, turns,
+                         H, N, n_m, total, qk_scale, 1, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, LPT)),
+            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(2), q_bars.index(2), ring, turns,
+                         H, N, n_m, total, qk_scale, 2, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, LPT)),
+            (_producer, (k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, LPT)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+
+
+@lru_cache(maxsize=None)
+def _smem_layout(block: tuple, dtype: str) -> gl.NVMMASharedLayout:
+    """The swizzled shared-memory layout TMA writes a tile in (computed once per tile shape: the
+    launch path runs on every call and must stay short, see ``plan_args``)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype])
+
+
+def descriptors(q, k, v, block_n: int):
+    """4-D TMA descriptors over [B, H, N, D] with the tensors' own strides (the N bound is per head,
+    so a ragged last tile reads zeros instead of the next head)."""
+    D = q.shape[-1]
+    dtype = {torch.float16: "fp16", torch.bfloat16: "bf16"}[q.dtype]
+
+    def desc(t, rows):
+        block = (1, 1, rows, D)
+        return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _smem_layout(block, dtype))
+
+    return desc(q, ROWS_PER_CONSUMER), desc(k, block_n), desc(v, block_n)
+
+
+def supported(q: torch.Tensor, D: int, arch: int) -> bool:
+    """The warp-specialized path covers Hopper, fp16/bf16 and D in {64, 128}."""
+    return arch == 90 and q.dtype in (torch.float16, torch.bfloat16) and D in (64, 128)
+
+
+def plan_args(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int, consumers: int = 2,
+              pingpong: bool = True, persistent: bool = True, lpt: bool | None = None, num_sms: int = 132):
+    """Grid, kernel arguments and launch options for ``ws_attention_kernel``.
+
+    This runs on every call, on the host, before the GPU sees the kernel, so it is kept short:
+    when it takes longer than the previous kernel on the stream, the GPU idles and a small problem
+    measures the host instead of the kernel (``do_bench`` times from the event before the call)."""
+    B, H, N, D = q.shape
+    q_desc, k_desc, v_desc = descriptors(q, k, v, block_n)
+    n_m = -(-N // (ROWS_PER_CONSUMER * consumers))
+    total = n_m * B * H
+    grid = (min(total, num_sms) if persistent else total,)
+    args = dict(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, O=o, stride_ob=o.stride(0), stride_oh=o.stride(1),
+                stride_on=o.stride(2), qk_scale=qk_scale, H=H, N=N, n_m=n_m, total=total, BLOCK_N=block_n,
+                STAGES=stages, CONSUMERS=consumers, PINGPONG=pingpong, CAUSAL=causal,
+                EVEN_N=(N % block_n == 0), LPT=(causal and persistent) if lpt is None else (causal and lpt),
+                CONSUMER_REGS=240 if consumers == 2 else 160)
+    # 4 warps run the default partition (consumer 0); the workers add 4 per further consumer and 1
+    # producer warp, rounded up to whole warpgroups. maxnreg sets the register pool they share:
+    # 65536 registers over all the threads.
+    threads = 128 * (consumers + 1)
+    return grid, args, dict(num_warps=4, num_stages=1, maxnreg=(65536 // threads) // 8 * 8)
