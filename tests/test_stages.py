@@ -12,7 +12,6 @@ from stages import STAGES, contract
 from stages.c_optimized import SWITCHES, VARIANTS, candidate_configs
 from stages.c_optimized import hopper_ws
 from stages.c_optimized import kernels as c_kernels
-from stages.launch import Launch
 
 from .helpers import DTYPES, check_against_reference, make_qkv
 
@@ -225,12 +224,10 @@ def test_gpu_warp_specialized_persistent_programs(dtype, D, consumers):
         q, k, v = make_qkv(3, 2, N, D, DTYPES[dtype], "cuda")
         o = contract.new_output(q)
         for persistent in (True, False):
-            grid, args, options = hopper_ws.plan_args(q, k, v, o, causal=causal, qk_scale=D ** -0.5 * c_kernels.LOG2E,
-                                                      block_n=128, stages=3, consumers=consumers,
-                                                      persistent=persistent, num_sms=3)
-            assert grid[0] == (3 if persistent else args["total"])
+            launch = hopper_ws.plan(q, k, v, o, causal=causal, qk_scale=D ** -0.5 * c_kernels.LOG2E, block_n=128,
+                                    stages=3, consumers=consumers, persistent=persistent, num_sms=3)
+            assert launch.grid[0] == (3 if persistent else launch.args["total"])
             o.fill_(float("nan"))
-            Launch(hopper_ws.ws_attention_kernel, grid, args, num_warps=options["num_warps"],
-                   num_stages=options["num_stages"], extra={"maxnreg": options["maxnreg"]}).run()
+            launch.run()
             torch.cuda.synchronize()
             check_against_reference(o, q, k, v, causal=causal, dtype_name=dtype)

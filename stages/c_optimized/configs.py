@@ -59,11 +59,12 @@ class Config:
         m = re.fullmatch(r"WS-M(\d+)-N(\d+)-s(\d+)(-P)?", text)
         if m:
             bm, bn, st = (int(g) for g in m.groups()[:3])
-            return cls(bm, bn, 4 * (bm // 64), st, ws=True, persistent=bool(m.group(4)))
+            return ws_config(bm, bn, st, persistent=bool(m.group(4)))
         raise ValueError(f"config must look like 'M128-N64-w4-s3' or 'WS-M128-N128-s3-P', got {text!r}")
 
 
 def ws_config(block_m: int, block_n: int, num_stages: int, persistent: bool) -> Config:
+    """A warp-specialized config: ``block_m // 64`` consumer warpgroups of 4 warps each."""
     return Config(block_m, block_n, 4 * (block_m // 64), num_stages, ws=True, persistent=persistent)
 
 
@@ -132,10 +133,14 @@ WS_SHAPES = {
 def device_arch(device: torch.device | None) -> int:
     """Compute capability as 80, 90, ...; the portable sm_80 path for CPUs and the interpreter."""
     if device is not None and device.type == "cuda":
-        return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+        return _cuda_arch(_cuda_index(device))
     if device is None and torch.cuda.is_available():
         return _cuda_arch(torch.cuda.current_device())
     return 80
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @lru_cache(maxsize=None)
@@ -150,9 +155,13 @@ def gpu_slug() -> str | None:
     return slugify(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
 
 
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the persistent grid's size)."""
+    return _cuda_sms(_cuda_index(device))
+
+
 @lru_cache(maxsize=None)
-def num_sms(index: int) -> int:
-    """Streaming multiprocessors of CUDA device ``index`` (the persistent grid's size)."""
+def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -173,7 +182,7 @@ def tuned_key(dtype: torch.dtype, D: int, causal: bool, N: int) -> str:
     return f"{name}/D{D}/causal{int(causal)}/N{N}"
 
 
-@lru_cache(maxsize=4096)  # on every call's path: keep the launch short (see hopper_ws.plan_args)
+@lru_cache(maxsize=4096)  # on every call's path: keep the launch short (see hopper_ws.plan)
 def choose_config(D: int, dtype: torch.dtype, causal: bool, arch: int, N: int,
                   warp_specialization: bool = True) -> Config:
     """The tuned configuration for the nearest tuned N on this GPU, else the first candidate that fits.

@@ -38,6 +38,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
+from ..launch import Launch
+
 #: Query rows per consumer warpgroup: wgmma's M is 64 per warpgroup.
 ROWS_PER_CONSUMER = 64
 
@@ -300,7 +302,7 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, O, stride_ob, stride_oh, stride_
 @lru_cache(maxsize=None)
 def _smem_layout(block: tuple, dtype: str) -> gl.NVMMASharedLayout:
     """The swizzled shared-memory layout TMA writes a tile in (computed once per tile shape: the
-    launch path runs on every call and must stay short, see ``plan_args``)."""
+    launch path runs on every call and must stay short, see ``plan``)."""
     return gl.NVMMASharedLayout.get_default_for(list(block), {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype])
 
 
@@ -317,17 +319,17 @@ def descriptors(q, k, v, block_n: int):
     return desc(q, ROWS_PER_CONSUMER), desc(k, block_n), desc(v, block_n)
 
 
-def supported(q: torch.Tensor, D: int, arch: int) -> bool:
+def supported(dtype: torch.dtype, D: int, arch: int) -> bool:
     """The warp-specialized path covers Hopper, fp16/bf16 and D in {64, 128}."""
-    return arch == 90 and q.dtype in (torch.float16, torch.bfloat16) and D in (64, 128)
+    return arch == 90 and dtype in (torch.float16, torch.bfloat16) and D in (64, 128)
 
 
-def plan_args(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int, consumers: int = 2,
-              pingpong: bool = True, persistent: bool = True, lpt: bool | None = None, num_sms: int = 132):
-    """Grid, kernel arguments and launch options for ``ws_attention_kernel``.
+def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int, consumers: int = 2,
+         pingpong: bool = True, persistent: bool = True, lpt: bool | None = None, num_sms: int = 132) -> Launch:
+    """The launch of ``ws_attention_kernel`` for these tensors: grid, arguments and options.
 
-    This runs on every call, on the host, before the GPU sees the kernel, so it is kept short:
-    when it takes longer than the previous kernel on the stream, the GPU idles and a small problem
+    This runs on every call, on the host, before the GPU sees the kernel, so it is kept short: when
+    it takes longer than the work queued ahead of it on the stream, the GPU idles and a small problem
     measures the host instead of the kernel (``do_bench`` times from the event before the call)."""
     B, H, N, D = q.shape
     q_desc, k_desc, v_desc = descriptors(q, k, v, block_n)
@@ -343,4 +345,5 @@ def plan_args(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages
     # producer warp, rounded up to whole warpgroups. maxnreg sets the register pool they share:
     # 65536 registers over all the threads.
     threads = 128 * (consumers + 1)
-    return grid, args, dict(num_warps=4, num_stages=1, maxnreg=(65536 // threads) // 8 * 8)
+    return Launch(ws_attention_kernel, grid, args, num_warps=4, num_stages=1,
+                  extra={"maxnreg": (65536 // threads) // 8 * 8})

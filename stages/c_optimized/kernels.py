@@ -192,28 +192,33 @@ def _tma_supported(arch: int, *tensors: torch.Tensor) -> bool:
     return True
 
 
+def _ws_switches_on(causal: bool, *, tuned_tiles: bool, pipelining: bool, tma: bool, exp2: bool,
+                    causal_skip: bool, warp_specialization: bool) -> bool:
+    """Whether the switches let the warp-specialized kernel run: it has pipelining, TMA, exp2 and
+    causal skipping built in (causal skipping only matters, and so only rules it out, for causal
+    problems) and is one of the tuned configurations."""
+    return (warp_specialization and tuned_tiles and pipelining and tma and exp2
+            and (causal_skip or not causal))
+
+
 def plan(q, k, v, o, *, causal: bool, scale: float, arch: int, config: Config | None = None,
          tuned_tiles: bool = True, pipelining: bool = True, tma: bool = True, exp2: bool = True,
          causal_skip: bool = True, warp_specialization: bool = True) -> list[Launch]:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     B, H, N, D = q.shape
-    # The warp-specialized kernel has pipelining, TMA, exp2 and causal skipping built in.
-    # (Causal skipping only matters, and so only rules it out, for causal problems.)
-    ws_allowed = (warp_specialization and tuned_tiles and pipelining and tma and exp2 and (causal_skip or not causal)
-                  and hopper_ws.supported(q, D, arch) and _tma_supported(arch, q, k, v, o))
+    ws_allowed = (_ws_switches_on(causal, tuned_tiles=tuned_tiles, pipelining=pipelining, tma=tma, exp2=exp2,
+                                  causal_skip=causal_skip, warp_specialization=warp_specialization)
+                  and hopper_ws.supported(q.dtype, D, arch) and _tma_supported(arch, q, k, v, o))
     if config is None:
         config = choose_config(D, q.dtype, causal, arch, N, ws_allowed) if tuned_tiles else BASELINE
     if config.ws:
         if not ws_allowed:
             raise ValueError(f"config {config} needs the warp-specialized kernel: sm_90, fp16/bf16, D 64 or 128, "
                              f"16-byte aligned strides and every switch on (got arch={arch}, dtype={q.dtype}, D={D})")
-        sms = num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 132
-        grid, args, options = hopper_ws.plan_args(
-            q, k, v, o, causal=causal, qk_scale=scale * LOG2E, block_n=config.block_n, stages=config.num_stages,
-            consumers=config.consumers, persistent=config.persistent, num_sms=sms)
-        return [Launch(hopper_ws.ws_attention_kernel, grid, args, num_warps=options["num_warps"],
-                       num_stages=options["num_stages"], extra={"maxnreg": options["maxnreg"]})]
+        return [hopper_ws.plan(q, k, v, o, causal=causal, qk_scale=scale * LOG2E, block_n=config.block_n,
+                               stages=config.num_stages, consumers=config.consumers, persistent=config.persistent,
+                               num_sms=num_sms(q.device) if q.is_cuda else 132)]
     if not pipelining:
         config = config.with_stages(1)
     use_tma = tma and _tma_supported(arch, q, k, v, o)
@@ -282,10 +287,10 @@ def hbm_bytes(p: Problem, config: Config | None = None, causal_skip: bool = True
     warp-specialized kernel's work item is its consumers' rows together) and ``causal_skip``.
     """
     if config is None:
-        dtype = DTYPES[p.dtype]
-        arch = device_arch(None)
-        ws = (warp_specialization and pipelining and tma and exp2 and (causal_skip or not p.causal) and arch == 90
-              and dtype != torch.float32 and p.D in (64, 128))
+        dtype, arch = DTYPES[p.dtype], device_arch(None)
+        ws = (_ws_switches_on(p.causal, tuned_tiles=tuned_tiles, pipelining=pipelining, tma=tma, exp2=exp2,
+                              causal_skip=causal_skip, warp_specialization=warp_specialization)
+              and hopper_ws.supported(dtype, p.D, arch))
         config = choose_config(p.D, dtype, p.causal, arch, p.N, ws) if tuned_tiles else BASELINE
     BM = config.block_m
     row = p.D * p.element_bytes
