@@ -429,6 +429,9 @@ PROFILE_N = [1024, 4096, 16384]
 def _add_profile_arguments(p: argparse.ArgumentParser) -> None:
     _add_grid_arguments(p, ",".join(map(str, PROFILE_N)), "no")
     _add_impl_arguments(p)
+    p.add_argument("--sections", action="store_true",
+                   help="also collect Nsight Compute's analysis sections (speed of light, warp states, "
+                        "occupancy, ...) into <out>/ncu/: one CSV per impl and cell, and sections_summary.csv")
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -456,6 +459,7 @@ def run_profile(args: argparse.Namespace) -> int:
                 "ncu/model", "L2 hit %", "bank ld/st predicted", "bank ld/st ncu", "status"):
         table.add_column(col, justify="left" if col in ("impl", "status") else "right")
     mb = lambda v: "" if v is None else f"{v / 1e6:,.1f}"  # noqa: E731
+    section_rows: list[dict] = []
     with RowWriter(out) as writer:
         for cell in cells:
             problem = problem_of(cell)
@@ -472,6 +476,8 @@ def run_profile(args: argparse.Namespace) -> int:
                 except Exception as e:  # the child timed out, ...
                     row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
                 writer.write(row)
+                if args.sections:
+                    section_rows += _profile_sections(ncu, impl, problem, args.seed, path, Path(out) / "ncu", console)
                 model = (row.get("dram_read_model") or 0) + (row.get("dram_write_model") or 0)
                 meas = None if row.get("dram_read_measured") is None else \
                     row["dram_read_measured"] + (row.get("dram_write_measured") or 0)
@@ -489,7 +495,51 @@ def run_profile(args: argparse.Namespace) -> int:
                   "of one call, caches flushed before each kernel (--cache-control all); K/V re-reads served by "
                   "L2 and outputs still in L2 at kernel end make ncu read below the model.")
     console.print(f"rows written to {Path(out) / RUNS_CSV}")
+    if section_rows:
+        summary = _merge_section_summary(Path(out) / "ncu" / "sections_summary.csv", section_rows)
+        console.print(f"Nsight Compute sections in {Path(out) / 'ncu'}; summary of every kernel: {summary}")
     return 0
+
+
+SECTION_KEY = ("impl", "dtype", "D", "N", "causal")
+
+
+def _profile_sections(ncu, impl, problem, seed: int, path: str, ncu_dir: Path, console) -> list[dict]:
+    """One impl on one cell under ncu with the analysis sections: the raw CSV goes to ``ncu_dir``,
+    the summary rows come back (an ncu failure is printed and gives none: the sweep goes on)."""
+    console.print(f"  sections of {impl.label} N={problem.N} D={problem.D} causal={int(problem.causal)} ...")
+    try:
+        text, kernels = ncu.profile_sections(impl, problem, seed=seed, ncu=path)
+    except Exception as e:
+        console.print(f"  [red]sections failed: {type(e).__name__}: {str(e)[:200]}[/red]")
+        return []
+    ncu_dir.mkdir(parents=True, exist_ok=True)
+    name = f"{impl.label.replace(' ', '')}_{problem.dtype}_D{problem.D}_N{problem.N}_c{int(problem.causal)}.csv"
+    (ncu_dir / name).write_text(text)
+    cell = {"impl": impl.label, "dtype": problem.dtype, "D": problem.D, "N": problem.N, "causal": int(problem.causal),
+            "B": problem.B, "H": problem.H, "file": name}
+    return [{**cell, **k} for k in kernels]
+
+
+def _merge_section_summary(path: Path, new_rows: list[dict]) -> Path:
+    """Write ``new_rows`` into the summary CSV, replacing older rows of the same impl and cell."""
+    import csv
+
+    def key(r):
+        return tuple(str(r[k]) for k in SECTION_KEY)
+
+    fresh = {key(r) for r in new_rows}
+    old = []
+    if path.exists():
+        with path.open(newline="") as f:
+            old = [r for r in csv.DictReader(f) if key(r) not in fresh]
+    rows = old + new_rows
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+    return path
 
 
 def _add_child_arguments(p: argparse.ArgumentParser) -> None:

@@ -66,15 +66,28 @@ NO_NCU_MESSAGE = ("Nsight Compute (ncu) was not found on PATH, in /usr/local/cud
                   "(DRAM bytes can only be measured with it, on a machine with an NVIDIA GPU).")
 
 
-def ncu_command(ncu: str, impl_name: str, variant: str, problem: Problem, seed: int = 0) -> list[str]:
-    """The full command line: ncu options, then the child process (see the module docstring)."""
+#: ``harness profile --sections``: Nsight Compute's own analysis sections (what limits a kernel),
+#: kept as ncu writes them, one CSV per impl and cell.
+SECTIONS: tuple[str, ...] = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "SchedulerStats",
+                             "Occupancy", "LaunchStats")
+#: The few section metrics ``sections_summary.csv`` keeps per kernel (ncu's display names).
+SECTION_SUMMARY: tuple[str, ...] = (
+    "Duration", "Compute (SM) Throughput", "Memory Throughput", "DRAM Throughput", "Executed Ipc Active",
+    "Issue Slots Busy", "No Eligible", "Warp Cycles Per Issued Instruction", "Achieved Occupancy",
+    "Registers Per Thread", "Block Size", "Grid Size", "Dynamic Shared Memory Per Block")
+
+
+def ncu_command(ncu: str, impl_name: str, variant: str, problem: Problem, seed: int = 0,
+                sections: tuple[str, ...] = ()) -> list[str]:
+    """The full command line: ncu options, then the child process (see the module docstring).
+    With ``sections`` ncu collects those analysis sections instead of :data:`METRICS`."""
     # "--variant=-tma", not "--variant -tma": argparse would take "-tma" for an option.
     child = [sys.executable, "-m", "harness", "_ncu_child", "--impl", impl_name, f"--variant={variant}",
              "--B", str(problem.B), "--H", str(problem.H), "--N", str(problem.N), "--D", str(problem.D),
              "--dtype", problem.dtype, "--seed", str(seed)] + (["--causal"] if problem.causal else [])
+    what = [arg for s in sections for arg in ("--section", s)] if sections else ["--metrics", ",".join(METRICS)]
     return [ncu, "--clock-control", "none", "--profile-from-start", "off", "--cache-control", "all",
-            "--target-processes", "all", "--metrics", ",".join(METRICS), "--csv", "--print-units", "base",
-            *child]
+            "--target-processes", "all", *what, "--csv", "--print-units", "base", *child]
 
 
 def _number(text: str) -> float | None:
@@ -179,10 +192,35 @@ def profile_impl(impl, problem: Problem, *, seed: int = 0, ncu: str | None = Non
 
     Raises :class:`NcuError` when ncu is missing, fails, or profiles no kernel.
     """
+    kernels, _ = _run_under_ncu(impl, problem, seed, ncu, timeout_s, sections=())
+    columns = summarize(kernels)
+    ld, st = columns.pop("bank_conflicts_ld"), columns.pop("bank_conflicts_st")
+    predicted = predicted_bank_conflicts(impl.name, problem, impl.variant_kwargs)
+    return NcuResult(columns, kernels, ld, st, predicted)
+
+
+def profile_sections(impl, problem: Problem, *, seed: int = 0, ncu: str | None = None,
+                     timeout_s: float = 1800) -> tuple[str, list[dict]]:
+    """The :data:`SECTIONS` of the kernels of one call: ncu's CSV text as it wrote it, and one
+    summary row per kernel (:func:`section_summary`). Raises :class:`NcuError` like ``profile_impl``."""
+    kernels, text = _run_under_ncu(impl, problem, seed, ncu, timeout_s, sections=SECTIONS)
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
+    return "\n".join(line for line in lines[start:] if line.startswith('"')) + "\n", section_summary(kernels)
+
+
+def section_summary(kernels: list[dict]) -> list[dict]:
+    """One row per profiled kernel: its short name and the :data:`SECTION_SUMMARY` metrics."""
+    return [{"kernel": k["name"].split("(")[0][:60], **{m: k["metrics"].get(m) for m in SECTION_SUMMARY}}
+            for k in kernels]
+
+
+def _run_under_ncu(impl, problem: Problem, seed: int, ncu: str | None, timeout_s: float,
+                   sections: tuple[str, ...]) -> tuple[list[dict], str]:
     ncu = ncu or find_ncu()
     if not ncu:
         raise NcuError(NO_NCU_MESSAGE)
-    cmd = ncu_command(ncu, impl.name, impl.variant, problem, seed)
+    cmd = ncu_command(ncu, impl.name, impl.variant, problem, seed, sections)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=timeout_s)
     kernels = parse_ncu_csv(proc.stdout)
@@ -191,10 +229,7 @@ def profile_impl(impl, problem: Problem, *, seed: int = 0, ncu: str | None = Non
                   if ln.startswith(("==ERROR==", "==WARNING==")) or "Error" in ln]
         why = "; ".join(detail[-3:]) or (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise NcuError(f"ncu exit {proc.returncode}, {len(kernels)} kernels profiled: {why[:400]}")
-    columns = summarize(kernels)
-    ld, st = columns.pop("bank_conflicts_ld"), columns.pop("bank_conflicts_st")
-    predicted = predicted_bank_conflicts(impl.name, problem, impl.variant_kwargs)
-    return NcuResult(columns, kernels, ld, st, predicted)
+    return kernels, proc.stdout
 
 
 # --------------------------------------------------------------------------------------- child process

@@ -7,6 +7,7 @@ run ``compare``, ``profile`` and ``device`` for real.
 from __future__ import annotations
 
 import argparse
+import csv
 
 import json
 from pathlib import Path
@@ -487,6 +488,26 @@ def test_ncu_command_shape():
     ncu.add_child_arguments(parser)
     args = parser.parse_args(child)
     assert (args.impl, args.variant, args.causal, args.dtype, args.N, args.seed) == ("c", "-tma", True, "bf16", 64, 3)
+
+
+def test_ncu_sections_command_and_summary(tmp_path):
+    """``profile --sections`` asks ncu for the analysis sections instead of the DRAM metrics, keeps a
+    few metrics per kernel, and a later profile of the same impl and cell replaces its summary rows."""
+    cmd = ncu.ncu_command("/x/ncu", "c", "", Problem(1, 2, 64, 16, "fp16", False), sections=ncu.SECTIONS)
+    assert "--metrics" not in cmd
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--section"] == list(ncu.SECTIONS)
+    text = NCU_CSV.replace("dram__bytes_read.sum", "Duration")
+    (row, other) = ncu.section_summary(ncu.parse_ncu_csv(text))
+    assert row["kernel"] == "tiled_attention_kernel" and row["Duration"] == 1_048_576
+    assert row["Achieved Occupancy"] is None and other["Duration"] == 1000
+    path = tmp_path / "sections_summary.csv"
+    cell = {"dtype": "fp16", "D": 64, "N": 1024, "causal": 1}
+    cli._merge_section_summary(path, [{"impl": "c", **cell, "kernel": "old", "Duration": 2.0},
+                                      {"impl": "sdpa_cudnn", **cell, "kernel": "k", "Duration": 1.0}])
+    cli._merge_section_summary(path, [{"impl": "c", **cell, "kernel": "new", "Duration": 3.0}])
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    assert sorted((r["impl"], r["kernel"]) for r in rows) == [("c", "new"), ("sdpa_cudnn", "k")]
 
 
 # ------------------------------------------------------------------------------------------- GPU

@@ -22,7 +22,8 @@ lets the kernel say explicitly what FlashAttention-3 does on Hopper:
   layout of the second wgmma; O is normalized in registers and stored straight to global memory
   (masked past N), which keeps the Q buffer free for the next item's prefetch.
 * **Persistent grid** (optional): one program per SM walks work items; the producer runs ahead into
-  the next item and each consumer prefetches its next Q block before storing O.
+  the next item and each consumer prefetches its next Q block as soon as its last ``Q·Kᵀ`` is
+  done. Causal items are taken in zigzag pairs of equal total length (``_tile_coords``).
 
 Everything else is stage C's algorithm: online softmax in base 2 with the scale folded in, causal
 tiles above the diagonal never loaded, masks only on the tiles that need them.
@@ -45,21 +46,50 @@ ROWS_PER_CONSUMER = 64
 
 
 @gluon.jit
-def _tile_coords(t, n_m, BH, H, ROWS_PER_PROGRAM: gl.constexpr, CAUSAL: gl.constexpr, LPT: gl.constexpr):
+def _tile_coords(t, n_m, H, ROWS_PER_PROGRAM: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
     """Work item t -> (batch, head, first query row).
 
     Head-major order: consecutive items share a head, so programs running at the same time read the
-    same K/V from L2. ``LPT`` (causal only): longest items first across all heads (row block major),
-    so that items dealt round-robin to a persistent grid add up to nearly equal work per program."""
-    if LPT:
-        r = n_m - 1 - t // BH
-        bh = t % BH
-    else:
-        bh = t // n_m
-        r = t % n_m
-        if CAUSAL:
-            r = n_m - 1 - r  # longest first within a head
+    same K/V from L2. Causal items differ in length (row block r visits r + 1 K/V tiles), so within a
+    head they are ordered for balance. One program per item: longest first, so the hardware
+    scheduler ends the grid on short items. ``ZIGZAG`` (persistent grid): r = n_m-1, 0, n_m-2, 1, ...,
+    so items 2u and 2u+1 are a long and a short row block whose lengths add up to n_m + 1 tiles, the
+    same for every pair; a persistent program takes whole pairs (see ``_next_item``)."""
+    bh = t // n_m
+    w = t % n_m
+    r = w
+    if CAUSAL:
+        if ZIGZAG:
+            if w % 2 == 0:
+                r = n_m - 1 - w // 2
+            else:
+                r = w // 2
+        else:
+            r = n_m - 1 - w
     return bh // H, bh % H, r * ROWS_PER_PROGRAM
+
+
+@gluon.jit
+def _next_item(t, total, ZIGZAG: gl.constexpr):
+    """The next work item of this program after item t (``total`` or more: none left). A persistent
+    program deals items round-robin with the others; under ``ZIGZAG`` it deals whole pairs (2u, 2u+1)."""
+    if ZIGZAG:
+        if (t % 2 == 0) & (t + 1 < total):
+            t_next = t + 1
+        else:
+            t_next = (t // 2 + gl.num_programs(0)) * 2
+    else:
+        t_next = t + gl.num_programs(0)
+    return t_next
+
+
+@gluon.jit
+def _first_item(ZIGZAG: gl.constexpr):
+    if ZIGZAG:
+        t = gl.program_id(0) * 2
+    else:
+        t = gl.program_id(0)
+    return t
 
 
 @gluon.jit
@@ -76,15 +106,16 @@ def _kv_range(start_m, N, ROWS_PER_PROGRAM: gl.constexpr, BLOCK_N: gl.constexpr,
 
 @gluon.jit
 def _producer(k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM: gl.constexpr, BLOCK_N: gl.constexpr,
-              CAUSAL: gl.constexpr, LPT: gl.constexpr):
+              CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
     """One warp: keep the K/V ring full. Waits until every consumer released a buffer, then asks the
     copy engine for the next K and V tiles; each copy signals its ``ready`` barrier on arrival. It
     runs ahead into the next work item while the consumers finish the current one."""
     k_bufs, v_bufs, k_ready, v_ready, kv_empty = ring
     STAGES: gl.constexpr = k_bufs.shape[0]
     it = 0
-    for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        b, h, start_m = _tile_coords(t, n_m, total // n_m, H, ROWS_PER_PROGRAM, CAUSAL, LPT)
+    t = _first_item(ZIGZAG)
+    while t < total:
+        b, h, start_m = _tile_coords(t, n_m, H, ROWS_PER_PROGRAM, CAUSAL, ZIGZAG)
         n_tiles, n_unmasked = _kv_range(start_m, N, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL)
         for j in range(n_tiles):
             s = it % STAGES
@@ -95,6 +126,7 @@ def _producer(k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM: gl.const
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [b, h, j * BLOCK_N, 0], v_ready.index(s), v_bufs.index(s))
             it += 1
+        t = _next_item(t, total, ZIGZAG)
 
 
 @gluon.jit
@@ -166,7 +198,7 @@ def _consume_tile(j, it, k, acc, p_prev, m_i, l_i, q_tile, ring, turns, rows, N,
 @gluon.jit
 def _consumer(q_desc, O, stride_ob, stride_oh, stride_on, q_smem, q_bar, ring, turns, H, N, n_m, total, qk_scale,
               WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
-              EVEN_N: gl.constexpr, LPT: gl.constexpr):
+              EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr):
     """One warpgroup: for each work item of this program, the whole flash loop for its 64 rows."""
     k_bufs, v_bufs, k_ready, v_ready, kv_empty = ring
     STAGES: gl.constexpr = k_bufs.shape[0]
@@ -182,8 +214,8 @@ def _consumer(q_desc, O, stride_ob, stride_oh, stride_on, q_smem, q_bar, ring, t
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     q_tile = q_smem.reshape([ROWS, D])
 
-    t = gl.program_id(0)
-    b, h, start_m = _tile_coords(t, n_m, total // n_m, H, ROWS_PER_PROGRAM, CAUSAL, LPT)
+    t = _first_item(ZIGZAG)
+    b, h, start_m = _tile_coords(t, n_m, H, ROWS_PER_PROGRAM, CAUSAL, ZIGZAG)
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [b, h, start_m + WG * ROWS, 0], q_bar, q_smem)
     it = 0        # K/V ring slots consumed so far
@@ -221,6 +253,15 @@ def _consumer(q_desc, O, stride_ob, stride_oh, stride_on, q_smem, q_bar, ring, t
                                                   qk_scale, s_layout, o_layout, p_layout, WG, CONSUMERS, PINGPONG,
                                                   NEED_MASK, CAUSAL)
 
+        # Every Q·Kᵀ of this item is done, so Q is no longer read: fetch the next item's rows now, so
+        # they are in place by the time this item's last P·V, normalization and store are done.
+        t_next = _next_item(t, total, ZIGZAG)
+        b_next, h_next, start_next = _tile_coords(t_next, n_m, H, ROWS_PER_PROGRAM, CAUSAL, ZIGZAG)
+        more = t_next < total
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes, pred=more)
+        tma.async_copy_global_to_shared(q_desc, [b_next, h_next, start_next + WG * ROWS, 0], q_bar, q_smem,
+                                        pred=more)
+
         # Epilogue: the last P·V.
         sl = (it + n_tiles - 1) % STAGES
         mbarrier.wait(v_ready.index(sl), ((it + n_tiles - 1) // STAGES) & 1)
@@ -231,14 +272,6 @@ def _consumer(q_desc, O, stride_ob, stride_oh, stride_on, q_smem, q_bar, ring, t
         mbarrier.arrive(kv_empty.index(sl), count=1)
         it += n_tiles
         item += 1
-
-        # Q is no longer read: fetch the next work item's rows while this one is normalized and stored.
-        t_next = t + gl.num_programs(0)
-        b_next, h_next, start_next = _tile_coords(t_next, n_m, total // n_m, H, ROWS_PER_PROGRAM, CAUSAL, LPT)
-        more = t_next < total
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes, pred=more)
-        tma.async_copy_global_to_shared(q_desc, [b_next, h_next, start_next + WG * ROWS, 0], q_bar, q_smem,
-                                        pred=more)
 
         out = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
         o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
@@ -255,7 +288,7 @@ def _consumer(q_desc, O, stride_ob, stride_oh, stride_on, q_smem, q_bar, ring, t
 @gluon.jit
 def ws_attention_kernel(q_desc, k_desc, v_desc, O, stride_ob, stride_oh, stride_on, qk_scale, H, N, n_m, total,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                        PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, EVEN_N: gl.constexpr, LPT: gl.constexpr,
+                        PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr):
     """Grid: one program per SM (persistent) or per work item; work item t covers
     ``CONSUMERS × 64`` query rows of one (batch, head). See the module docstring."""
@@ -282,20 +315,20 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, O, stride_ob, stride_oh, stride_
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(0), q_bars.index(0), ring, turns,
-                         H, N, n_m, total, qk_scale, 0, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, LPT)),
+                         H, N, n_m, total, qk_scale, 0, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG)),
             (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(1), q_bars.index(1), ring, turns,
-                         H, N, n_m, total, qk_scale, 1, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, LPT)),
-            (_producer, (k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, LPT)),
+                         H, N, n_m, total, qk_scale, 1, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG)),
+            (_producer, (k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, ZIGZAG)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
             (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(0), q_bars.index(0), ring, turns,
-                         H, N, n_m, total, qk_scale, 0, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, LPT)),
+                         H, N, n_m, total, qk_scale, 0, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG)),
             (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(1), q_bars.index(1), ring, turns,
-                         H, N, n_m, total, qk_scale, 1, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, LPT)),
+                         H, N, n_m, total, qk_scale, 1, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG)),
             (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(2), q_bars.index(2), ring, turns,
-                         H, N, n_m, total, qk_scale, 2, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, LPT)),
-            (_producer, (k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, LPT)),
+                         H, N, n_m, total, qk_scale, 2, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG)),
+            (_producer, (k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, ZIGZAG)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -325,7 +358,7 @@ def supported(dtype: torch.dtype, D: int, arch: int) -> bool:
 
 
 def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int, consumers: int = 2,
-         pingpong: bool = True, persistent: bool = True, lpt: bool | None = None, num_sms: int = 132) -> Launch:
+         pingpong: bool = True, persistent: bool = True, num_sms: int = 132) -> Launch:
     """The launch of ``ws_attention_kernel`` for these tensors: grid, arguments and options.
 
     This runs on every call, on the host, before the GPU sees the kernel, so it is kept short: when
@@ -335,11 +368,13 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
     q_desc, k_desc, v_desc = descriptors(q, k, v, block_n)
     n_m = -(-N // (ROWS_PER_CONSUMER * consumers))
     total = n_m * B * H
-    grid = (min(total, num_sms) if persistent else total,)
+    zigzag = causal and persistent
+    # A persistent program walks items round-robin; causal ones in pairs (see _tile_coords).
+    grid = (min(-(-total // 2) if zigzag else total, num_sms) if persistent else total,)
     args = dict(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, O=o, stride_ob=o.stride(0), stride_oh=o.stride(1),
                 stride_on=o.stride(2), qk_scale=qk_scale, H=H, N=N, n_m=n_m, total=total, BLOCK_N=block_n,
                 STAGES=stages, CONSUMERS=consumers, PINGPONG=pingpong, CAUSAL=causal,
-                EVEN_N=(N % block_n == 0), LPT=(causal and persistent) if lpt is None else (causal and lpt),
+                EVEN_N=(N % block_n == 0), ZIGZAG=zigzag,
                 CONSUMER_REGS=240 if consumers == 2 else 160)
     # 4 warps run the default partition (consumer 0); the workers add 4 per further consumer and 1
     # producer warp, rounded up to whole warpgroups. maxnreg sets the register pool they share:
