@@ -477,7 +477,7 @@ def run_profile(args: argparse.Namespace) -> int:
                     row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
                 writer.write(row)
                 if args.sections:
-                    section_rows += _profile_sections(ncu, impl, problem, args.seed, path, Path(out) / "ncu", console)
+                    section_rows += _profile_sections(impl, problem, args.seed, path, Path(out) / "ncu", console)
                 model = (row.get("dram_read_model") or 0) + (row.get("dram_write_model") or 0)
                 meas = None if row.get("dram_read_measured") is None else \
                     row["dram_read_measured"] + (row.get("dram_write_measured") or 0)
@@ -504,9 +504,11 @@ def run_profile(args: argparse.Namespace) -> int:
 SECTION_KEY = ("impl", "dtype", "D", "N", "causal")
 
 
-def _profile_sections(ncu, impl, problem, seed: int, path: str, ncu_dir: Path, console) -> list[dict]:
+def _profile_sections(impl, problem, seed: int, path: str, ncu_dir: Path, console) -> list[dict]:
     """One impl on one cell under ncu with the analysis sections: the raw CSV goes to ``ncu_dir``,
     the summary rows come back (an ncu failure is printed and gives none: the sweep goes on)."""
+    from . import ncu
+
     console.print(f"  sections of {impl.label} N={problem.N} D={problem.D} causal={int(problem.causal)} ...")
     try:
         text, kernels = ncu.profile_sections(impl, problem, seed=seed, ncu=path)

@@ -100,15 +100,21 @@ def _number(text: str) -> float | None:
         return None
 
 
+def csv_lines(text: str) -> list[str]:
+    """The CSV part of ncu's output: its header line (``"ID",...``) and the quoted lines after it;
+    ``==PROF==`` lines and the child's own output are dropped. Empty when there is no header."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    return [] if start is None else [line for line in lines[start:] if line.startswith('"')]
+
+
 def parse_ncu_csv(text: str) -> list[dict]:
     """ncu ``--csv`` (details page) output -> one dict per profiled kernel launch, in launch order:
     ``{"id": str, "name": str, "metrics": {metric: float | None}}``. Non-CSV lines (``==PROF==``,
     the child's own output) are skipped."""
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
-    if start is None:
+    body = csv_lines(text)
+    if not body:
         return []
-    body = [line for line in lines[start:] if line.startswith('"')]
     kernels: dict[str, dict] = {}
     for rec in csv.DictReader(io.StringIO("\n".join(body))):
         kid = rec.get("ID", "")
@@ -204,9 +210,7 @@ def profile_sections(impl, problem: Problem, *, seed: int = 0, ncu: str | None =
     """The :data:`SECTIONS` of the kernels of one call: ncu's CSV text as it wrote it, and one
     summary row per kernel (:func:`section_summary`). Raises :class:`NcuError` like ``profile_impl``."""
     kernels, text = _run_under_ncu(impl, problem, seed, ncu, timeout_s, sections=SECTIONS)
-    lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
-    return "\n".join(line for line in lines[start:] if line.startswith('"')) + "\n", section_summary(kernels)
+    return "\n".join(csv_lines(text)) + "\n", section_summary(kernels)
 
 
 def section_summary(kernels: list[dict]) -> list[dict]:

@@ -369,8 +369,10 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
     n_m = -(-N // (ROWS_PER_CONSUMER * consumers))
     total = n_m * B * H
     zigzag = causal and persistent
-    # A persistent program walks items round-robin; causal ones in pairs (see _tile_coords).
-    grid = (min(-(-total // 2) if zigzag else total, num_sms) if persistent else total,)
+    # A persistent program walks items round-robin; causal ones in pairs (see _tile_coords), so a
+    # pair is the unit of work a program is dealt.
+    units = -(-total // 2) if zigzag else total
+    grid = (min(units, num_sms) if persistent else total,)
     args = dict(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, O=o, stride_ob=o.stride(0), stride_oh=o.stride(1),
                 stride_on=o.stride(2), qk_scale=qk_scale, H=H, N=N, n_m=n_m, total=total, BLOCK_N=block_n,
                 STAGES=stages, CONSUMERS=consumers, PINGPONG=pingpong, CAUSAL=causal,
