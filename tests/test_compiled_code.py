@@ -101,6 +101,21 @@ def test_stage_c_sm90_is_warp_specialized_with_softmax_overlapped(compiled):
     assert "wgmma.wait_group.sync.aligned 1;" not in no_ws.asm["ptx"], "tl's loop waits for every QKᵀ at once"
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_stage_c_sm90_consumers_signal_without_a_warpgroup_barrier(compiled, causal):
+    """A consumer releases a K/V slot and passes its ping-pong turn with one thread's zero-byte
+    ``mbarrier.arrive.expect_tx``. Triton 3.6 puts a ``bar.sync`` of the warpgroup in front of every
+    plain ``mbarrier.arrive``; the kernel avoids it, and no such barrier precedes its arrivals."""
+    (kernel,) = compiled["c", 90, causal]
+    lines = [ln.strip() for ln in kernel.asm["ptx"].splitlines()]
+    instructions = [ln for ln in lines if ln and not ln.startswith(("$L", "//", "{", "}"))]
+    assert not any("mbarrier.arrive.shared" in ln for ln in instructions), "a plain mbarrier.arrive is back"
+    signals = [i for i, ln in enumerate(instructions) if "mbarrier.arrive.expect_tx" in ln and ln.endswith(", 0;")]
+    assert signals, "no zero-byte arrivals: the consumers' signals are gone"
+    after_barrier = [instructions[i] for i in signals if instructions[i - 1].startswith("bar.sync")]
+    assert not after_barrier, after_barrier
+
+
 @pytest.mark.parametrize("D", sorted(configs.WS_SHAPES))
 def test_every_warp_specialized_config_compiles_without_spills(D):
     """Every candidate of the warp-specialized kernel assembles for sm_90 within the shared-memory

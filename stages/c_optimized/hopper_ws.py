@@ -146,30 +146,47 @@ def _softmax_step(S, m_i, l_i, cols, rows, N, qk_scale, MASK: gl.constexpr, CAUS
 
 
 @gluon.jit
-def _my_turn(turns, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong scheduling: consumer WG issues its k-th batch of wgmma only after the previous
-    consumer issued its own, so one warpgroup's softmax lines up with the other's matrix products."""
-    if PINGPONG:
-        if WG == 0:
-            mbarrier.wait(turns.index(0), (k & 1) ^ 1)  # consumer 0 goes first
-        else:
-            mbarrier.wait(turns.index(WG), k & 1)
+def _signal(bar):
+    """One arrival on ``bar`` for the whole warpgroup, from one thread, with no warpgroup barrier.
+
+    Written as ``expect(bar, 0)``: ``mbarrier.arrive.expect_tx`` with zero bytes is exactly an
+    arrive. Triton 3.6 puts a ``bar.sync`` of the warpgroup in front of every ``mbarrier.arrive``
+    (and in front of any barrier op that follows a wait on the same allocation), which made three
+    warpgroup barriers per K/V tile. None of them is needed where this is called: a slot is released
+    only after ``warpgroup_mma_wait`` returned for the wgmma that read it, and a wgmma is one
+    operation of the whole warpgroup; a ping-pong turn only orders issue, not data. CUTLASS's
+    consumer release arrives the same way (one elected thread per warpgroup)."""
+    mbarrier.expect(bar, 0)
 
 
 @gluon.jit
-def _pass_turn(turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr):
+def _my_turn(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong scheduling: consumer WG issues its k-th batch of wgmma only after the previous
+    consumer issued its own, so one warpgroup's softmax lines up with another's matrix products.
+    Each consumer waits on its own barrier ``turn`` and signals the next consumer's; they are
+    separate allocations because Triton orders barrier ops on one allocation with a ``bar.sync``."""
     if PINGPONG:
-        mbarrier.arrive(turns.index((WG + 1) % CONSUMERS), count=1)
+        if WG == 0:
+            mbarrier.wait(turn, (k & 1) ^ 1)  # consumer 0 goes first
+        else:
+            mbarrier.wait(turn, k & 1)
+
+
+@gluon.jit
+def _pass_turn(next_turn, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        _signal(next_turn)
 
 
 @gluon.jit
 def _consume_tile(j, it, k, acc, p_prev, m_i, l_i, q_tile, ring, turns, rows, N, qk_scale,
                   s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-                  WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
+                  WG: gl.constexpr, PINGPONG: gl.constexpr,
                   MASK: gl.constexpr, CAUSAL: gl.constexpr):
     """K/V tile j of a work item (ring slot it+j): S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1} in flight
     together; softmax(S_j) runs while the second one is still on the tensor cores."""
     k_bufs, v_bufs, k_ready, v_ready, kv_empty = ring
+    my_turn, next_turn = turns
     STAGES: gl.constexpr = k_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     D: gl.constexpr = k_bufs.shape[4]
@@ -178,18 +195,18 @@ def _consume_tile(j, it, k, acc, p_prev, m_i, l_i, q_tile, ring, turns, rows, N,
     s = cur % STAGES
     sp = (cur - 1) % STAGES
     mbarrier.wait(k_ready.index(s), (cur // STAGES) & 1)
-    _my_turn(turns, k + j, WG, PINGPONG)
+    _my_turn(my_turn, k + j, WG, PINGPONG)
     S = warpgroup_mma(q_tile, k_bufs.index(s).reshape([BLOCK_N, D]).permute((1, 0)),
                       gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
     mbarrier.wait(v_ready.index(sp), ((cur - 1) // STAGES) & 1)
     acc = warpgroup_mma(p_prev, v_bufs.index(sp).reshape([BLOCK_N, D]), acc, is_async=True)
-    _pass_turn(turns, WG, CONSUMERS, PINGPONG)
+    _pass_turn(next_turn, PINGPONG)
     # wgmma groups retire in order: "at most one outstanding" means S_j is done, P·V may not be.
     S = warpgroup_mma_wait(1, deps=(S, ))
     cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     p, alpha, m_i, l_i = _softmax_step(S, m_i, l_i, cols, rows, N, qk_scale, MASK, CAUSAL)
     acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
-    mbarrier.arrive(kv_empty.index(sp), count=1)  # this consumer is done with slot cur-1
+    _signal(kv_empty.index(sp))  # this consumer is done with slot cur-1
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     p_prev = gl.convert_layout(p.to(q_tile.dtype), p_layout)
     return acc, p_prev, m_i, l_i
@@ -199,8 +216,10 @@ def _consume_tile(j, it, k, acc, p_prev, m_i, l_i, q_tile, ring, turns, rows, N,
 def _consumer(q_desc, O, stride_ob, stride_oh, stride_on, q_smem, q_bar, ring, turns, H, N, n_m, total, qk_scale,
               WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
               EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr):
-    """One warpgroup: for each work item of this program, the whole flash loop for its 64 rows."""
+    """One warpgroup: for each work item of this program, the whole flash loop for its 64 rows.
+    ``turns`` is (this consumer's ping-pong barrier, the next consumer's)."""
     k_bufs, v_bufs, k_ready, v_ready, kv_empty = ring
+    my_turn, next_turn = turns
     STAGES: gl.constexpr = k_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     D: gl.constexpr = k_bufs.shape[4]
@@ -231,10 +250,10 @@ def _consumer(q_desc, O, stride_ob, stride_oh, stride_on, q_smem, q_bar, ring, t
         # of selects is cheap and keeps a single prologue.
         s0 = it % STAGES
         mbarrier.wait(k_ready.index(s0), (it // STAGES) & 1)
-        _my_turn(turns, k, WG, PINGPONG)
+        _my_turn(my_turn, k, WG, PINGPONG)
         S = warpgroup_mma(q_tile, k_bufs.index(s0).reshape([BLOCK_N, D]).permute((1, 0)),
                           gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-        _pass_turn(turns, WG, CONSUMERS, PINGPONG)
+        _pass_turn(next_turn, PINGPONG)
         S = warpgroup_mma_wait(0, deps=(S, ))
         m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
@@ -246,11 +265,11 @@ def _consumer(q_desc, O, stride_ob, stride_oh, stride_on, q_smem, q_bar, ring, t
         # Tiles wholly inside the valid region, then the ones that need the causal / ragged-N mask.
         for j in range(1, n_unmasked):
             acc, p_prev, m_i, l_i = _consume_tile(j, it, k, acc, p_prev, m_i, l_i, q_tile, ring, turns, rows, N,
-                                                  qk_scale, s_layout, o_layout, p_layout, WG, CONSUMERS, PINGPONG,
+                                                  qk_scale, s_layout, o_layout, p_layout, WG, PINGPONG,
                                                   False, CAUSAL)
         for j in range(gl.maximum(n_unmasked, 1), n_tiles):
             acc, p_prev, m_i, l_i = _consume_tile(j, it, k, acc, p_prev, m_i, l_i, q_tile, ring, turns, rows, N,
-                                                  qk_scale, s_layout, o_layout, p_layout, WG, CONSUMERS, PINGPONG,
+                                                  qk_scale, s_layout, o_layout, p_layout, WG, PINGPONG,
                                                   NEED_MASK, CAUSAL)
 
         # Every Q·Kᵀ of this item is done, so Q is no longer read: fetch the next item's rows now, so
@@ -265,11 +284,11 @@ def _consumer(q_desc, O, stride_ob, stride_oh, stride_on, q_smem, q_bar, ring, t
         # Epilogue: the last P·V.
         sl = (it + n_tiles - 1) % STAGES
         mbarrier.wait(v_ready.index(sl), ((it + n_tiles - 1) // STAGES) & 1)
-        _my_turn(turns, k + n_tiles, WG, PINGPONG)
+        _my_turn(my_turn, k + n_tiles, WG, PINGPONG)
         acc = warpgroup_mma(p_prev, v_bufs.index(sl).reshape([BLOCK_N, D]), acc, is_async=True)
-        _pass_turn(turns, WG, CONSUMERS, PINGPONG)
+        _pass_turn(next_turn, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(kv_empty.index(sl), count=1)
+        _signal(kv_empty.index(sl))
         it += n_tiles
         item += 1
 
@@ -298,35 +317,40 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, O, stride_ob, stride_oh, stride_
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    # One ping-pong barrier per consumer, each its own allocation (see _my_turn).
+    turn0 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    turn1 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    turn2 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(CONSUMERS):
         mbarrier.init(q_bars.index(i), count=1)
-        mbarrier.init(turns.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+    mbarrier.init(turn0, count=1)
+    mbarrier.init(turn1, count=1)
+    mbarrier.init(turn2, count=1)
     ring = (k_bufs, v_bufs, k_ready, v_ready, kv_empty)
 
     # The same consumer function runs in the default partition (WG 0) and in worker partitions.
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(0), q_bars.index(0), ring, turns,
+            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(0), q_bars.index(0), ring, (turn0, turn1),
                          H, N, n_m, total, qk_scale, 0, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG)),
-            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(1), q_bars.index(1), ring, turns,
+            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(1), q_bars.index(1), ring, (turn1, turn0),
                          H, N, n_m, total, qk_scale, 1, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG)),
             (_producer, (k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, ZIGZAG)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(0), q_bars.index(0), ring, turns,
+            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(0), q_bars.index(0), ring, (turn0, turn1),
                          H, N, n_m, total, qk_scale, 0, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG)),
-            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(1), q_bars.index(1), ring, turns,
+            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(1), q_bars.index(1), ring, (turn1, turn2),
                          H, N, n_m, total, qk_scale, 1, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG)),
-            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(2), q_bars.index(2), ring, turns,
+            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(2), q_bars.index(2), ring, (turn2, turn0),
                          H, N, n_m, total, qk_scale, 2, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG)),
             (_producer, (k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, ZIGZAG)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
