@@ -12,8 +12,9 @@ lets the kernel say explicitly what FlashAttention-3 does on Hopper:
   away (``setmaxnreg``: 24 per thread) so the consumers can hold bigger tiles.
 * **Consumers share K/V.** A work item is 64 query rows per consumer (128 or 192) of one
   (batch, head); every K/V tile is loaded once for all consumers.
-* **Ping-pong.** The consumers pass a token through a pair of mbarriers before issuing their
-  matrix products, so one warpgroup's softmax lines up with another's wgmma.
+* **Ping-pong.** The consumers pass a token through mbarriers (one per consumer) before issuing
+  their matrix products, so one warpgroup's softmax lines up with another's wgmma. Signals come
+  from one thread with no warpgroup barrier in front (``_signal``).
 * **Intra-warpgroup overlap.** Inside one consumer, iteration j issues ``S_j = Q·K_jᵀ`` and then
   ``O += P_{j-1}·V_{j-1}`` as asynchronous wgmma, waits only for ``S_j``, and computes the softmax of
   ``S_j`` while ``P_{j-1}·V_{j-1}`` is still running on the tensor cores. It waits for that one only
