@@ -152,8 +152,8 @@ def _signal(bar):
 
     Written as ``expect(bar, 0)``: ``mbarrier.arrive.expect_tx`` with zero bytes is exactly an
     arrive. Triton 3.6 puts a ``bar.sync`` of the warpgroup in front of every ``mbarrier.arrive``
-    (and in front of any barrier op that follows a wait on the same allocation), which made three
-    warpgroup barriers per K/V tile. None of them is needed where this is called: a slot is released
+    (and in front of a barrier op that follows another one on the same allocation), which made
+    three warpgroup barriers per K/V tile. None of them is needed where this is called: a slot is released
     only after ``warpgroup_mma_wait`` returned for the wgmma that read it, and a wgmma is one
     operation of the whole warpgroup; a ping-pong turn only orders issue, not data. CUTLASS's
     consumer release arrives the same way (one elected thread per warpgroup)."""
@@ -318,7 +318,8 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, O, stride_ob, stride_oh, stride_
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    # One ping-pong barrier per consumer, each its own allocation (see _my_turn).
+    # One ping-pong barrier per consumer, each its own allocation (see _my_turn); turn2 is unused
+    # with two consumers (8 bytes).
     turn0 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     turn1 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     turn2 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
