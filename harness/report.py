@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -238,7 +239,7 @@ def render_reading(rows: list[dict], *, dtype: str = "fp16", all_rows: list[dict
                     if D in views.HEADLINE_DS and n >= 1024)
     if ratios:
         lo, hi = ratios[0], ratios[-1]
-        med = ratios[len(ratios) // 2][0]
+        med = statistics.median(r[0] for r in ratios)
         out.append(f"Against PyTorch's cuDNN attention, the fastest kernel on this machine, stage C reaches "
                    f"{lo[0]:.2f}–{hi[0]:.2f}× of its throughput for N ≥ 1024 (median {med:.2f}), weakest at "
                    f"D = {lo[1]}{' causal' if lo[2] else ''}, N = {lo[3]} and best at "
@@ -270,7 +271,7 @@ def render_ratio_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> s
         parts.append(table)
         if ratios:
             parts.append(f"Over N ≥ 1024 ({len(ratios)} cells, {dt}): min {ratios[0]:.2f}, "
-                         f"median {ratios[len(ratios) // 2]:.2f}, max {ratios[-1]:.2f}.")
+                         f"median {statistics.median(ratios):.2f}, max {ratios[-1]:.2f}.")
     if len(parts) == 1:
         parts.append(f"_No stage C and SDPA CUDNN rows yet: run `{views.HINTS['rows']}`._")
     return "\n\n".join(parts) + "\n"

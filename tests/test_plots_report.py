@@ -11,9 +11,9 @@ from harness import plots, report
 from harness.results import COLUMNS, ResultsError
 
 try:
-    from fixtures_results import build_results, build_rows
+    from fixtures_results import _row, build_results, build_rows
 except ImportError:  # tests/ imported as a package
-    from tests.fixtures_results import build_results, build_rows
+    from tests.fixtures_results import _row, build_results, build_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -235,6 +235,16 @@ def test_update_readme_needs_markers(results, tmp_path, text):
 def test_report_cli_prints_markdown(results, capsys):
     assert _cli(["report", str(results)]) == 0
     assert "| SDPA CUDNN |" in capsys.readouterr().out
+
+
+def test_ratio_summary_takes_the_median_of_an_even_number_of_cells(tmp_path):
+    """Four cells with C/cuDNN = 0.8, 0.9, 1.0, 1.3: the median is 0.95, not the upper middle 1.0."""
+    rows = []
+    for N, ratio in zip((1024, 2048, 4096, 8192), (0.8, 0.9, 1.0, 1.3)):
+        rows.append(_row("sdpa_cudnn", "peer", N, 64, 0, tflops=400.0))
+        rows.append(_row("c", "stage", N, 64, 0, tflops=400.0 * ratio))
+    block = report.render_ratio_block(build_results(tmp_path, rows=rows))
+    assert "Over N ≥ 1024 (4 cells, fp16): min 0.80, median 0.95, max 1.30." in block, block
 
 
 # ------------------------------------------------------------------------ the committed results
