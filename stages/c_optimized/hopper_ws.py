@@ -153,9 +153,9 @@ def _signal(bar):
     Written as ``expect(bar, 0)``: ``mbarrier.arrive.expect_tx`` with zero bytes is exactly an
     arrive. Triton 3.6 puts a ``bar.sync`` of the warpgroup in front of every ``mbarrier.arrive``
     (and in front of a barrier op that follows another one on the same allocation), which made
-    three warpgroup barriers per K/V tile. None of them is needed where this is called: a slot is released
-    only after ``warpgroup_mma_wait`` returned for the wgmma that read it, and a wgmma is one
-    operation of the whole warpgroup; a ping-pong turn only orders issue, not data. CUTLASS's
+    three warpgroup barriers per K/V tile. None of them is needed where this is called: a slot is
+    released only after ``warpgroup_mma_wait`` returned for the wgmma that read it, and a wgmma is
+    one operation of the whole warpgroup; a ping-pong turn only orders issue, not data. CUTLASS's
     consumer release arrives the same way (one elected thread per warpgroup)."""
     mbarrier.expect(bar, 0)
 
@@ -340,20 +340,20 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, O, stride_ob, stride_oh, stride_
     # The same consumer function runs in the default partition (WG 0) and in worker partitions.
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(0), q_bars.index(0), ring, (turn0, turn1),
-                         H, N, n_m, total, qk_scale, 0, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG)),
-            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(1), q_bars.index(1), ring, (turn1, turn0),
-                         H, N, n_m, total, qk_scale, 1, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG)),
+            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(0), q_bars.index(0), ring,
+                         (turn0, turn1), H, N, n_m, total, qk_scale, 0, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG)),
+            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(1), q_bars.index(1), ring,
+                         (turn1, turn0), H, N, n_m, total, qk_scale, 1, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG)),
             (_producer, (k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, ZIGZAG)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(0), q_bars.index(0), ring, (turn0, turn1),
-                         H, N, n_m, total, qk_scale, 0, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG)),
-            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(1), q_bars.index(1), ring, (turn1, turn2),
-                         H, N, n_m, total, qk_scale, 1, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG)),
-            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(2), q_bars.index(2), ring, (turn2, turn0),
-                         H, N, n_m, total, qk_scale, 2, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG)),
+            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(0), q_bars.index(0), ring,
+                         (turn0, turn1), H, N, n_m, total, qk_scale, 0, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG)),
+            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(1), q_bars.index(1), ring,
+                         (turn1, turn2), H, N, n_m, total, qk_scale, 1, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG)),
+            (_consumer, (q_desc, O, stride_ob, stride_oh, stride_on, q_smem.index(2), q_bars.index(2), ring,
+                         (turn2, turn0), H, N, n_m, total, qk_scale, 2, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG)),
             (_producer, (k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, ZIGZAG)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
