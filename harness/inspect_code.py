@@ -138,6 +138,27 @@ def run_ptxas(ptx: str, arch: str | None = None, timeout_s: float = 120) -> dict
     return parse_ptxas(text)
 
 
+def sass(ptx: str, arch: str | None = None, timeout_s: float = 120) -> str:
+    """The machine code (SASS) ptxas makes of ``ptx``, disassembled by the cuobjdump shipped next to
+    it; "" when either tool is missing or fails. PTX is not the last word: ptxas schedules it again,
+    and may move a wait that the PTX placed late (see stage C's README)."""
+    exe = ptxas_path()
+    dump = exe.with_name("cuobjdump")
+    if not (exe.exists() and dump.exists()):
+        return ""
+    arch = arch or ptx_target(ptx) or "sm_90a"
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
+        src.write_text(ptx)
+        try:
+            subprocess.run([str(exe), f"-arch={arch}", str(src), "-o", str(cubin)], capture_output=True,
+                           timeout=timeout_s, check=True)
+            return subprocess.run([str(dump), "-sass", str(cubin)], capture_output=True, text=True,
+                                  timeout=timeout_s, check=True).stdout
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+
 _LAYOUT = re.compile(r"#ttg\.(\w*shared\w*)<(.*?)>(?=\s*(?:$|\n|,|\)|\s))", re.M)
 
 

@@ -15,10 +15,13 @@ lets the kernel say explicitly what FlashAttention-3 does on Hopper:
 * **Ping-pong.** The consumers pass a token through mbarriers (one per consumer) before issuing
   their matrix products, so one warpgroup's softmax lines up with another's wgmma. Signals come
   from one thread with no warpgroup barrier in front (``_signal``).
-* **Intra-warpgroup overlap.** Inside one consumer, iteration j issues ``S_j = Q·K_jᵀ`` and then
-  ``O += P_{j-1}·V_{j-1}`` as asynchronous wgmma, waits only for ``S_j``, and computes the softmax of
-  ``S_j`` while ``P_{j-1}·V_{j-1}`` is still running on the tensor cores. It waits for that one only
-  right before rescaling O. The softmax leaves the critical path.
+* **Intra-warpgroup overlap, as written.** Inside one consumer, iteration j issues
+  ``S_j = Q·K_jᵀ`` and then ``O += P_{j-1}·V_{j-1}`` as asynchronous wgmma, waits only for ``S_j``,
+  computes the softmax of ``S_j``, and waits for ``P_{j-1}·V_{j-1}`` right before rescaling O. That
+  is the PTX. ptxas, though, schedules the second wait among the first instructions of the softmax,
+  so in the machine code the softmax runs after ``P·V`` (``test_compiled_code.py`` pins this down);
+  the softmax overlaps the *other* consumer's products (ping-pong). Forcing the overlap measured
+  slower (NOTES.md, item 19).
 * **P never leaves registers**: the probabilities are converted in registers to the A-operand
   layout of the second wgmma.
 * **O leaves through shared memory**: normalized in registers, written (``stmatrix``) into the
