@@ -233,11 +233,12 @@ def _prefetch_q_to_l2(Q, stride_qb, stride_qh, stride_qn, b, h, row0, N, ROWS: g
 
 
 @gluon.jit
-def _consumer(q_desc, o_desc, Q, stride_qb, stride_qh, stride_qn, q_smem, q_bar, ring, turns, H, N, n_m, total,
-              qk_scale, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
-              EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr, PREFETCH_L2: gl.constexpr):
+def _consumer(args, q_smem, q_bar, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
+              CAUSAL: gl.constexpr, EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr, PREFETCH_L2: gl.constexpr):
     """One warpgroup: for each work item of this program, the whole flash loop for its 64 rows.
-    ``turns`` is (this consumer's ping-pong barrier, the next consumer's)."""
+    ``args`` is the same for every consumer; ``WG`` is this consumer's index, ``q_smem``/``q_bar``
+    its Q buffer and barrier, ``turns`` its ping-pong barrier and the next consumer's."""
+    q_desc, o_desc, Q, stride_qb, stride_qh, stride_qn, ring, H, N, n_m, total, qk_scale = args
     k_bufs, v_bufs, k_ready, v_ready, kv_empty = ring
     my_turn, next_turn = turns
     STAGES: gl.constexpr = k_bufs.shape[0]
@@ -364,28 +365,25 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, Q, stride_qb, stride_qh,
     ring = (k_bufs, v_bufs, k_ready, v_ready, kv_empty)
 
     # The same consumer function runs in the default partition (WG 0) and in worker partitions.
+    args = (q_desc, o_desc, Q, stride_qb, stride_qh, stride_qn, ring, H, N, n_m, total, qk_scale)
+    producer_args = (k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, ZIGZAG)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (q_desc, o_desc, Q, stride_qb, stride_qh, stride_qn, q_smem.index(0), q_bars.index(0), ring,
-                         (turn0, turn1), H, N, n_m, total, qk_scale, 0, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG,
-                         PREFETCH_L2)),
-            (_consumer, (q_desc, o_desc, Q, stride_qb, stride_qh, stride_qn, q_smem.index(1), q_bars.index(1), ring,
-                         (turn1, turn0), H, N, n_m, total, qk_scale, 1, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG,
-                         PREFETCH_L2)),
-            (_producer, (k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, ZIGZAG)),
+            (_consumer, (args, q_smem.index(0), q_bars.index(0), (turn0, turn1), 0, 2, PINGPONG, CAUSAL, EVEN_N,
+                         ZIGZAG, PREFETCH_L2)),
+            (_consumer, (args, q_smem.index(1), q_bars.index(1), (turn1, turn0), 1, 2, PINGPONG, CAUSAL, EVEN_N,
+                         ZIGZAG, PREFETCH_L2)),
+            (_producer, producer_args),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (q_desc, o_desc, Q, stride_qb, stride_qh, stride_qn, q_smem.index(0), q_bars.index(0), ring,
-                         (turn0, turn1), H, N, n_m, total, qk_scale, 0, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG,
-                         PREFETCH_L2)),
-            (_consumer, (q_desc, o_desc, Q, stride_qb, stride_qh, stride_qn, q_smem.index(1), q_bars.index(1), ring,
-                         (turn1, turn2), H, N, n_m, total, qk_scale, 1, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG,
-                         PREFETCH_L2)),
-            (_consumer, (q_desc, o_desc, Q, stride_qb, stride_qh, stride_qn, q_smem.index(2), q_bars.index(2), ring,
-                         (turn2, turn0), H, N, n_m, total, qk_scale, 2, CONSUMERS, PINGPONG, CAUSAL, EVEN_N, ZIGZAG,
-                         PREFETCH_L2)),
-            (_producer, (k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, ZIGZAG)),
+            (_consumer, (args, q_smem.index(0), q_bars.index(0), (turn0, turn1), 0, 3, PINGPONG, CAUSAL, EVEN_N,
+                         ZIGZAG, PREFETCH_L2)),
+            (_consumer, (args, q_smem.index(1), q_bars.index(1), (turn1, turn2), 1, 3, PINGPONG, CAUSAL, EVEN_N,
+                         ZIGZAG, PREFETCH_L2)),
+            (_consumer, (args, q_smem.index(2), q_bars.index(2), (turn2, turn0), 2, 3, PINGPONG, CAUSAL, EVEN_N,
+                         ZIGZAG, PREFETCH_L2)),
+            (_producer, producer_args),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
