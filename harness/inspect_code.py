@@ -118,18 +118,25 @@ def parse_ptxas(text: str) -> dict:
     return out
 
 
+def _assemble(ptx: str, arch: str | None, directory: str, timeout_s: float, *flags: str):
+    """Run triton's bundled ptxas on ``ptx`` inside ``directory``: the finished process and the path
+    of the cubin it wrote (when it succeeded). Raises what ``subprocess.run`` raises."""
+    src, cubin = Path(directory) / "kernel.ptx", Path(directory) / "kernel.cubin"
+    src.write_text(ptx)
+    arch = arch or ptx_target(ptx) or "sm_90a"
+    proc = subprocess.run([str(ptxas_path()), *flags, f"-arch={arch}", str(src), "-o", str(cubin)],
+                          capture_output=True, text=True, timeout=timeout_s)
+    return proc, cubin
+
+
 def run_ptxas(ptx: str, arch: str | None = None, timeout_s: float = 120) -> dict:
     """Assemble ``ptx`` with triton's bundled ptxas ``-v``; parse_ptxas's dict, or {"ptxas_error": ...}."""
     exe = ptxas_path()
     if not exe.exists():
         return {"ptxas_error": f"{exe} not found"}
-    arch = arch or ptx_target(ptx) or "sm_90a"
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "kernel.ptx"
-        src.write_text(ptx)
         try:
-            proc = subprocess.run([str(exe), "-v", f"-arch={arch}", str(src), "-o", str(Path(tmp) / "kernel.cubin")],
-                                  capture_output=True, text=True, timeout=timeout_s)
+            proc, _ = _assemble(ptx, arch, tmp, timeout_s, "-v")
         except (OSError, subprocess.SubprocessError) as e:
             return {"ptxas_error": f"{type(e).__name__}: {e}"}
     text = proc.stdout + proc.stderr
@@ -142,17 +149,14 @@ def sass(ptx: str, arch: str | None = None, timeout_s: float = 120) -> str:
     """The machine code (SASS) ptxas makes of ``ptx``, disassembled by the cuobjdump shipped next to
     it; "" when either tool is missing or fails. PTX is not the last word: ptxas schedules it again,
     and may move a wait that the PTX placed late (see stage C's README)."""
-    exe = ptxas_path()
-    dump = exe.with_name("cuobjdump")
-    if not (exe.exists() and dump.exists()):
+    dump = ptxas_path().with_name("cuobjdump")
+    if not (ptxas_path().exists() and dump.exists()):
         return ""
-    arch = arch or ptx_target(ptx) or "sm_90a"
     with tempfile.TemporaryDirectory() as tmp:
-        src, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
-        src.write_text(ptx)
         try:
-            subprocess.run([str(exe), f"-arch={arch}", str(src), "-o", str(cubin)], capture_output=True,
-                           timeout=timeout_s, check=True)
+            proc, cubin = _assemble(ptx, arch, tmp, timeout_s)
+            if proc.returncode != 0:
+                return ""
             return subprocess.run([str(dump), "-sass", str(cubin)], capture_output=True, text=True,
                                   timeout=timeout_s, check=True).stdout
         except (OSError, subprocess.SubprocessError):
