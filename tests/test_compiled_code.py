@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import torch
 
 from harness.inspect_code import count_instructions, run_ptxas, sass
 from stages import STAGES
@@ -119,10 +122,11 @@ def test_stage_c_sm90_consumers_signal_without_a_warpgroup_barrier(compiled, cau
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_stage_c_sm90_stores_o_with_one_tma_copy_through_the_q_buffer(compiled, causal):
-    """The epilogue writes O into shared memory (``stmatrix``) and one thread stores it with a TMA
-    copy; the Q buffer that held it is refilled only after the copy engine has read it
-    (``cp.async.bulk.wait_group.read``). No per-thread global stores are left: from the wgmma
-    accumulator layout they wrote 4 bytes into each of 8 rows per warp instruction."""
+    """The epilogue writes O into shared memory (``stmatrix``), into the Q buffer of its item, and
+    one thread stores it with a TMA copy; that buffer takes a later item's Q only after the copy
+    engine has read O out of it (``cp.async.bulk.wait_group.read``). No per-thread global stores
+    are left: from the wgmma accumulator layout they wrote 4 bytes into each of 8 rows per warp
+    instruction."""
     (kernel,) = compiled["c", 90, causal]
     lines = [ln.strip() for ln in kernel.asm["ptx"].splitlines()]
     assert not any(ln.startswith("st.global") for ln in lines), "O is stored from registers again"
@@ -131,10 +135,44 @@ def test_stage_c_sm90_stores_o_with_one_tma_copy_through_the_q_buffer(compiled, 
     assert tma_store, "no TMA store of O"
     for i in tma_store:
         rest = lines[i:]
-        read_done = next(j for j, ln in enumerate(rest) if ln.split() == ["cp.async.bulk.wait_group.read", "0;"])
-        q_load = next(j for j, ln in enumerate(rest) if "cp.async.bulk.tensor.4d.shared::cluster.global" in ln)
+        read_done = next((j for j, ln in enumerate(rest) if ln.split() == ["cp.async.bulk.wait_group.read", "0;"]),
+                         None)
+        assert read_done is not None, "O's buffer is never waited for"
+        q_load = next((j for j, ln in enumerate(rest) if "cp.async.bulk.tensor.4d.shared::cluster.global" in ln),
+                      len(rest))
         assert read_done < q_load, "the next Q would land in the buffer before O has left it"
     assert any(ln.startswith("prefetch.global.L2") for ln in lines), "no L2 prefetch of the next item's Q"
+
+
+def test_stage_c_sm90_runs_items_into_each_other(compiled):
+    """In the persistent kernel each consumer has two Q buffers and one tile loop per item whose
+    first turn also finishes the previous item: the loop holds both products of a tile, the store
+    of the previous item's O (a TMA copy issued inside the loop) and the fetch of the next item's Q.
+    Read from the compiled IR, where the loop structure is explicit."""
+    (kernel,) = compiled["c", 90, False]
+    config = configs.candidate_configs(PROBLEM.D, torch.float16, 90)[0]
+    assert kernel.name == "ws_attention_kernel" and config.persistent
+    ttgir = kernel.asm["ttgir"]
+    q_bufs = re.search(r"%q_bufs = ttg.local_alloc : \(\) -> !ttg.memdesc<(\d+)x1x1x64x64xf16", ttgir)
+    assert q_bufs and int(q_bufs.group(1)) == 2 * config.consumers, "not two Q buffers per consumer"
+    loops = [_region(ttgir, i) for i in [m.start() for m in re.finditer(r"scf\.for %j", ttgir)]]
+    tile_loops = [body for body in loops if "ttng.warp_group_dot" in body]
+    assert len(tile_loops) == config.consumers, "one tile loop per consumer"
+    for body in tile_loops:
+        assert body.count("ttng.warp_group_dot ") == 2, "S = Q·Kᵀ and O += P·V in every turn"
+        for op in ("ttng.async_tma_copy_local_to_global", "ttng.async_tma_store_wait",
+                   "ttng.async_tma_copy_global_to_local"):
+            assert op in body, op
+
+
+def _region(text: str, start: int) -> str:
+    """The MLIR region opened on the line holding ``start``: up to the closing brace at that line's
+    indentation (MLIR prints nested regions indented)."""
+    begin = text.rfind("\n", 0, start) + 1
+    line = text[begin:start]
+    indent = line[:len(line) - len(line.lstrip())]
+    end = text.find("\n" + indent + "}", start)
+    return text[begin:end if end >= 0 else len(text)]
 
 
 def _ex2_between_wgmma_waits(sass_text: str) -> list[int]:
@@ -168,14 +206,42 @@ def test_stage_c_sm90_ptxas_moves_the_pv_wait_ahead_of_the_softmax(compiled):
     assert all(c == 0 for c in counts), counts
 
 
+def _spills_in_tile_loops(sass_text: str) -> list[str]:
+    """Local-memory loads and stores (register spills) inside a tile loop of the SASS: the innermost
+    loops (a backward branch and its target) that issue wgmma (``HGMMA``). Outer loops do not count:
+    the warp-specialized kernel's partitions sit in one, which Triton's dispatch branches back to."""
+    lines = [ln for ln in sass_text.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/\s+[@A-Z]", ln)]
+    address = {int(re.search(r"/\*([0-9a-f]{4,})\*/", ln).group(1), 16): i for i, ln in enumerate(lines)}
+    loops = []
+    for i, ln in enumerate(lines):
+        target = re.search(r"\bBRA\s+(?:`?\(?)0x([0-9a-f]+)", ln)
+        if target and address.get(int(target.group(1), 16), i) < i:
+            loops.append((address[int(target.group(1), 16)], i))
+    mma = [(a, b) for a, b in loops if any("HGMMA" in lines[k] for k in range(a, b + 1))]
+    tile_loops = [(a, b) for a, b in mma if not any((c, d) != (a, b) and a <= c and d <= b for c, d in mma)]
+    return [lines[i].strip() for i, ln in enumerate(lines) if re.search(r"\b(LDL|STL)", ln)
+            and any(a <= i <= b for a, b in tile_loops)]
+
+
+def test_spills_in_tile_loops_are_found():
+    fake = """
+        /*0000*/                   STL [R1], R3 ;
+        /*0010*/                   HGMMA.64x128x16.F32 R24, gdesc[UR4], RZ ;
+        /*0020*/                   LDL R4, [R1] ;
+        /*0030*/               @P0 BRA 0x10 ;
+        /*0040*/                   LDL R5, [R1] ;
+        /*0050*/                   BRA 0x0 ;
+    """
+    assert _spills_in_tile_loops(fake) == ["/*0020*/                   LDL R4, [R1] ;"]
+
+
 @pytest.mark.parametrize("D", sorted(configs.WS_SHAPES))
 def test_every_warp_specialized_config_compiles_without_spills(D):
     """Every candidate of the warp-specialized kernel assembles for sm_90 within the shared-memory
-    budget and without register spills worth the name, for a ragged N and for N a multiple of the
-    tiles (masks compiled out). Two consumer warpgroups get 240 registers per thread and spill
-    nothing; three get 160, and at D = 64 causal with N a multiple of the tiles ptxas spills 24
-    bytes, stored and loaded once per work item in its first tile. (Three consumers at D = 128
-    spill ~1 KB, which is why they are not candidates.)"""
+    budget, for a ragged N and for N a multiple of the tiles (masks compiled out), with no register
+    spill inside a tile loop. ptxas may keep a value or two on the stack outside them: at D = 128
+    with a 2-slot ring it stores 4 bytes once at the start and loads them back once per partition.
+    (Three consumers at D = 128 spill ~1 KB, which is why they are not candidates.)"""
     for config in configs.WS_SHAPES[D]:
         for causal in (False, True):
             for N in (1000, 1024):
@@ -184,6 +250,8 @@ def test_every_warp_specialized_config_compiles_without_spills(D):
                 assert kernel.shared_bytes <= 227 * 1024
                 facts = run_ptxas(kernel.asm["ptx"], "sm_90a")
                 assert "ptxas_error" not in facts, facts
-                allowed = 0 if config.consumers == 2 else 32
-                assert facts["spill_stores"] <= allowed and facts["spill_loads"] <= allowed, (str(config), causal,
-                                                                                              N, facts)
+                where = (str(config), causal, N, facts)
+                assert facts["spill_stores"] <= 16 and facts["spill_loads"] <= 16, where
+                machine_code = sass(kernel.asm["ptx"], "sm_90a")
+                if machine_code:
+                    assert not _spills_in_tile_loops(machine_code), where

@@ -77,12 +77,14 @@ SHARED_MEMORY_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1
 
 def shared_memory_bytes(config: Config, D: int, element_bytes: int) -> int:
     """Estimated shared memory of one program: the Q tile (staged through shared memory by TMA and
-    by wgmma operand loads) plus ``num_stages`` buffers of one K and one V tile. Triton 3.6 on sm_90
-    allocates exactly this plus a few bytes of mbarriers (compared for every candidate: e.g.
-    229 400 B compiled vs 229 376 B estimated for 128×128 tiles, 3 stages, D = 128)."""
+    by wgmma operand loads) plus ``num_stages`` buffers of one K and one V tile; the persistent
+    warp-specialized kernel keeps two Q tiles (the next item's lands while this one runs). Triton 3.6
+    on sm_90 allocates exactly this plus a few bytes of mbarriers (compared for every candidate:
+    e.g. 229 400 B compiled vs 229 376 B estimated for 128×128 tiles, 3 stages, D = 128)."""
+    q_tiles = 2 if config.ws and config.persistent else 1
     q_tile = config.block_m * D * element_bytes
     kv_stage = 2 * config.block_n * D * element_bytes
-    return q_tile + max(config.num_stages, 1) * kv_stage  # the same for the warp-specialized kernel
+    return q_tiles * q_tile + max(config.num_stages, 1) * kv_stage
 
 
 def fits(config: Config, D: int, element_bytes: int, arch: int) -> bool:
@@ -121,12 +123,14 @@ def candidate_configs(D: int, dtype: torch.dtype, arch: int, warp_specialization
 
 
 #: The warp-specialized kernel's configs (sm_90, fp16/bf16). D = 64: three consumer warpgroups
-#: (192 query rows) share each K/V tile, as FlashAttention-3 does for small heads; D = 128: two,
-#: because three would spill registers (checked by a compiled-code test). Persistent and one
-#: program per work item both stay: which wins depends on N and causality (tuning.csv).
+#: (192 query rows) share each K/V tile, as FlashAttention-3 does for small heads, or two; D = 128:
+#: two, because three would spill registers (checked by a compiled-code test). Persistent and one
+#: program per work item both stay: which wins depends on N and causality (tuning.csv). At D = 128
+#: the persistent kernel's second Q buffer leaves room for a 2-slot K/V ring only (FlashAttention-3
+#: uses 2 there too); one program per item keeps 3.
 WS_SHAPES = {
     64: [ws_config(192, 128, 3, True), ws_config(192, 128, 3, False), ws_config(128, 128, 3, True)],
-    128: [ws_config(128, 128, 3, True), ws_config(128, 128, 3, False)],
+    128: [ws_config(128, 128, 2, True), ws_config(128, 128, 3, False)],
 }
 
 

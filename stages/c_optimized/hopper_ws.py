@@ -8,8 +8,9 @@ lets the kernel say explicitly what FlashAttention-3 does on Hopper:
 * **Warp specialization.** One *producer* warp only issues TMA copies of K and V tiles into a ring
   of ``STAGES`` shared-memory buffers; two or three *consumer* warpgroups (4 warps each) only
   compute. They talk through mbarriers: ``ready`` (the copy engine signals bytes arrived) and
-  ``empty`` (every consumer signals it is done reading a buffer). The producer gives its registers
-  away (``setmaxnreg``: 24 per thread) so the consumers can hold bigger tiles.
+  ``empty`` (every consumer signals it is done reading a buffer; K and V separately, so the next K
+  tile can start on its way as soon as ``Q·Kᵀ`` is done). The producer gives its registers away
+  (``setmaxnreg``: 24 per thread) so the consumers can hold bigger tiles.
 * **Consumers share K/V.** A work item is 64 query rows per consumer (128 or 192) of one
   (batch, head); every K/V tile is loaded once for all consumers.
 * **Ping-pong.** The consumers pass a token through mbarriers (one per consumer) before issuing
@@ -25,14 +26,21 @@ lets the kernel say explicitly what FlashAttention-3 does on Hopper:
 * **P never leaves registers**: the probabilities are converted in registers to the A-operand
   layout of the second wgmma.
 * **O leaves through shared memory**: normalized in registers, written (``stmatrix``) into the
-  consumer's Q buffer, which no ``Q·Kᵀ`` reads any more, and stored by one TMA copy, which also
-  clips the rows past N. Then the buffer takes the next item's Q.
+  item's Q buffer, which no ``Q·Kᵀ`` reads any more, and stored by one TMA copy, which also clips
+  the rows past N.
 * **Persistent grid** (optional): one program per SM walks work items; the producer runs ahead into
-  the next item, and each consumer asks L2 for its next item's Q rows at the start of an item.
-  Causal items are taken in zigzag pairs of equal total length (``_tile_coords``).
+  the next item. Causal items are taken in zigzag pairs of equal total length (``_tile_coords``).
+* **Items run into each other** (persistent grid): an item boundary is one more turn of the tile
+  loop, in which the next item's first ``Q·Kᵀ`` goes out with this item's last ``P·V``, and this
+  item's O is stored after the next item's first softmax. Each consumer has two Q buffers: the next
+  item's Q lands in one (a whole item ahead) while this item reads the other. Before, each boundary
+  cost ~3,300 cycles with the tensor cores mostly idle (NOTES.md, items 16 and 21).
 
 Everything else is stage C's algorithm: online softmax in base 2 with the scale folded in, causal
-tiles above the diagonal never loaded, masks only on the tiles that need them.
+tiles above the diagonal never loaded, masks only on the tiles that need them (a runtime branch in
+the one tile loop rather than a second copy of the loop: each consumer warpgroup runs its own
+inlined copy of the code, and at D = 64 with three consumers instruction fetch was a limit,
+NOTES.md item 20).
 """
 
 from __future__ import annotations
@@ -115,9 +123,11 @@ def _kv_range(start_m, N, ROWS_PER_PROGRAM: gl.constexpr, BLOCK_N: gl.constexpr,
 def _producer(k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM: gl.constexpr, BLOCK_N: gl.constexpr,
               CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
     """One warp: keep the K/V ring full. Waits until every consumer released a buffer, then asks the
-    copy engine for the next K and V tiles; each copy signals its ``ready`` barrier on arrival. It
-    runs ahead into the next work item while the consumers finish the current one."""
-    k_bufs, v_bufs, k_ready, v_ready, kv_empty = ring
+    copy engine for the next K or V tile; each copy signals its ``ready`` barrier on arrival. K and V
+    slots are released separately (K once its ``Q·Kᵀ`` is done, V a tile later, once its ``P·V`` is
+    done), so the next K tile can start on its way half a tile earlier. The producer runs ahead into
+    the next work item while the consumers finish the current one."""
+    k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
     STAGES: gl.constexpr = k_bufs.shape[0]
     it = 0
     t = _first_item(ZIGZAG)
@@ -127,9 +137,11 @@ def _producer(k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM: gl.const
         for j in range(n_tiles):
             s = it % STAGES
             # A fresh mbarrier counts as "phase 1 completed", so the first lap does not wait.
-            mbarrier.wait(kv_empty.index(s), ((it // STAGES) & 1) ^ 1)
+            lap = ((it // STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(s), lap)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [b, h, j * BLOCK_N, 0], k_ready.index(s), k_bufs.index(s))
+            mbarrier.wait(v_empty.index(s), lap)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [b, h, j * BLOCK_N, 0], v_ready.index(s), v_bufs.index(s))
             it += 1
@@ -137,14 +149,18 @@ def _producer(k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM: gl.const
 
 
 @gluon.jit
-def _softmax_step(S, m_i, l_i, cols, rows, N, qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+def _mask(S, cols, rows, N, CAUSAL: gl.constexpr):
+    """Scores of keys past N, and (causal) of keys after the query, to -inf."""
+    valid = gl.expand_dims(cols, 0) < N
+    if CAUSAL:
+        valid = valid & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
+    return gl.where(valid, S, float("-inf"))
+
+
+@gluon.jit
+def _softmax_step(S, m_i, l_i, qk_scale):
     """Online-softmax update for one score tile (base 2, scale folded in): returns P (fp32), the
     rescale factor alpha for the running output, and the new running max and sum."""
-    if MASK:
-        valid = gl.expand_dims(cols, 0) < N
-        if CAUSAL:
-            valid = valid & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
-        S = gl.where(valid, S, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(S, axis=1) * qk_scale)
     p = gl.exp2(S * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
@@ -186,43 +202,79 @@ def _pass_turn(next_turn, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _consume_tile(j, it, k, acc, p_prev, m_i, l_i, q_tile, ring, turns, rows, N, qk_scale,
-                  s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-                  WG: gl.constexpr, PINGPONG: gl.constexpr,
-                  MASK: gl.constexpr, CAUSAL: gl.constexpr):
-    """K/V tile j of a work item (ring slot it+j): S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1} in flight
-    together; softmax(S_j) runs while the second one is still on the tensor cores."""
-    k_bufs, v_bufs, k_ready, v_ready, kv_empty = ring
+def _consume_tile(cur, j, n_unmasked, acc, p_prev, m_i, l_i, q_tile, ring, turns, rows, N, qk_scale,
+                  s_layout: gl.constexpr, p_layout: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
+                  NEED_MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """K/V tile j of a work item, in ring slot / ping-pong batch ``cur``: ``S = Q·K_jᵀ`` and
+    ``acc += P_prev·V`` (the previous tile's, which at an item boundary is the previous item's last)
+    in flight together, then the softmax of S. Returns the accumulator *not yet rescaled*, with the
+    rescale factor alpha, because at an item boundary (j = 0) ``acc`` is the finished previous item,
+    which the caller stores first; ``m_i``/``l_i`` come in fresh there, so alpha is 0."""
+    k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
     my_turn, next_turn = turns
     STAGES: gl.constexpr = k_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     D: gl.constexpr = k_bufs.shape[4]
     ROWS: gl.constexpr = q_tile.shape[0]
-    cur = it + j
     s = cur % STAGES
-    sp = (cur - 1) % STAGES
+    # The previous tile's V; at the program's first tile P is all zeros and V_0 stands in (any
+    # finite tile would do), so that tile too is one batch of two products.
+    vp = gl.maximum(cur - 1, 0)
+    sp = vp % STAGES
     mbarrier.wait(k_ready.index(s), (cur // STAGES) & 1)
-    _my_turn(my_turn, k + j, WG, PINGPONG)
+    _my_turn(my_turn, cur, WG, PINGPONG)
     S = warpgroup_mma(q_tile, k_bufs.index(s).reshape([BLOCK_N, D]).permute((1, 0)),
                       gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-    mbarrier.wait(v_ready.index(sp), ((cur - 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(sp), (vp // STAGES) & 1)
     acc = warpgroup_mma(p_prev, v_bufs.index(sp).reshape([BLOCK_N, D]), acc, is_async=True)
     _pass_turn(next_turn, PINGPONG)
-    # wgmma groups retire in order: "at most one outstanding" means S_j is done, P·V may not be.
+    # wgmma groups retire in order: "at most one outstanding" means S is done, P·V may not be.
     S = warpgroup_mma_wait(1, deps=(S, ))
-    cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    p, alpha, m_i, l_i = _softmax_step(S, m_i, l_i, cols, rows, N, qk_scale, MASK, CAUSAL)
+    _signal(k_empty.index(s))  # this consumer is done with K in slot cur
+    if NEED_MASK:
+        if j >= n_unmasked:  # a runtime branch, not a second copy of the loop: less code to fetch
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            S = _mask(S, cols, rows, N, CAUSAL)
+    p, alpha, m_i, l_i = _softmax_step(S, m_i, l_i, qk_scale)
     acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
-    _signal(kv_empty.index(sp))  # this consumer is done with slot cur-1
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    if cur > 0:
+        _signal(v_empty.index(sp))  # ... and with V in slot cur-1
     p_prev = gl.convert_layout(p.to(q_tile.dtype), p_layout)
-    return acc, p_prev, m_i, l_i
+    return acc, alpha, p_prev, m_i, l_i
+
+
+@gluon.jit
+def _rescale(acc, alpha, o_layout: gl.constexpr):
+    return acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+
+
+@gluon.jit
+def _fetch_q(q_desc, q_bufs, q_bars, buf, b, h, row, pred):
+    """Ask the copy engine for one consumer's 64 Q rows into its Q buffer ``buf``."""
+    mbarrier.expect(q_bars.index(buf), q_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], q_bars.index(buf), q_bufs.index(buf), pred=pred)
+
+
+@gluon.jit
+def _store_o(acc, l_i, o_desc, buf, t, n_m, H, o_layout: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr,
+             CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
+    """Normalize O of work item t and send it out through shared buffer ``buf``: ``stmatrix`` from the accumulator
+    layout, then one TMA copy, which also clips rows past N. Stored from registers straight to
+    global memory instead, each warp instruction writes 4 bytes into each of 8 rows: that took
+    ~3,300 cycles per item at D = 128 against ~1,800 this way (clock64 trace on the H200)."""
+    ROWS: gl.constexpr = acc.shape[0]
+    D: gl.constexpr = acc.shape[1]
+    b, h, start_m = _tile_coords(t, n_m, H, ROWS * CONSUMERS, CAUSAL, ZIGZAG)
+    out = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
+    buf.reshape([ROWS, D]).store(out.to(o_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, start_m + WG * ROWS, 0], buf)
 
 
 @gluon.jit
 def _prefetch_q_to_l2(Q, stride_qb, stride_qh, stride_qn, b, h, row0, N, ROWS: gl.constexpr, D: gl.constexpr):
-    """Ask L2 for one consumer's Q rows of a later item (one 128-byte line per thread), so the TMA
-    copy into the Q buffer, which can start only after this item's O has left it, hits L2."""
+    """Ask L2 for one consumer's Q rows of the next item (one 128-byte line per thread), so the TMA
+    copy of them, one tile into this item, hits L2."""
     LINES_PER_ROW: gl.constexpr = D * 2 // 128
     line = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0])) % (ROWS * LINES_PER_ROW)
     row = gl.minimum(row0 + line // LINES_PER_ROW, N - 1)
@@ -233,18 +285,26 @@ def _prefetch_q_to_l2(Q, stride_qb, stride_qh, stride_qn, b, h, row0, N, ROWS: g
 
 
 @gluon.jit
-def _consumer(args, q_smem, q_bar, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
+def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
               CAUSAL: gl.constexpr, EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr, PREFETCH_L2: gl.constexpr):
     """One warpgroup: for each work item of this program, the whole flash loop for its 64 rows.
-    ``args`` is the same for every consumer; ``WG`` is this consumer's index, ``q_smem``/``q_bar``
-    its Q buffer and barrier, ``turns`` its ping-pong barrier and the next consumer's."""
-    q_desc, o_desc, Q, stride_qb, stride_qh, stride_qn, ring, H, N, n_m, total, qk_scale = args
-    k_bufs, v_bufs, k_ready, v_ready, kv_empty = ring
+    ``args`` is the same for every consumer; ``WG`` is this consumer's index (its Q buffers are
+    ``q_bufs[WG·Q_BUFS ...]``), ``turns`` its ping-pong barrier and the next consumer's.
+
+    Work items run into each other: the next item's first ``Q·Kᵀ`` is issued together with this
+    item's last ``P·V`` (one more turn of the tile loop), and this item's O is normalized and stored
+    while the next item's first softmax is done. A persistent program therefore has two Q buffers
+    per consumer: the next item's Q lands in one while this item reads the other, and this item's O
+    leaves through its own buffer once its last ``Q·Kᵀ`` is done. Ring slot and ping-pong batch
+    ``cur`` count the K/V tiles this consumer has started, over all its items."""
+    q_desc, o_desc, Q, stride_qb, stride_qh, stride_qn, q_bufs, q_bars, ring, H, N, n_m, total, qk_scale = args
+    k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
     my_turn, next_turn = turns
-    STAGES: gl.constexpr = k_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     D: gl.constexpr = k_bufs.shape[4]
-    ROWS: gl.constexpr = q_smem.shape[2]
+    Q_BUFS: gl.constexpr = q_bufs.shape[0] // CONSUMERS
+    ROWS: gl.constexpr = q_bufs.shape[3]
+    Q0: gl.constexpr = WG * Q_BUFS  # this consumer's first Q buffer
     ROWS_PER_PROGRAM: gl.constexpr = ROWS * CONSUMERS
     NEED_MASK: gl.constexpr = CAUSAL or not EVEN_N
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -252,19 +312,26 @@ def _consumer(args, q_smem, q_bar, turns, WG: gl.constexpr, CONSUMERS: gl.conste
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    q_tile = q_smem.reshape([ROWS, D])
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([ROWS], gl.float32, row_layout)
+    p_prev = gl.zeros([ROWS, BLOCK_N], q_desc.dtype, p_layout)
+    acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+
+    # The program's first item (the grid gives every program at least one).
     t = _first_item(ZIGZAG)
-    b, h, start_m = _tile_coords(t, n_m, H, ROWS_PER_PROGRAM, CAUSAL, ZIGZAG)
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, h, start_m + WG * ROWS, 0], q_bar, q_smem)
-    it = 0        # K/V ring slots consumed so far
-    item = 0      # work items done so far (parity of the Q barrier)
+    b0, h0, start0 = _tile_coords(t, n_m, H, ROWS_PER_PROGRAM, CAUSAL, ZIGZAG)
+    _fetch_q(q_desc, q_bufs, q_bars, Q0, b0, h0, start0 + WG * ROWS, True)
+    # The previous item (none before the first). Not `t_prev = t`: Triton's front end decides which
+    # names a loop carries by running the body once on the values from before the loop, and a name
+    # that starts out as the same value as `t` and is set to `t` in the body looks unchanged; it
+    # would silently stay the first item (every later O stored over the first item's).
+    t_prev = -1
+    it = 0    # K/V tiles of the earlier items
+    item = 0  # items before this one: this item's Q is in buffer Q0 + item % Q_BUFS
     while t < total:
-        row0 = start_m + WG * ROWS
-        n_tiles, n_unmasked = _kv_range(start_m, N, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL)
-        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-        k = it + item  # wgmma batches issued so far (ping-pong turn counter)
+        start_m = _tile_coords(t, n_m, H, ROWS_PER_PROGRAM, CAUSAL, ZIGZAG)[2]
         t_next = _next_item(t, total, ZIGZAG)
         b_next, h_next, start_next = _tile_coords(t_next, n_m, H, ROWS_PER_PROGRAM, CAUSAL, ZIGZAG)
         more = t_next < total
@@ -272,63 +339,51 @@ def _consumer(args, q_smem, q_bar, turns, WG: gl.constexpr, CONSUMERS: gl.conste
             if more:
                 _prefetch_q_to_l2(Q, stride_qb, stride_qh, stride_qn, b_next, h_next, start_next + WG * ROWS, N,
                                   ROWS, D)
-        mbarrier.wait(q_bar, item & 1)
-
-        # Tile 0: nothing to overlap with yet. Masked whenever any tile may need a mask; one tile
-        # of selects is cheap and keeps a single prologue.
-        s0 = it % STAGES
-        mbarrier.wait(k_ready.index(s0), (it // STAGES) & 1)
-        _my_turn(my_turn, k, WG, PINGPONG)
-        S = warpgroup_mma(q_tile, k_bufs.index(s0).reshape([BLOCK_N, D]).permute((1, 0)),
-                          gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-        _pass_turn(next_turn, PINGPONG)
-        S = warpgroup_mma_wait(0, deps=(S, ))
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        p, alpha, m_i, l_i = _softmax_step(S, m_i, l_i, cols, rows, N, qk_scale, NEED_MASK, CAUSAL)
-        p_prev = gl.convert_layout(p.to(q_tile.dtype), p_layout)
-        acc = gl.zeros([ROWS, D], gl.float32, o_layout)
-
-        # Tiles wholly inside the valid region, then the ones that need the causal / ragged-N mask.
-        for j in range(1, n_unmasked):
-            acc, p_prev, m_i, l_i = _consume_tile(j, it, k, acc, p_prev, m_i, l_i, q_tile, ring, turns, rows, N,
-                                                  qk_scale, s_layout, o_layout, p_layout, WG, PINGPONG,
-                                                  False, CAUSAL)
-        for j in range(gl.maximum(n_unmasked, 1), n_tiles):
-            acc, p_prev, m_i, l_i = _consume_tile(j, it, k, acc, p_prev, m_i, l_i, q_tile, ring, turns, rows, N,
-                                                  qk_scale, s_layout, o_layout, p_layout, WG, PINGPONG,
-                                                  NEED_MASK, CAUSAL)
-
-        # Epilogue: the last P·V.
-        sl = (it + n_tiles - 1) % STAGES
-        mbarrier.wait(v_ready.index(sl), ((it + n_tiles - 1) // STAGES) & 1)
-        _my_turn(my_turn, k + n_tiles, WG, PINGPONG)
-        acc = warpgroup_mma(p_prev, v_bufs.index(sl).reshape([BLOCK_N, D]), acc, is_async=True)
-        _pass_turn(next_turn, PINGPONG)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        _signal(kv_empty.index(sl))
+        row0 = start_m + WG * ROWS
+        n_tiles, n_unmasked = _kv_range(start_m, N, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL)
+        rows = row0 + gl.arange(0, ROWS, layout=row_layout)
+        cb = Q0 + item % Q_BUFS       # this item's Q buffer
+        nb = Q0 + (item + 1) % Q_BUFS  # the other one: the previous item's O, then the next item's Q
+        q_tile = q_bufs.index(cb).reshape([ROWS, D])
+        mbarrier.wait(q_bars.index(cb), (item // Q_BUFS) & 1)
+        for j in range(0, n_tiles):
+            # Tile 0 starts a fresh softmax; its P·V is the previous item's last.
+            m_in = gl.where(j == 0, float("-inf"), m_i)
+            l_in = gl.where(j == 0, 0.0, l_i)
+            acc, alpha, p_prev, m_i, l_new = _consume_tile(it + j, j, n_unmasked, acc, p_prev, m_in, l_in, q_tile,
+                                                           ring, turns, rows, N, qk_scale, s_layout, p_layout, WG,
+                                                           PINGPONG, NEED_MASK, CAUSAL)
+            if j == 0:
+                if it > 0:  # acc is the previous item's finished O: out through its Q buffer
+                    _store_o(acc, l_i, o_desc, q_bufs.index(nb), t_prev, n_m, H, o_layout, WG, CONSUMERS,
+                             CAUSAL, ZIGZAG)
+            if j == 1:
+                # Once the copy engine has read that O (long done by now), the buffer takes the
+                # next item's Q, an item ahead of its use. (With one Q buffer, one item per program,
+                # `more` is false and nothing is fetched.)
+                tma.store_wait(0)
+                _fetch_q(q_desc, q_bufs, q_bars, nb, b_next, h_next, start_next + WG * ROWS, more)
+            acc = _rescale(acc, alpha, o_layout)  # alpha = 0 at tile 0: the accumulator starts over
+            l_i = l_new
+        if n_tiles == 1:
+            tma.store_wait(0)
+            _fetch_q(q_desc, q_bufs, q_bars, nb, b_next, h_next, start_next + WG * ROWS, more)
         it += n_tiles
         item += 1
-
-        # O leaves through shared memory and one TMA store, by way of the Q buffer: every Q·Kᵀ of
-        # the item is done, and D = 128 leaves no shared memory for a buffer of its own. Once the
-        # copy engine has read O, the buffer takes the next item's Q (which the L2 prefetch at the
-        # top of the item has brought close). Stored from the accumulator layout straight to global
-        # memory instead, each warp instruction writes 4 bytes into each of 8 rows: that took ~3,300
-        # cycles per item at D = 128 against ~1,800 this way (clock64 trace on the H200).
-        out = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
-        q_tile.store(out.to(o_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], q_smem)
-        tma.store_wait(0)
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes, pred=more)
-        tma.async_copy_global_to_shared(q_desc, [b_next, h_next, start_next + WG * ROWS, 0], q_bar, q_smem,
-                                        pred=more)
+        t_prev = t
         t = t_next
-        b = b_next
-        h = h_next
-        start_m = start_next
+
+    # The program's last P·V, alone, and the last O.
+    sl = (it - 1) % k_bufs.shape[0]
+    mbarrier.wait(v_ready.index(sl), ((it - 1) // k_bufs.shape[0]) & 1)
+    _my_turn(my_turn, it, WG, PINGPONG)
+    acc = warpgroup_mma(p_prev, v_bufs.index(sl).reshape([BLOCK_N, D]), acc, is_async=True)
+    _pass_turn(next_turn, PINGPONG)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    _signal(v_empty.index(sl))
+    _store_o(acc, l_i, o_desc, q_bufs.index(Q0 + (item - 1) % Q_BUFS), t_prev, n_m, H, o_layout, WG, CONSUMERS,
+             CAUSAL, ZIGZAG)
+    tma.store_wait(0)
 
 
 @gluon.jit
@@ -336,15 +391,15 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, Q, stride_qb, stride_qh,
                         total,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                         PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr, PREFETCH_L2: gl.constexpr = True):
-    """Grid: one program per SM (persistent) or per work item; work item t covers
-    ``CONSUMERS × 64`` query rows of one (batch, head). See the module docstring."""
+                        Q_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PREFETCH_L2: gl.constexpr = True):
+    """Grid: one program per SM (persistent, ``Q_BUFS`` = 2) or per work item (``Q_BUFS`` = 1); work
+    item t covers ``CONSUMERS × 64`` query rows of one (batch, head). See the module docstring."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     ROWS_PER_PROGRAM: gl.constexpr = ROWS * CONSUMERS
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS * Q_BUFS, 1], mbarrier.MBarrierLayout())
     # One ping-pong barrier per consumer, each its own allocation (see _my_turn); turn2 is unused
     # with two consumers (8 bytes).
     turn0 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -352,37 +407,34 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, Q, stride_qb, stride_qh,
     turn2 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(CONSUMERS):
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CONSUMERS * Q_BUFS):
         mbarrier.init(q_bars.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
     mbarrier.init(turn0, count=1)
     mbarrier.init(turn1, count=1)
     mbarrier.init(turn2, count=1)
-    ring = (k_bufs, v_bufs, k_ready, v_ready, kv_empty)
+    ring = (k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty)
 
     # The same consumer function runs in the default partition (WG 0) and in worker partitions.
-    args = (q_desc, o_desc, Q, stride_qb, stride_qh, stride_qn, ring, H, N, n_m, total, qk_scale)
+    args = (q_desc, o_desc, Q, stride_qb, stride_qh, stride_qn, q_bufs, q_bars, ring, H, N, n_m, total, qk_scale)
     producer_args = (k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, ZIGZAG)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (args, q_smem.index(0), q_bars.index(0), (turn0, turn1), 0, 2, PINGPONG, CAUSAL, EVEN_N,
-                         ZIGZAG, PREFETCH_L2)),
-            (_consumer, (args, q_smem.index(1), q_bars.index(1), (turn1, turn0), 1, 2, PINGPONG, CAUSAL, EVEN_N,
-                         ZIGZAG, PREFETCH_L2)),
+            (_consumer, (args, (turn0, turn1), 0, 2, PINGPONG, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2)),
+            (_consumer, (args, (turn1, turn0), 1, 2, PINGPONG, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2)),
             (_producer, producer_args),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (args, q_smem.index(0), q_bars.index(0), (turn0, turn1), 0, 3, PINGPONG, CAUSAL, EVEN_N,
-                         ZIGZAG, PREFETCH_L2)),
-            (_consumer, (args, q_smem.index(1), q_bars.index(1), (turn1, turn2), 1, 3, PINGPONG, CAUSAL, EVEN_N,
-                         ZIGZAG, PREFETCH_L2)),
-            (_consumer, (args, q_smem.index(2), q_bars.index(2), (turn2, turn0), 2, 3, PINGPONG, CAUSAL, EVEN_N,
-                         ZIGZAG, PREFETCH_L2)),
+            (_consumer, (args, (turn0, turn1), 0, 3, PINGPONG, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2)),
+            (_consumer, (args, (turn1, turn2), 1, 3, PINGPONG, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2)),
+            (_consumer, (args, (turn2, turn0), 2, 3, PINGPONG, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2)),
             (_producer, producer_args),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
@@ -407,6 +459,12 @@ def descriptors(q, k, v, o, block_n: int):
     return desc(q, ROWS_PER_CONSUMER), desc(k, block_n), desc(v, block_n), desc(o, ROWS_PER_CONSUMER)
 
 
+def q_buffers(persistent: bool) -> int:
+    """Q buffers per consumer: two when a program walks several items (the next item's Q lands
+    while this one runs), one when it has a single item."""
+    return 2 if persistent else 1
+
+
 def supported(dtype: torch.dtype, D: int, arch: int) -> bool:
     """The warp-specialized path covers Hopper, fp16/bf16 and D in {64, 128}."""
     return arch == 90 and dtype in (torch.float16, torch.bfloat16) and D in (64, 128)
@@ -421,7 +479,8 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
     measures the host instead of the kernel (``do_bench`` times from the event before the call).
 
     ``prefetch_l2``: each consumer asks L2 for its next item's Q rows at the start of an item (a
-    persistent program only; measured between 0.97× and 1.06× against leaving it out, median 1.00×)."""
+    persistent program only; with the item-by-item kernel of NOTES.md item 17 it measured 0.97× to
+    1.06× against leaving it out, median 1.00×; now the TMA copy of that Q starts one tile later)."""
     B, H, N, D = q.shape
     q_desc, k_desc, v_desc, o_desc = descriptors(q, k, v, o, block_n)
     n_m = -(-N // (ROWS_PER_CONSUMER * consumers))
@@ -434,7 +493,8 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
     args = dict(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=o_desc, Q=q, stride_qb=q.stride(0),
                 stride_qh=q.stride(1), stride_qn=q.stride(2), qk_scale=qk_scale, H=H, N=N, n_m=n_m, total=total,
                 BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, PINGPONG=pingpong, CAUSAL=causal,
-                EVEN_N=(N % block_n == 0), ZIGZAG=zigzag, CONSUMER_REGS=240 if consumers == 2 else 160,
+                EVEN_N=(N % block_n == 0), ZIGZAG=zigzag, Q_BUFS=q_buffers(persistent),
+                CONSUMER_REGS=240 if consumers == 2 else 160,
                 PREFETCH_L2=prefetch_l2)
     # 4 warps run the default partition (consumer 0); the workers add 4 per further consumer and 1
     # producer warp, rounded up to whole warpgroups. maxnreg sets the register pool they share:
