@@ -259,6 +259,26 @@ def test_speedups():
     assert got[7] == (None, None)
 
 
+def test_reading_names_the_weakest_small_n_cell_and_only_a_real_loss():
+    """The README's generated reading says where stage C loses at the smallest N: the weakest
+    (D, causal) cell there, and nothing when C is at or above cuDNN in every cell."""
+    from harness.report import render_reading
+
+    def rows(small_ratios):
+        out = []
+        for impl, tflops in (("a", 100.0), ("b", 300.0), ("c", 500.0), ("sdpa_cudnn", 450.0)):
+            out.append(_sample_row(impl=impl, kind="peer" if impl.startswith("sdpa") else "stage", N=4096, D=64,
+                                   tflops=tflops))
+        for (D, causal), ratio in small_ratios.items():
+            out.append(_sample_row(impl="c", N=512, D=D, causal=causal, tflops=400.0 * ratio))
+            out.append(_sample_row(impl="sdpa_cudnn", kind="peer", N=512, D=D, causal=causal, tflops=400.0))
+        return out
+
+    text = render_reading(rows({(64, 0): 1.04, (64, 1): 0.89, (128, 1): 0.91}))
+    assert "at N = 512 stage C drops to 0.89× of cuDNN (D = 64 causal;" in text
+    assert "drops to" not in render_reading(rows({(64, 0): 1.04, (64, 1): 1.01}))
+
+
 # ------------------------------------------------------------------------------------------- CLI
 
 @pytest.mark.parametrize("argv, names", [
