@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..contract import slugify
+from . import hopper_ws
 
 TUNED_DIR = Path(__file__).with_name("tuned")
 
@@ -81,7 +82,7 @@ def shared_memory_bytes(config: Config, D: int, element_bytes: int) -> int:
     warp-specialized kernel keeps two Q tiles (the next item's lands while this one runs). Triton 3.6
     on sm_90 allocates exactly this plus a few bytes of mbarriers (compared for every candidate:
     e.g. 229 400 B compiled vs 229 376 B estimated for 128×128 tiles, 3 stages, D = 128)."""
-    q_tiles = 2 if config.ws and config.persistent else 1
+    q_tiles = hopper_ws.q_buffers(config.persistent) if config.ws else 1
     q_tile = config.block_m * D * element_bytes
     kv_stage = 2 * config.block_n * D * element_bytes
     return q_tiles * q_tile + max(config.num_stages, 1) * kv_stage
