@@ -150,10 +150,14 @@ def _producer(k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM: gl.const
 
 @gluon.jit
 def _mask(S, cols, rows, N, CAUSAL: gl.constexpr):
-    """Scores of keys past N, and (causal) of keys after the query, to -inf."""
-    valid = gl.expand_dims(cols, 0) < N
+    """Scores of keys past N, and (causal) of keys after the query, to -inf. Causal: one compare
+    per score, against min(row, N - 1). Written as two conditions, ptxas kept a select for each:
+    64 more instructions per thread and masked tile, which cost D = 64 causal with three
+    consumers up to 11 % (NOTES.md, item 22)."""
     if CAUSAL:
-        valid = valid & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
+        valid = gl.expand_dims(cols, 0) <= gl.expand_dims(gl.minimum(rows, N - 1), 1)
+    else:
+        valid = gl.expand_dims(cols, 0) < N
     return gl.where(valid, S, float("-inf"))
 
 
