@@ -70,22 +70,44 @@ NO_NCU_MESSAGE = ("Nsight Compute (ncu) was not found on PATH, in /usr/local/cud
 #: kept as ncu writes them, one CSV per impl and cell.
 SECTIONS: tuple[str, ...] = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "SchedulerStats",
                              "Occupancy", "LaunchStats")
-#: The few section metrics ``sections_summary.csv`` keeps per kernel (ncu's display names).
+#: Collected with the sections: how busy each pipe is, how often a scheduler issues, and why warps
+#: wait. The sections show these only as charts; these raw counters put them in the CSV. Busy
+#: percentages are of the SM's active cycles: tensor cores (``wgmma``/``mma``), XU (the
+#: special-function unit behind ``ex2``), FMA and ALU. Stall ratios are warps waiting for that
+#: reason per issued instruction (``barrier``: at a CTA/named barrier; ``wait``: a fixed-latency
+#: dependency; ``long_scoreboard``: global memory or mbarrier; ``no_instruction``: instruction fetch).
+PIPE_AND_STALL_METRICS: tuple[str, ...] = (
+    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
+    "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active",
+    "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "smsp__inst_executed.sum",
+    "smsp__warps_active.avg.per_cycle_active",
+) + tuple(f"smsp__average_warps_issue_stalled_{reason}_per_issue_active.ratio" for reason in (
+    "barrier", "wait", "long_scoreboard", "short_scoreboard", "no_instruction", "math_pipe_throttle",
+    "mio_throttle", "dispatch_stall", "not_selected", "gmma"))
+#: What ``sections_summary.csv`` keeps per kernel: a few section metrics (ncu's display names) and
+#: :data:`PIPE_AND_STALL_METRICS` (raw names).
 SECTION_SUMMARY: tuple[str, ...] = (
     "Duration", "Compute (SM) Throughput", "Memory Throughput", "DRAM Throughput", "Executed Ipc Active",
     "Issue Slots Busy", "No Eligible", "Warp Cycles Per Issued Instruction", "Achieved Occupancy",
-    "Registers Per Thread", "Block Size", "Grid Size", "Dynamic Shared Memory Per Block")
+    "Registers Per Thread", "Block Size", "Grid Size", "Dynamic Shared Memory Per Block") + PIPE_AND_STALL_METRICS
 
 
 def ncu_command(ncu: str, impl_name: str, variant: str, problem: Problem, seed: int = 0,
                 sections: tuple[str, ...] = ()) -> list[str]:
     """The full command line: ncu options, then the child process (see the module docstring).
-    With ``sections`` ncu collects those analysis sections instead of :data:`METRICS`."""
+    With ``sections`` ncu collects those analysis sections and :data:`PIPE_AND_STALL_METRICS` instead
+    of :data:`METRICS`."""
     # "--variant=-tma", not "--variant -tma": argparse would take "-tma" for an option.
     child = [sys.executable, "-m", "harness", "_ncu_child", "--impl", impl_name, f"--variant={variant}",
              "--B", str(problem.B), "--H", str(problem.H), "--N", str(problem.N), "--D", str(problem.D),
              "--dtype", problem.dtype, "--seed", str(seed)] + (["--causal"] if problem.causal else [])
-    what = [arg for s in sections for arg in ("--section", s)] if sections else ["--metrics", ",".join(METRICS)]
+    if sections:
+        what = [arg for s in sections for arg in ("--section", s)] + ["--metrics", ",".join(PIPE_AND_STALL_METRICS)]
+    else:
+        what = ["--metrics", ",".join(METRICS)]
     return [ncu, "--clock-control", "none", "--profile-from-start", "off", "--cache-control", "all",
             "--target-processes", "all", *what, "--csv", "--print-units", "base", *child]
 

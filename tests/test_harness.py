@@ -511,11 +511,14 @@ def test_ncu_command_shape():
 
 
 def test_ncu_sections_command_and_summary(tmp_path):
-    """``profile --sections`` asks ncu for the analysis sections instead of the DRAM metrics, keeps a
-    few metrics per kernel, and a later profile of the same impl and cell replaces its summary rows."""
+    """``profile --sections`` asks ncu for the analysis sections and the pipe/stall counters instead of
+    the DRAM metrics, keeps a few metrics per kernel, and a later profile of the same impl and cell
+    replaces its summary rows."""
     cmd = ncu.ncu_command("/x/ncu", "c", "", Problem(1, 2, 64, 16, "fp16", False), sections=ncu.SECTIONS)
-    assert "--metrics" not in cmd
     assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--section"] == list(ncu.SECTIONS)
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--metrics"] == [",".join(ncu.PIPE_AND_STALL_METRICS)]
+    assert not set(ncu.METRICS) & set(ncu.PIPE_AND_STALL_METRICS)
+    assert set(ncu.PIPE_AND_STALL_METRICS) <= set(ncu.SECTION_SUMMARY)
     text = NCU_CSV.replace("dram__bytes_read.sum", "Duration")
     (row, other) = ncu.section_summary(ncu.parse_ncu_csv(text))
     assert row["kernel"] == "tiled_attention_kernel" and row["Duration"] == 1_048_576
