@@ -153,7 +153,7 @@ def _mask(S, cols, rows, N, CAUSAL: gl.constexpr):
     """Scores of keys past N, and (causal) of keys after the query, to -inf. Causal: one compare
     per score, against min(row, N - 1). Written as two conditions, ptxas kept a select for each:
     64 more instructions per thread and masked tile, which cost D = 64 causal with three
-    consumers up to 11 % (NOTES.md, item 22)."""
+    consumers up to 16 % of its time (NOTES.md, item 22)."""
     if CAUSAL:
         valid = gl.expand_dims(cols, 0) <= gl.expand_dims(gl.minimum(rows, N - 1), 1)
     else:
