@@ -106,16 +106,16 @@ def cell_table(rows: list[dict], *, N: int, D: int, dtype: str, causal: int) -> 
     return "\n".join(lines)
 
 
-def throughput_ratios(rows: list[dict], *, dtype: str = "fp16", impl: str = "c",
-                      peer: str = "sdpa_cudnn") -> dict[tuple[int, int, int], float]:
-    """``impl``'s TFLOPS over ``peer``'s in every (D, causal, N) cell that has both, same dtype.
+def paired_rows(rows: list[dict], *, dtype: str = "fp16", impl: str = "c",
+                peer: str = "sdpa_cudnn") -> dict[tuple[int, int, int], tuple[dict, dict]]:
+    """``impl``'s and ``peer``'s row in every (D, causal, N) cell that has both, same dtype.
 
-    Pass all rows (``results.load_rows``), not only the latest per cell: each ratio is taken from
+    Pass all rows (``results.load_rows``), not only the latest per cell: the pair is taken from
     the latest run that measured *both* impls in the cell, so the two sides were timed side by side
     (a later run of only one of them, such as an ablation run, does not pair with an older run of
     the other). A cell no run measured both in falls back to the latest row of each."""
     data = [r for r in views.plain(rows) if r["dtype"] == dtype and is_ok(r) and r["tflops"]]
-    ratios: dict[tuple[int, int, int], float] = {}
+    pairs: dict[tuple[int, int, int], tuple[dict, dict]] = {}
     for D, causal, N in sorted({(r["D"], int(r["causal"]), r["N"]) for r in data}):
         at = views.cell_rows(data, N=N, D=D, dtype=dtype, causal=causal)
         mine, theirs = select(at, impl=impl), select(at, impl=peer)
@@ -125,15 +125,41 @@ def throughput_ratios(rows: list[dict], *, dtype: str = "fp16", impl: str = "c",
         if common:
             run = max(common)
             mine, theirs = select(mine, run_id=run), select(theirs, run_id=run)
-        ratios[D, causal, N] = mine[-1]["tflops"] / theirs[-1]["tflops"]
-    return ratios
+        pairs[D, causal, N] = (mine[-1], theirs[-1])
+    return pairs
+
+
+def throughput_ratios(rows: list[dict], *, dtype: str = "fp16", impl: str = "c",
+                      peer: str = "sdpa_cudnn") -> dict[tuple[int, int, int], float]:
+    """``impl``'s TFLOPS over ``peer``'s in every cell of :func:`paired_rows`."""
+    return {cell: mine["tflops"] / theirs["tflops"]
+            for cell, (mine, theirs) in paired_rows(rows, dtype=dtype, impl=impl, peer=peer).items()}
+
+
+#: A timing whose 20th and 80th percentiles lie further apart than this fraction of its median is
+#: flagged in the ratio table: most cells on the H200 stay within a few percent, and a cell whose
+#: samples spread 0.16–0.22 ms around a 0.19 ms median read 0.87 in one run and 1.00 in the next.
+NOISY_SPREAD = 0.10
+
+
+def sample_spread(row: dict) -> float | None:
+    """(80th − 20th percentile) / median of a timed row; None when a value is missing."""
+    med, p20, p80 = row.get("ms_median"), row.get("ms_p20"), row.get("ms_p80")
+    if not (med and p20 is not None and p80 is not None):
+        return None
+    return (p80 - p20) / med
 
 
 def ratio_table(rows: list[dict], *, dtype: str = "fp16", impl: str = "c", peer: str = "sdpa_cudnn") -> str:
-    """``impl``'s throughput as a fraction of ``peer``'s over N, one line per (D, causal); '' without data."""
-    ratios: dict[tuple, dict[int, float]] = {}
-    for (D, causal, N), ratio in throughput_ratios(rows, dtype=dtype, impl=impl, peer=peer).items():
-        ratios.setdefault((D, causal), {})[N] = ratio
+    """``impl``'s throughput as a fraction of ``peer``'s over N, one line per (D, causal); '' without data.
+    A ratio with † has a timing whose samples spread more than :data:`NOISY_SPREAD` on either side."""
+    ratios: dict[tuple, dict[int, str]] = {}
+    noisy = False
+    for (D, causal, N), (mine, theirs) in paired_rows(rows, dtype=dtype, impl=impl, peer=peer).items():
+        spreads = [sample_spread(mine), sample_spread(theirs)]
+        flag = any(x is not None and x > NOISY_SPREAD for x in spreads)
+        noisy |= flag
+        ratios.setdefault((D, causal), {})[N] = f"{mine['tflops'] / theirs['tflops']:.2f}" + ("†" if flag else "")
     if not ratios:
         return ""
     Ns = sorted({n for line in ratios.values() for n in line})
@@ -142,8 +168,11 @@ def ratio_table(rows: list[dict], *, dtype: str = "fp16", impl: str = "c", peer:
              "| D | causal | " + " | ".join(f"N = {n}" for n in Ns) + " |",
              "|--:|---|" + "--:|" * len(Ns)]
     for (D, causal), line in ratios.items():
-        cells = [f"{line[n]:.2f}" if n in line else "—" for n in Ns]
+        cells = [line.get(n, "—") for n in Ns]
         lines.append(f"| {D} | {'yes' if causal else 'no'} | " + " | ".join(cells) + " |")
+    if noisy:
+        lines += ["", f"† The 20th and 80th percentiles of {label(impl)}'s or {label(peer)}'s samples in this cell "
+                      f"lie more than {NOISY_SPREAD:.0%} of the median apart: a noisy measurement."]
     return "\n".join(lines)
 
 

@@ -283,3 +283,19 @@ def test_ratios_pair_the_two_impls_within_one_run():
     assert report.throughput_ratios(rows + [later_c])[64, 0, 4096] == pytest.approx(first)
     later_pair = [later_c, dict(both["sdpa_cudnn"], run_id="2026-11-30T09:00:00Z")]
     assert report.throughput_ratios(rows + later_pair)[64, 0, 4096] == pytest.approx(3 * first)
+
+
+def test_ratio_table_flags_noisy_cells():
+    """A cell whose timing samples spread more than NOISY_SPREAD (20th to 80th percentile over the
+    median) on either side gets a † and the table a footnote; a clean table gets neither."""
+    rows = [r for r in build_rows() if r["kind"] in ("stage", "peer")]
+    clean = report.ratio_table(rows)
+    assert clean and "†" not in clean
+    pairs = report.paired_rows(rows)
+    (D, causal, N), (_, cudnn) = next(iter(pairs.items()))
+    noisy_peer = dict(cudnn, ms_p20=cudnn["ms_median"] * 0.9, ms_p80=cudnn["ms_median"] * 1.05)
+    table = report.ratio_table([r for r in rows if r is not cudnn] + [noisy_peer])
+    line = next(ln for ln in table.splitlines() if ln.startswith(f"| {D} | {'yes' if causal else 'no'} |"))
+    assert line.count("†") == 1 and table.count("†") == 2  # the cell and the footnote
+    assert report.sample_spread(noisy_peer) == pytest.approx(0.15)
+    assert report.sample_spread(dict(cudnn, ms_p80=None)) is None
