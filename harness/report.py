@@ -171,8 +171,8 @@ def ratio_table(rows: list[dict], *, dtype: str = "fp16", impl: str = "c", peer:
         cells = [line.get(n, "—") for n in Ns]
         lines.append(f"| {D} | {'yes' if causal else 'no'} | " + " | ".join(cells) + " |")
     if noisy:
-        lines += ["", f"† The 20th and 80th percentiles of {label(impl)}'s or {label(peer)}'s samples in this cell "
-                      f"lie more than {NOISY_SPREAD:.0%} of the median apart: a noisy measurement."]
+        lines += ["", f"† Noisy: the 20th and 80th percentiles of {label(impl)}'s or {label(peer)}'s samples "
+                      f"lie more than {NOISY_SPREAD:.0%} of the median apart."]
     return "\n".join(lines)
 
 
