@@ -45,7 +45,8 @@ class Subcommand:
 SUBCOMMANDS: dict[str, Subcommand] = {}
 
 #: commands provided by optional modules (written separately); loaded when the module exists.
-OPTIONAL_SUBCOMMANDS: dict[str, str] = {"plot": "harness.plots", "report": "harness.report"}
+OPTIONAL_SUBCOMMANDS: dict[str, str] = {"plot": "harness.plots", "report": "harness.report",
+                                         "pc-sampling": "harness.pc_sampling"}
 
 
 def register_subcommand(name: str, help: str, add_arguments, run, hidden: bool = False, add_parser=None) -> None:

@@ -200,10 +200,20 @@ def latest_rows(rows: Iterable[dict]) -> list[dict]:
     return list(by_key.values())
 
 
-def git_commit() -> str:
+def git_commit(cwd: str | os.PathLike | None = None) -> str:
+    """The checkout's commit, with ``-dirty`` when tracked files outside ``results/`` differ from it
+    (a kernel measured before it was committed; the results a sweep appends to do not count)."""
+    cwd = cwd or Path(__file__).resolve().parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=cwd, timeout=10).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or "unknown"
+        commit = git("rev-parse", "--short", "HEAD")
+        if not commit:
+            return "unknown"
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ":(top)", ":(top,exclude)results")
+        return commit + ("-dirty" if changed else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 

@@ -90,9 +90,8 @@ def test_stage_c_shared_memory_fits_the_budget(compiled):
 
 def test_stage_c_sm90_is_warp_specialized_with_softmax_overlapped(compiled):
     """Untuned on Hopper, stage C runs the Gluon kernel. Its PTX shows the three ideas: partitions
-    that re-balance registers (setmaxnreg), bulk TMA copies on mbarriers, and a wgmma wait that
-    leaves one group (the P·V product) in flight while the softmax runs (in the PTX; for what
-    ptxas makes of it, see the SASS test below)."""
+    that re-balance registers (setmaxnreg), bulk TMA copies on mbarriers, and asynchronous wgmma
+    (a wait that leaves the P·V product in flight while the K slot is released)."""
     (kernel,) = compiled["c", 90, False]
     assert kernel.name == "ws_attention_kernel"
     ptx = kernel.asm["ptx"]
@@ -175,35 +174,41 @@ def _region(text: str, start: int) -> str:
     return text[begin:end if end >= 0 else len(text)]
 
 
-def _ex2_between_wgmma_waits(sass_text: str) -> list[int]:
-    """For each ``wgmma.wait_group 1`` in the SASS, how many ``ex2`` come before the next wgmma wait."""
-    counts, current = [], None
+def _softmax_blocks(sass_text: str) -> list[dict[str, int]]:
+    """For each run of exponentials in the SASS: from one ``MUFU.EX2`` to the next branch, how many
+    exponentials and fp32-to-16-bit conversions (``F2FP``) it holds."""
+    blocks, current = [], None
     for line in sass_text.splitlines():
-        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
-            current = 0
-        elif "WARPGROUP.DEPBAR.LE" in line and current is not None:
-            counts.append(current)
+        if "MUFU.EX2" in line and current is None:
+            current = {"ex2": 0, "f2fp": 0}
+        if current is None:
+            continue
+        if re.search(r"\bBRA\b", line):
+            blocks.append(current)
             current = None
-        elif "MUFU.EX2" in line and current is not None:
-            current += 1
-    return counts
+        elif "MUFU.EX2" in line:
+            current["ex2"] += 1
+        elif "F2FP" in line:
+            current["f2fp"] += 1
+    return blocks
 
 
-def test_stage_c_sm90_ptxas_moves_the_pv_wait_ahead_of_the_softmax(compiled):
-    """What stage C's README says about the intra-warpgroup overlap, pinned down: the PTX waits for
-    ``S_j`` only (``wgmma.wait_group 1``), runs the softmax, then waits for ``P·V``; but ptxas
-    schedules the second wait among the first instructions of the softmax, so in the machine code
-    no exponential lies between the two waits. If a ptxas release changes this, the README's
-    explanation (and the measured cost of forcing the overlap) must be revisited."""
-    (kernel,) = compiled["c", 90, False]
-    ptx = kernel.asm["ptx"]
-    assert "wgmma.wait_group.sync.aligned 1;" in ptx
-    machine_code = sass(ptx, "sm_90a")
+@pytest.mark.parametrize("causal", [False, True])
+def test_stage_c_sm90_softmax_is_one_basic_block(compiled, causal):
+    """The softmax, the conversion of P for the next ``P·V`` and the rescale of O are one stretch of
+    code with no branch in it, so ptxas interleaves the conversions with the exponentials (their unit
+    is as loaded as the tensor cores at D = 64). When the item boundary's store of O sat between the
+    softmax and the conversions, all of them ran after the last exponential (NOTES.md, item 23)."""
+    (kernel,) = compiled["c", 90, causal]
+    config = configs.choose_config(PROBLEM.D, torch.float16, causal, 90, PROBLEM.N)
+    machine_code = sass(kernel.asm["ptx"], "sm_90a")
     if not machine_code:
         pytest.skip("ptxas or cuobjdump not available in this triton install")
-    counts = _ex2_between_wgmma_waits(machine_code)
-    assert counts, "no wgmma.wait_group 1 in the SASS"
-    assert all(c == 0 for c in counts), counts
+    per_thread = 64 * config.block_n // 128  # one consumer's scores per thread and tile
+    tiles = [b for b in _softmax_blocks(machine_code) if b["ex2"] >= per_thread]
+    assert len(tiles) == config.consumers, (config, _softmax_blocks(machine_code))
+    for block in tiles:
+        assert block["f2fp"] == per_thread // 2, block  # two scores per packed register
 
 
 def _spills_in_tile_loops(sass_text: str) -> list[str]:

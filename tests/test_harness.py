@@ -569,3 +569,28 @@ def test_gpu_device(tmp_path, capsys):
     assert code == 0, err
     ceilings = json.loads((tmp_path / "env.json").read_text())["ceilings"]
     assert ceilings["copy_gbps"] > 100 and ceilings["matmul_fp16_tflops"] > 10
+
+
+@pytest.mark.skipif(__import__("shutil").which("git") is None, reason="needs git")
+def test_git_commit_marks_a_dirty_checkout_but_not_new_results(tmp_path):
+    """Provenance says when the measured code was not the commit's: a changed kernel marks the
+    checkout dirty; results the sweep itself appends to do not."""
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=lab", "-c", "user.email=lab@example.com", *args], cwd=tmp_path,
+                       check=True, capture_output=True)
+
+    (tmp_path / "results").mkdir()
+    (tmp_path / "kernel.py").write_text("x = 1\n")
+    (tmp_path / "results" / "runs.csv").write_text("a\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "first")
+    clean = results.git_commit(tmp_path)
+    assert clean != "unknown" and not clean.endswith("-dirty")
+    (tmp_path / "results" / "runs.csv").write_text("a\nb\n")
+    assert results.git_commit(tmp_path) == clean
+    (tmp_path / "kernel.py").write_text("x = 2\n")
+    assert results.git_commit(tmp_path) == clean + "-dirty"
+    assert results.git_commit(tmp_path / "results") == clean + "-dirty"  # from a subfolder too

@@ -16,13 +16,18 @@ lets the kernel say explicitly what FlashAttention-3 does on Hopper:
 * **Ping-pong.** The consumers pass a token through mbarriers (one per consumer) before issuing
   their matrix products, so one warpgroup's softmax lines up with another's wgmma. Signals come
   from one thread with no warpgroup barrier in front (``_signal``).
-* **Intra-warpgroup overlap, as written.** Inside one consumer, iteration j issues
-  ``S_j = Q·K_jᵀ`` and then ``O += P_{j-1}·V_{j-1}`` as asynchronous wgmma, waits only for ``S_j``,
-  computes the softmax of ``S_j``, and waits for ``P_{j-1}·V_{j-1}`` right before rescaling O. That
-  is the PTX. ptxas, though, schedules the second wait among the first instructions of the softmax,
-  so in the machine code the softmax runs after ``P·V`` (``test_compiled_code.py`` pins this down);
-  the softmax overlaps the *other* consumer's products (ping-pong). Forcing the overlap measured
-  slower (NOTES.md, item 19).
+* **No intra-warpgroup overlap.** A consumer waits for both of its products (``S_j = Q·K_jᵀ`` and
+  ``O += P_{j-1}·V_{j-1}``) before its softmax; the softmax overlaps the *other* consumers' products
+  (ping-pong). FlashAttention-3 also overlaps a warpgroup's softmax with its own ``P·V``. This
+  kernel's PTX used to say that (wait for ``S_j`` only, for ``P·V`` just before the rescale), but
+  ptxas put the second wait among the first instructions of the softmax all the same, and forcing
+  the overlap measured slower (NOTES.md, items 19 and 23); the kernel now writes what ran.
+* **The softmax is one stretch of code.** From the mask to the loop's end there is no branch: the
+  exponentials, the conversion of P for the next ``P·V`` and the rescale of O share one basic
+  block, so ptxas slots the conversions in between the exponentials, whose unit (16 per clock
+  per SM) is as loaded as the tensor cores at D = 64. The item boundary's store of O comes before
+  the softmax, right after the products. Behind a branch, the conversions and the rescale ran
+  after the last exponential, on every tile (NOTES.md, item 23).
 * **P never leaves registers**: the probabilities are converted in registers to the A-operand
   layout of the second wgmma.
 * **O leaves through shared memory**: normalized in registers, written (``stmatrix``) into the
@@ -32,9 +37,10 @@ lets the kernel say explicitly what FlashAttention-3 does on Hopper:
   the next item. Causal items are taken in zigzag pairs of equal total length (``_tile_coords``).
 * **Items run into each other** (persistent grid): an item boundary is one more turn of the tile
   loop, in which the next item's first ``Q·Kᵀ`` goes out with this item's last ``P·V``, and this
-  item's O is stored after the next item's first softmax. Each consumer has two Q buffers: the next
-  item's Q lands in one (a whole item ahead) while this item reads the other. Before, each boundary
-  cost ~3,300 cycles with the tensor cores mostly idle (NOTES.md, items 16 and 21).
+  item's O is stored as soon as that ``P·V`` is done, before the next item's first softmax. Each
+  consumer has two Q buffers: the next item's Q lands in one (a whole item ahead) while this item
+  reads the other. Before, each boundary cost ~3,300 cycles with the tensor cores mostly idle
+  (NOTES.md, items 16 and 21).
 
 Everything else is stage C's algorithm: online softmax in base 2 with the scale folded in, causal
 tiles above the diagonal never loaded, masks only on the tiles that need them (a runtime branch in
@@ -173,7 +179,7 @@ def _softmax_step(S, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _signal(bar):
+def _signal(bar, pred=True):
     """One arrival on ``bar`` for the whole warpgroup, from one thread, with no warpgroup barrier.
 
     Written as ``expect(bar, 0)``: ``mbarrier.arrive.expect_tx`` with zero bytes is exactly an
@@ -183,7 +189,7 @@ def _signal(bar):
     released only after ``warpgroup_mma_wait`` returned for the wgmma that read it, and a wgmma is
     one operation of the whole warpgroup; a ping-pong turn only orders issue, not data. CUTLASS's
     consumer release arrives the same way (one elected thread per warpgroup)."""
-    mbarrier.expect(bar, 0)
+    mbarrier.expect(bar, 0, pred=pred)
 
 
 @gluon.jit
@@ -206,14 +212,11 @@ def _pass_turn(next_turn, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _consume_tile(cur, j, n_unmasked, acc, p_prev, m_i, l_i, q_tile, ring, turns, rows, N, qk_scale,
-                  s_layout: gl.constexpr, p_layout: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
-                  NEED_MASK: gl.constexpr, CAUSAL: gl.constexpr):
-    """K/V tile j of a work item, in ring slot / ping-pong batch ``cur``: ``S = Q·K_jᵀ`` and
-    ``acc += P_prev·V`` (the previous tile's, which at an item boundary is the previous item's last)
-    in flight together, then the softmax of S. Returns the accumulator *not yet rescaled*, with the
-    rescale factor alpha, because at an item boundary (j = 0) ``acc`` is the finished previous item,
-    which the caller stores first; ``m_i``/``l_i`` come in fresh there, so alpha is 0."""
+def _issue_tile(cur, acc, p_prev, q_tile, ring, turns, s_layout: gl.constexpr, WG: gl.constexpr,
+                PINGPONG: gl.constexpr):
+    """K/V tile ``cur`` (ring slot / ping-pong batch): ``S = Q·K_jᵀ`` and ``acc += P_prev·V`` (the
+    previous tile's, which at an item boundary is the previous item's last) issued together as one
+    ping-pong turn; returns both, done. Each slot is released as soon as its product is done."""
     k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
     my_turn, next_turn = turns
     STAGES: gl.constexpr = k_bufs.shape[0]
@@ -235,16 +238,26 @@ def _consume_tile(cur, j, n_unmasked, acc, p_prev, m_i, l_i, q_tile, ring, turns
     # wgmma groups retire in order: "at most one outstanding" means S is done, P·V may not be.
     S = warpgroup_mma_wait(1, deps=(S, ))
     _signal(k_empty.index(s))  # this consumer is done with K in slot cur
+    acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+    _signal(v_empty.index(sp), cur > 0)  # ... and with V in slot cur-1 (predicated: no branch)
+    return S, acc
+
+
+@gluon.jit
+def _softmax_tile(S, j, n_unmasked, acc, m_i, l_i, rows, N, qk_scale, dtype: gl.constexpr, o_layout: gl.constexpr,
+                  p_layout: gl.constexpr, NEED_MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """The softmax of score tile j, P converted for the next turn's ``P·V``, and the accumulator
+    rescaled: one stretch of code with no branch in it after the mask, so ptxas can slot the
+    conversions and the rescale in between the exponentials, whose unit is the bottleneck at D = 64."""
     if NEED_MASK:
         if j >= n_unmasked:  # a runtime branch, not a second copy of the loop: less code to fetch
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            BLOCK_N: gl.constexpr = S.shape[1]
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S.type.layout))
             S = _mask(S, cols, rows, N, CAUSAL)
     p, alpha, m_i, l_i = _softmax_step(S, m_i, l_i, qk_scale)
-    acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
-    if cur > 0:
-        _signal(v_empty.index(sp))  # ... and with V in slot cur-1
-    p_prev = gl.convert_layout(p.to(q_tile.dtype), p_layout)
-    return acc, alpha, p_prev, m_i, l_i
+    p_next = gl.convert_layout(p.to(dtype), p_layout)
+    acc = _rescale(acc, alpha, o_layout)
+    return acc, p_next, m_i, l_i
 
 
 @gluon.jit
@@ -297,13 +310,14 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: 
 
     Work items run into each other: the next item's first ``Q·Kᵀ`` is issued together with this
     item's last ``P·V`` (one more turn of the tile loop), and this item's O is normalized and stored
-    while the next item's first softmax is done. A persistent program therefore has two Q buffers
-    per consumer: the next item's Q lands in one while this item reads the other, and this item's O
-    leaves through its own buffer once its last ``Q·Kᵀ`` is done. Ring slot and ping-pong batch
-    ``cur`` count the K/V tiles this consumer has started, over all its items."""
+    as soon as that ``P·V`` is done, before the next item's first softmax. A persistent program
+    therefore has two Q buffers per consumer: the next item's Q lands in one while this item reads
+    the other, and this item's O leaves through its own buffer once its last ``Q·Kᵀ`` is done. Ring
+    slot and ping-pong batch ``cur`` count the K/V tiles this consumer has started, over all its items."""
     q_desc, o_desc, Q, stride_qb, stride_qh, stride_qn, q_bufs, q_bars, ring, H, N, n_m, total, qk_scale = args
     k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
     my_turn, next_turn = turns
+    STAGES: gl.constexpr = k_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     D: gl.constexpr = k_bufs.shape[4]
     Q_BUFS: gl.constexpr = q_bufs.shape[0] // CONSUMERS
@@ -351,24 +365,23 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: 
         q_tile = q_bufs.index(cb).reshape([ROWS, D])
         mbarrier.wait(q_bars.index(cb), (item // Q_BUFS) & 1)
         for j in range(0, n_tiles):
-            # Tile 0 starts a fresh softmax; its P·V is the previous item's last.
-            m_in = gl.where(j == 0, float("-inf"), m_i)
-            l_in = gl.where(j == 0, 0.0, l_i)
-            acc, alpha, p_prev, m_i, l_new = _consume_tile(it + j, j, n_unmasked, acc, p_prev, m_in, l_in, q_tile,
-                                                           ring, turns, rows, N, qk_scale, s_layout, p_layout, WG,
-                                                           PINGPONG, NEED_MASK, CAUSAL)
-            if j == 0:
-                if it > 0:  # acc is the previous item's finished O: out through its Q buffer
-                    _store_o(acc, l_i, o_desc, q_bufs.index(nb), t_prev, n_m, H, o_layout, WG, CONSUMERS,
-                             CAUSAL, ZIGZAG)
             if j == 1:
-                # Once the copy engine has read that O (long done by now), the buffer takes the
-                # next item's Q, an item ahead of its use. (With one Q buffer, one item per program,
-                # `more` is false and nothing is fetched.)
+                # Once the copy engine has read the previous item's O (stored at tile 0), its buffer
+                # takes the next item's Q, an item ahead of its use. (With one Q buffer, one item per
+                # program, `more` is false and nothing is fetched.)
                 tma.store_wait(0)
                 _fetch_q(q_desc, q_bufs, q_bars, nb, b_next, h_next, start_next + WG * ROWS, more)
-            acc = _rescale(acc, alpha, o_layout)  # alpha = 0 at tile 0: the accumulator starts over
-            l_i = l_new
+            S, acc = _issue_tile(it + j, acc, p_prev, q_tile, ring, turns, s_layout, WG, PINGPONG)
+            if Q_BUFS > 1:  # (one item per program: nothing before it to store)
+                if j == 0:
+                    if it > 0:  # acc is the previous item's finished O: out through its Q buffer
+                        _store_o(acc, l_i, o_desc, q_bufs.index(nb), t_prev, n_m, H, o_layout, WG, CONSUMERS,
+                                 CAUSAL, ZIGZAG)
+            # Tile 0 starts a fresh softmax (alpha = 0: the accumulator starts over).
+            m_in = gl.where(j == 0, float("-inf"), m_i)
+            l_in = gl.where(j == 0, 0.0, l_i)
+            acc, p_prev, m_i, l_i = _softmax_tile(S, j, n_unmasked, acc, m_in, l_in, rows, N, qk_scale, q_desc.dtype,
+                                                  o_layout, p_layout, NEED_MASK, CAUSAL)
         if n_tiles == 1:
             tma.store_wait(0)
             _fetch_q(q_desc, q_bufs, q_bars, nb, b_next, h_next, start_next + WG * ROWS, more)
@@ -378,8 +391,8 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: 
         t = t_next
 
     # The program's last P·V, alone, and the last O.
-    sl = (it - 1) % k_bufs.shape[0]
-    mbarrier.wait(v_ready.index(sl), ((it - 1) // k_bufs.shape[0]) & 1)
+    sl = (it - 1) % STAGES
+    mbarrier.wait(v_ready.index(sl), ((it - 1) // STAGES) & 1)
     _my_turn(my_turn, it, WG, PINGPONG)
     acc = warpgroup_mma(p_prev, v_bufs.index(sl).reshape([BLOCK_N, D]), acc, is_async=True)
     _pass_turn(next_turn, PINGPONG)

@@ -6,9 +6,12 @@
 For every (dtype, D, causal, N) it times each candidate of ``configs.candidate_configs`` (all of
 which the tests prove correct) with ``triton.testing.do_bench`` and writes the fastest to
 ``tuned/<gpu-slug>.json``, which ``choose_config`` reads: under ``best`` the fastest of all, under
-``best_tl`` the fastest ``tl``-kernel config (what runs with warp specialization switched off). Every timing goes to the CSV too, so the
-choice can be checked. Shapes follow the FlashAttention-paper setting: B·N = 16384 tokens,
-H·D = 2048.
+``best_tl`` the fastest ``tl``-kernel config (what runs with warp specialization switched off).
+Candidates within ``TIE_MARGIN`` of the fastest are timed again, in turns, before one is picked: two
+single-pass runs of the tuner over the same code disagreed in 4 of 40 cells, by 0.1–2.3 % (NOTES.md,
+item 23). Every timing goes to the CSV too (``pass`` 1: the first, 2: timed again), so the choice can be
+checked. Shapes follow the
+FlashAttention-paper setting: B·N = 16384 tokens, H·D = 2048.
 """
 
 from __future__ import annotations
@@ -16,9 +19,36 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import statistics
 import sys
 
 import torch
+
+#: Candidates this much slower than the fastest (first pass) are timed again before one is picked.
+TIE_MARGIN = 0.03
+#: Rounds of the second timing; each round times every close candidate once, in turn.
+TIE_ROUNDS = 3
+
+
+def close_candidates(times_ms: dict, margin: float = TIE_MARGIN) -> list:
+    """The candidates within ``margin`` of the fastest, fastest first."""
+    best = min(times_ms.values())
+    return sorted((c for c, ms in times_ms.items() if ms <= best * (1 + margin)), key=times_ms.get)
+
+
+def pick(times_ms: dict, retime) -> tuple:
+    """The winner of one cell: ``times_ms`` maps each candidate to its first-pass time; the close
+    ones are timed again (``retime(candidate) -> ms``) in ``TIE_ROUNDS`` interleaved rounds, and
+    the lowest median of all their times wins. Returns (winner, its median ms)."""
+    close = close_candidates(times_ms)
+    samples = {c: [times_ms[c]] for c in close}
+    if len(close) > 1:
+        for _ in range(TIE_ROUNDS):
+            for c in close:
+                samples[c].append(retime(c))
+    medians = {c: statistics.median(v) for c, v in samples.items()}
+    winner = min(medians, key=medians.get)
+    return winner, medians[winner]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,27 +85,30 @@ def main(argv: list[str] | None = None) -> int:
                     B, H = max(1, 16384 // N), max(1, 2048 // D)
                     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype) for _ in range(3))
                     flops = 4.0 * B * H * N * N * D / (2 if causal else 1)
-                    best = best_tl = None
+
+                    def time_ms(config, timing_pass=2):
+                        fn = lambda: attention(q, k, v, causal=causal, config=config)  # noqa: E731
+                        fn()
+                        ms = triton.testing.do_bench(fn, warmup=25, rep=100)
+                        rows.append({"dtype": dtype_name, "D": D, "causal": int(causal), "N": N,
+                                     "config": str(config), "pass": timing_pass, "ms": f"{ms:.4f}",
+                                     "tflops": f"{flops / ms * 1e-9:.1f}"})
+                        return ms
+
+                    times = {}
                     for config in configs.candidate_configs(D, dtype, arch):
                         try:
-                            fn = lambda: attention(q, k, v, causal=causal, config=config)  # noqa: E731
-                            fn()
-                            ms = triton.testing.do_bench(fn, warmup=25, rep=100)
+                            times[config] = time_ms(config, timing_pass=1)
                         except Exception as e:  # a config that fails to compile or launch is skipped
                             print(f"  {config}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-                            continue
-                        tflops = flops / ms * 1e-9
-                        rows.append({"dtype": dtype_name, "D": D, "causal": int(causal), "N": N,
-                                     "config": str(config), "ms": f"{ms:.4f}", "tflops": f"{tflops:.1f}"})
-                        if best is None or ms < best[1]:
-                            best = (config, ms, tflops)
-                        if not config.ws and (best_tl is None or ms < best_tl[1]):
-                            best_tl = (config, ms, tflops)
-                    if best_tl:
-                        data["best_tl"][configs.tuned_key(dtype, D, causal, N)] = str(best_tl[0])
-                    if best:
-                        data["best"][configs.tuned_key(dtype, D, causal, N)] = str(best[0])
-                        print(f"{dtype_name} D={D} causal={int(causal)} N={N}: {best[0]} {best[2]:.0f} TFLOPS"
+                    key = configs.tuned_key(dtype, D, causal, N)
+                    tl_times = {c: ms for c, ms in times.items() if not c.ws}
+                    if tl_times:
+                        data["best_tl"][key] = str(pick(tl_times, time_ms)[0])
+                    if times:
+                        best, ms = pick(times, time_ms)
+                        data["best"][key] = str(best)
+                        print(f"{dtype_name} D={D} causal={int(causal)} N={N}: {best} {flops / ms * 1e-9:.0f} TFLOPS"
                               f"{_cudnn_for_orientation(q, k, v, causal, flops)}", flush=True)
                     del q, k, v
     path.parent.mkdir(parents=True, exist_ok=True)
