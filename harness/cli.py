@@ -2,7 +2,9 @@
 
 Commands: ``compare`` (one problem, one table), ``sweep`` (grids -> results CSV), ``profile``
 (DRAM bytes by Nsight Compute), ``inspect`` (compiled-code facts, no GPU), ``device`` (roofline
-ceilings of this GPU). ``python -m harness <command> --help`` lists each one's flags.
+ceilings of this GPU), and from their own modules ``plot``, ``report`` and ``pc-sampling`` (Nsight
+Compute's per-instruction warp sampling, summarized). ``python -m harness <command> --help`` lists
+each one's flags.
 
 Adding a command: the subcommands are built from the :data:`SUBCOMMANDS` registry. Call
 :func:`register_subcommand` (name, help, ``add_arguments(parser)``, ``run(args) -> exit code``), or,
