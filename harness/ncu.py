@@ -122,11 +122,12 @@ def _number(text: str) -> float | None:
         return None
 
 
-def csv_lines(text: str) -> list[str]:
-    """The CSV part of ncu's output: its header line (``"ID",...``) and the quoted lines after it;
-    ``==PROF==`` lines and the child's own output are dropped. Empty when there is no header."""
+def csv_lines(text: str, first_column: str = "ID") -> list[str]:
+    """The CSV part of ncu's output: its header line (``"ID",...`` on the details page,
+    ``"Address",...`` on the source page) and the quoted lines after it; ``==PROF==`` lines and the
+    child's own output are dropped. Empty when there is no header."""
     lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    start = next((i for i, line in enumerate(lines) if line.startswith(f'"{first_column}"')), None)
     return [] if start is None else [line for line in lines[start:] if line.startswith('"')]
 
 

@@ -27,6 +27,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .ncu import csv_lines
+
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
 
@@ -65,12 +67,12 @@ def read_text(path: str | Path) -> str:
 
 def summarize(text: str) -> Summary:
     """Parse ncu's ``--page source --csv --print-source sass`` output (one kernel)."""
-    lines = text.splitlines()
-    kernel = next((re.sub(r'^"Kernel Name","?|"?,?$', "", ln) for ln in lines if ln.startswith('"Kernel Name"')), "?")
-    header = next((i for i, ln in enumerate(lines) if ln.startswith('"Address"')), None)
-    if header is None:
+    kernel = next((re.sub(r'^"Kernel Name","?|"?,?$', "", ln) for ln in text.splitlines()
+                   if ln.startswith('"Kernel Name"')), "?")
+    table = csv_lines(text, first_column="Address")
+    if not table:
         raise ValueError("no per-instruction table (a header line starting with \"Address\") in this file")
-    reader = csv.DictReader(io.StringIO("\n".join(lines[header:])))
+    reader = csv.DictReader(io.StringIO("\n".join(table)))
     if SAMPLES not in (reader.fieldnames or []):
         raise ValueError(f"no {SAMPLES!r} column: collect the SourceCounters section")
     reasons = [c for c in reader.fieldnames if c.startswith("stall_") and "(Not Issued)" not in c]

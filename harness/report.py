@@ -129,11 +129,14 @@ def paired_rows(rows: list[dict], *, dtype: str = "fp16", impl: str = "c",
     return pairs
 
 
+def _ratio(mine: dict, theirs: dict) -> float:
+    return mine["tflops"] / theirs["tflops"]
+
+
 def throughput_ratios(rows: list[dict], *, dtype: str = "fp16", impl: str = "c",
                       peer: str = "sdpa_cudnn") -> dict[tuple[int, int, int], float]:
     """``impl``'s TFLOPS over ``peer``'s in every cell of :func:`paired_rows`."""
-    return {cell: mine["tflops"] / theirs["tflops"]
-            for cell, (mine, theirs) in paired_rows(rows, dtype=dtype, impl=impl, peer=peer).items()}
+    return {cell: _ratio(*pair) for cell, pair in paired_rows(rows, dtype=dtype, impl=impl, peer=peer).items()}
 
 
 #: A timing whose 20th and 80th percentiles lie further apart than this fraction of its median is
@@ -153,13 +156,20 @@ def sample_spread(row: dict) -> float | None:
 def ratio_table(rows: list[dict], *, dtype: str = "fp16", impl: str = "c", peer: str = "sdpa_cudnn") -> str:
     """``impl``'s throughput as a fraction of ``peer``'s over N, one line per (D, causal); '' without data.
     A ratio with † has a timing whose samples spread more than :data:`NOISY_SPREAD` on either side."""
+    return _format_ratio_table(paired_rows(rows, dtype=dtype, impl=impl, peer=peer), dtype=dtype, impl=impl,
+                               peer=peer)
+
+
+def _format_ratio_table(pairs: dict[tuple[int, int, int], tuple[dict, dict]], *, dtype: str, impl: str,
+                        peer: str) -> str:
+    """:func:`ratio_table` from the pairs :func:`paired_rows` found."""
     ratios: dict[tuple, dict[int, str]] = {}
     noisy = False
-    for (D, causal, N), (mine, theirs) in paired_rows(rows, dtype=dtype, impl=impl, peer=peer).items():
+    for (D, causal, N), (mine, theirs) in pairs.items():
         spreads = [sample_spread(mine), sample_spread(theirs)]
         flag = any(x is not None and x > NOISY_SPREAD for x in spreads)
         noisy |= flag
-        ratios.setdefault((D, causal), {})[N] = f"{mine['tflops'] / theirs['tflops']:.2f}" + ("†" if flag else "")
+        ratios.setdefault((D, causal), {})[N] = f"{_ratio(mine, theirs):.2f}" + ("†" if flag else "")
     if not ratios:
         return ""
     Ns = sorted({n for line in ratios.values() for n in line})
@@ -295,10 +305,11 @@ def render_ratio_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> s
     rows = load_rows(results_dir)  # all runs: ratios pair the two impls within one run
     parts = [_generated_note(_posix_rel(Path(results_dir), Path(readme_dir)))]
     for dt in ("fp16", "bf16"):
-        table = ratio_table(rows, dtype=dt)
+        pairs = paired_rows(rows, dtype=dt)  # once per dtype: the table and the summary line share it
+        table = _format_ratio_table(pairs, dtype=dt, impl="c", peer="sdpa_cudnn")
         if not table:
             continue
-        ratios = sorted(ratio for (_D, _causal, n), ratio in throughput_ratios(rows, dtype=dt).items() if n >= 1024)
+        ratios = sorted(_ratio(*pair) for (_D, _causal, n), pair in pairs.items() if n >= 1024)
         parts.append(table)
         if ratios:
             parts.append(f"Over N ≥ 1024 ({len(ratios)} cells, {dt}): min {ratios[0]:.2f}, "
