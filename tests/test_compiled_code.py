@@ -211,6 +211,48 @@ def test_stage_c_sm90_softmax_is_one_basic_block(compiled, causal):
         assert block["f2fp"] == per_thread // 2, block  # two scores per packed register
 
 
+def _exp_turns(sass_text: str) -> list[dict[str, int]]:
+    """For each wait on a 256-thread named barrier (``BAR.SYNC id, 0x100``) in the SASS: the
+    exponentials and branches up to the next arrival on one (``BAR.ARV id, 0x100``)."""
+    turns, current = [], None
+    for line in sass_text.splitlines():
+        if re.search(r"BAR\.SYNC\S*\s+0x[0-9a-f]+, 0x100\b", line):
+            current = {"ex2": 0, "branches": 0}
+        elif current is None:
+            continue
+        elif re.search(r"BAR\.ARV\s+0x[0-9a-f]+, 0x100\b", line):
+            turns.append(current)
+            current = None
+        elif "MUFU.EX2" in line:
+            current["ex2"] += 1
+        elif re.search(r"\bBRA\b", line):
+            current["branches"] += 1
+    return turns
+
+
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_stage_c_sm90_two_consumers_take_turns_at_the_exponentials(consumers):
+    """With two consumers the ping-pong turn is the block of exponentials, as in cuDNN's loop: a
+    named barrier (``bar.sync``, 256 threads) in front of each tile's exponentials and the arrival on
+    the other consumer's barrier behind the last of them, with no branch in between. ptxas moved an
+    unpredicated ``bar.arrive`` up among the exponentials, which would end the turn early; this
+    test fails then. Three consumers take turns at wgmma issue instead (mbarriers), with no named
+    barrier of 256 threads."""
+    config = next(c for c in configs.WS_SHAPES[64] if c.consumers == consumers and c.persistent)
+    (kernel,) = STAGES["c"].compile(Problem(2, 4, 1000, 64, "fp16", True), 90, config=config)
+    machine_code = sass(kernel.asm["ptx"], "sm_90a")
+    if not machine_code:
+        pytest.skip("ptxas or cuobjdump not available in this triton install")
+    turns = _exp_turns(machine_code)
+    if consumers == 3:
+        assert turns == [] and "0x100" not in " ".join(ln for ln in machine_code.splitlines() if "BAR." in ln)
+        return
+    per_thread = 64 * config.block_n // 128
+    assert len(turns) == consumers, turns
+    for turn in turns:
+        assert turn["ex2"] >= per_thread and turn["branches"] == 0, turn
+
+
 def _spills_in_tile_loops(sass_text: str) -> list[str]:
     """Local-memory loads and stores (register spills) inside a tile loop of the SASS: the innermost
     loops (a backward branch and its target) that issue wgmma (``HGMMA``). Outer loops do not count:

@@ -13,9 +13,13 @@ lets the kernel say explicitly what FlashAttention-3 does on Hopper:
   (``setmaxnreg``: 24 per thread) so the consumers can hold bigger tiles.
 * **Consumers share K/V.** A work item is 64 query rows per consumer (128 or 192) of one
   (batch, head); every K/V tile is loaded once for all consumers.
-* **Ping-pong.** The consumers pass a token through mbarriers (one per consumer) before issuing
-  their matrix products, so one warpgroup's softmax lines up with another's wgmma. Signals come
-  from one thread with no warpgroup barrier in front (``_signal``).
+* **Ping-pong.** The consumers take turns so that one warpgroup's softmax lines up with another's
+  wgmma. Two consumers take turns at the exponentials, as cuDNN does: a hardware named barrier
+  in front of each tile's block of exponentials and an arrival on the other consumer's behind it
+  (``_exp_turn``), so one softmax at a time has the exponential unit, at D = 64 as loaded as the
+  tensor cores. Three consumers pass a token through mbarriers (one per consumer) before issuing
+  their matrix products; turns at the exponentials measured slower for them (NOTES.md, item 24).
+  Signals come from one thread with no warpgroup barrier in front (``_signal``).
 * **No intra-warpgroup overlap.** A consumer waits for both of its products (``S_j = Q·K_jᵀ`` and
   ``O += P_{j-1}·V_{j-1}``) before its softmax; the softmax overlaps the *other* consumers' products
   (ping-pong). FlashAttention-3 also overlaps a warpgroup's softmax with its own ``P·V``. This
@@ -167,14 +171,52 @@ def _mask(S, cols, rows, N, CAUSAL: gl.constexpr):
     return gl.where(valid, S, float("-inf"))
 
 
+#: Hardware named barriers of the exponential turns: consumer WG waits on EXP_TURN_BARRIER + WG.
+#: Triton 3.6's warp specialization uses the low ids (0 and 1 for the whole CTA and the default
+#: partition, 2 and up for worker partitions' own warpgroup barriers); there are 16.
+EXP_TURN_BARRIER = gl.constexpr(12)
+
+
 @gluon.jit
-def _softmax_step(S, m_i, l_i, qk_scale):
+def _exp_turn(x, barrier, ARRIVE: gl.constexpr):
+    """A ping-pong turn at the exponential unit, as cuDNN's loop takes it: ``bar.sync`` on the
+    consumer's own named barrier (256 threads: its 128 wait, the previous consumer's 128 arrive) in
+    front of the exponentials, ``bar.arrive`` on the next consumer's behind them. At D = 64 the
+    exponentials (16 per clock per SM) take as long as a tile's two products on the tensor cores;
+    taking turns there, one consumer's exponentials run at the unit's full rate while the other's
+    wgmma run, instead of two softmaxes sharing the unit at half rate while the tensor cores idle.
+
+    ``x`` (two rows per thread) passes through the barrier, so what uses it stays on its side: the
+    exponentials use the row maximum that passed the ``bar.sync``; the ``bar.arrive`` waits for the
+    row sum, which needs every exponential. ptxas moves a plain ``bar.arrive`` up among the
+    exponentials (it sees no dependence on them); predicated on the row sum it cannot. The sum is
+    never negative and a NaN compares false, so the arrival always happens. A named barrier is one
+    instruction, unlike an mbarrier wait (a polling loop, a branch that would split the softmax)."""
+    bar = gl.full(x.shape, barrier, gl.int32, x.type.layout)
+    if ARRIVE:
+        y = gl.inline_asm_elementwise(
+            "{\n\t.reg .pred neg;\n\tsetp.lt.f32 neg, $2, 0f00000000;\n\t@!neg bar.arrive $4, 256;"
+            "\n\tmov.b32 $0, $2;\n\tmov.b32 $1, $3;\n\t}", "=r,=r,r,r,r,r", [x, bar], dtype=gl.float32,
+            is_pure=False, pack=2)
+    else:
+        y = gl.inline_asm_elementwise("bar.sync $4, 256;\n\tmov.b32 $0, $2;\n\tmov.b32 $1, $3;",
+                                      "=r,=r,r,r,r,r", [x, bar], dtype=gl.float32, is_pure=False, pack=2)
+    return y
+
+
+@gluon.jit
+def _softmax_step(S, m_i, l_i, qk_scale, WG: gl.constexpr, CONSUMERS: gl.constexpr, EXP_TURNS: gl.constexpr):
     """Online-softmax update for one score tile (base 2, scale folded in): returns P (fp32), the
-    rescale factor alpha for the running output, and the new running max and sum."""
+    rescale factor alpha for the running output, and the new running max and sum. With
+    ``EXP_TURNS`` the exponentials are this consumer's ping-pong turn (``_exp_turn``)."""
     m_new = gl.maximum(m_i, gl.max(S, axis=1) * qk_scale)
+    if EXP_TURNS:
+        m_new = _exp_turn(m_new, EXP_TURN_BARRIER + WG, False)  # wait for the previous consumer's exponentials
     p = gl.exp2(S * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, axis=1)
+    if EXP_TURNS:
+        l_i = _exp_turn(l_i, EXP_TURN_BARRIER + (WG + 1) % CONSUMERS, True)  # the next consumer's turn
     return p, alpha, m_new, l_i
 
 
@@ -193,12 +235,12 @@ def _signal(bar, pred=True):
 
 
 @gluon.jit
-def _my_turn(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong scheduling: consumer WG issues its k-th batch of wgmma only after the previous
-    consumer issued its own, so one warpgroup's softmax lines up with another's matrix products.
-    Each consumer waits on its own barrier ``turn`` and signals the next consumer's; they are
+def _my_turn(turn, k, WG: gl.constexpr, ISSUE_TURNS: gl.constexpr):
+    """Ping-pong at wgmma issue (three consumers): consumer WG issues its k-th batch of wgmma only
+    after the previous consumer issued its own, so one warpgroup's softmax lines up with another's
+    matrix products. Each consumer waits on its own barrier ``turn`` and signals the next consumer's; they are
     separate allocations because Triton orders barrier ops on one allocation with a ``bar.sync``."""
-    if PINGPONG:
+    if ISSUE_TURNS:
         if WG == 0:
             mbarrier.wait(turn, (k & 1) ^ 1)  # consumer 0 goes first
         else:
@@ -206,14 +248,14 @@ def _my_turn(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _pass_turn(next_turn, PINGPONG: gl.constexpr):
-    if PINGPONG:
+def _pass_turn(next_turn, ISSUE_TURNS: gl.constexpr):
+    if ISSUE_TURNS:
         _signal(next_turn)
 
 
 @gluon.jit
 def _issue_tile(cur, acc, p_prev, q_tile, ring, turns, s_layout: gl.constexpr, WG: gl.constexpr,
-                PINGPONG: gl.constexpr):
+                ISSUE_TURNS: gl.constexpr):
     """K/V tile ``cur`` (ring slot / ping-pong batch): ``S = Q·K_jᵀ`` and ``acc += P_prev·V`` (the
     previous tile's, which at an item boundary is the previous item's last) issued together as one
     ping-pong turn; returns both, done. Each slot is released as soon as its product is done."""
@@ -229,12 +271,12 @@ def _issue_tile(cur, acc, p_prev, q_tile, ring, turns, s_layout: gl.constexpr, W
     vp = gl.maximum(cur - 1, 0)
     sp = vp % STAGES
     mbarrier.wait(k_ready.index(s), (cur // STAGES) & 1)
-    _my_turn(my_turn, cur, WG, PINGPONG)
+    _my_turn(my_turn, cur, WG, ISSUE_TURNS)
     S = warpgroup_mma(q_tile, k_bufs.index(s).reshape([BLOCK_N, D]).permute((1, 0)),
                       gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
     mbarrier.wait(v_ready.index(sp), (vp // STAGES) & 1)
     acc = warpgroup_mma(p_prev, v_bufs.index(sp).reshape([BLOCK_N, D]), acc, is_async=True)
-    _pass_turn(next_turn, PINGPONG)
+    _pass_turn(next_turn, ISSUE_TURNS)
     # wgmma groups retire in order: "at most one outstanding" means S is done, P·V may not be.
     S = warpgroup_mma_wait(1, deps=(S, ))
     _signal(k_empty.index(s))  # this consumer is done with K in slot cur
@@ -245,7 +287,8 @@ def _issue_tile(cur, acc, p_prev, q_tile, ring, turns, s_layout: gl.constexpr, W
 
 @gluon.jit
 def _softmax_tile(S, j, n_unmasked, acc, m_i, l_i, rows, N, qk_scale, dtype: gl.constexpr, o_layout: gl.constexpr,
-                  p_layout: gl.constexpr, NEED_MASK: gl.constexpr, CAUSAL: gl.constexpr):
+                  p_layout: gl.constexpr, NEED_MASK: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
+                  CONSUMERS: gl.constexpr, EXP_TURNS: gl.constexpr):
     """The softmax of score tile j, P converted for the next turn's ``P·V``, and the accumulator
     rescaled: one stretch of code with no branch in it after the mask, so ptxas can slot the
     conversions and the rescale in between the exponentials, whose unit is the bottleneck at D = 64."""
@@ -254,7 +297,7 @@ def _softmax_tile(S, j, n_unmasked, acc, m_i, l_i, rows, N, qk_scale, dtype: gl.
             BLOCK_N: gl.constexpr = S.shape[1]
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S.type.layout))
             S = _mask(S, cols, rows, N, CAUSAL)
-    p, alpha, m_i, l_i = _softmax_step(S, m_i, l_i, qk_scale)
+    p, alpha, m_i, l_i = _softmax_step(S, m_i, l_i, qk_scale, WG, CONSUMERS, EXP_TURNS)
     p_next = gl.convert_layout(p.to(dtype), p_layout)
     acc = _rescale(acc, alpha, o_layout)
     return acc, p_next, m_i, l_i
@@ -302,8 +345,9 @@ def _prefetch_q_to_l2(Q, stride_qb, stride_qh, stride_qn, b, h, row0, N, ROWS: g
 
 
 @gluon.jit
-def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
-              CAUSAL: gl.constexpr, EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr, PREFETCH_L2: gl.constexpr):
+def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURNS: gl.constexpr,
+              EXP_TURNS: gl.constexpr, CAUSAL: gl.constexpr, EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr,
+              PREFETCH_L2: gl.constexpr):
     """One warpgroup: for each work item of this program, the whole flash loop for its 64 rows.
     ``args`` is the same for every consumer; ``WG`` is this consumer's index (its Q buffers are
     ``q_bufs[WG·Q_BUFS ...]``), ``turns`` its ping-pong barrier and the next consumer's.
@@ -336,6 +380,9 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: 
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
     p_prev = gl.zeros([ROWS, BLOCK_N], q_desc.dtype, p_layout)
     acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+    if EXP_TURNS:
+        if WG == CONSUMERS - 1:  # consumer 0 takes the first turn at the exponentials
+            l_i = _exp_turn(l_i, EXP_TURN_BARRIER, True)
 
     # The program's first item (the grid gives every program at least one).
     t = _first_item(ZIGZAG)
@@ -371,7 +418,7 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: 
                 # program, `more` is false and nothing is fetched.)
                 tma.store_wait(0)
                 _fetch_q(q_desc, q_bufs, q_bars, nb, b_next, h_next, start_next + WG * ROWS, more)
-            S, acc = _issue_tile(it + j, acc, p_prev, q_tile, ring, turns, s_layout, WG, PINGPONG)
+            S, acc = _issue_tile(it + j, acc, p_prev, q_tile, ring, turns, s_layout, WG, ISSUE_TURNS)
             if Q_BUFS > 1:  # (one item per program: nothing before it to store)
                 if j == 0:
                     if it > 0:  # acc is the previous item's finished O: out through its Q buffer
@@ -381,7 +428,7 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: 
             m_in = gl.where(j == 0, float("-inf"), m_i)
             l_in = gl.where(j == 0, 0.0, l_i)
             acc, p_prev, m_i, l_i = _softmax_tile(S, j, n_unmasked, acc, m_in, l_in, rows, N, qk_scale, q_desc.dtype,
-                                                  o_layout, p_layout, NEED_MASK, CAUSAL)
+                                                  o_layout, p_layout, NEED_MASK, CAUSAL, WG, CONSUMERS, EXP_TURNS)
         if n_tiles == 1:
             tma.store_wait(0)
             _fetch_q(q_desc, q_bufs, q_bars, nb, b_next, h_next, start_next + WG * ROWS, more)
@@ -393,9 +440,9 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: 
     # The program's last P·V, alone, and the last O.
     sl = (it - 1) % STAGES
     mbarrier.wait(v_ready.index(sl), ((it - 1) // STAGES) & 1)
-    _my_turn(my_turn, it, WG, PINGPONG)
+    _my_turn(my_turn, it, WG, ISSUE_TURNS)
     acc = warpgroup_mma(p_prev, v_bufs.index(sl).reshape([BLOCK_N, D]), acc, is_async=True)
-    _pass_turn(next_turn, PINGPONG)
+    _pass_turn(next_turn, ISSUE_TURNS)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     _signal(v_empty.index(sl))
     _store_o(acc, l_i, o_desc, q_bufs.index(Q0 + (item - 1) % Q_BUFS), t_prev, n_m, H, o_layout, WG, CONSUMERS,
@@ -407,8 +454,9 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: 
 def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, Q, stride_qb, stride_qh, stride_qn, qk_scale, H, N, n_m,
                         total,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                        PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr,
-                        Q_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PREFETCH_L2: gl.constexpr = True):
+                        ISSUE_TURNS: gl.constexpr, EXP_TURNS: gl.constexpr, CAUSAL: gl.constexpr,
+                        EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr, Q_BUFS: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr, PREFETCH_L2: gl.constexpr = True):
     """Grid: one program per SM (persistent, ``Q_BUFS`` = 2) or per work item (``Q_BUFS`` = 1); work
     item t covers ``CONSUMERS × 64`` query rows of one (batch, head). See the module docstring."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
@@ -443,15 +491,15 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, Q, stride_qb, stride_qh,
     producer_args = (k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, ZIGZAG)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (args, (turn0, turn1), 0, 2, PINGPONG, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2)),
-            (_consumer, (args, (turn1, turn0), 1, 2, PINGPONG, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2)),
+            (_consumer, (args, (turn0, turn1), 0, 2, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2)),
+            (_consumer, (args, (turn1, turn0), 1, 2, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2)),
             (_producer, producer_args),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (args, (turn0, turn1), 0, 3, PINGPONG, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2)),
-            (_consumer, (args, (turn1, turn2), 1, 3, PINGPONG, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2)),
-            (_consumer, (args, (turn2, turn0), 2, 3, PINGPONG, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2)),
+            (_consumer, (args, (turn0, turn1), 0, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2)),
+            (_consumer, (args, (turn1, turn2), 1, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2)),
+            (_consumer, (args, (turn2, turn0), 2, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2)),
             (_producer, producer_args),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
@@ -495,6 +543,9 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
     it takes longer than the work queued ahead of it on the stream, the GPU idles and a small problem
     measures the host instead of the kernel (``do_bench`` times from the event before the call).
 
+    ``pingpong``: the consumers take turns, two at the exponentials (named barriers), three at
+    wgmma issue (mbarriers); see the module docstring.
+
     ``prefetch_l2``: each consumer asks L2 for its next item's Q rows at the start of an item (a
     persistent program only; with the item-by-item kernel of NOTES.md item 17 it measured 0.97× to
     1.06× against leaving it out, median 1.00×; now the TMA copy of that Q starts one tile later)."""
@@ -509,10 +560,11 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
     grid = (min(units, num_sms) if persistent else total,)
     args = dict(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=o_desc, Q=q, stride_qb=q.stride(0),
                 stride_qh=q.stride(1), stride_qn=q.stride(2), qk_scale=qk_scale, H=H, N=N, n_m=n_m, total=total,
-                BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, PINGPONG=pingpong, CAUSAL=causal,
+                BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, CAUSAL=causal,
                 EVEN_N=(N % block_n == 0), ZIGZAG=zigzag, Q_BUFS=q_buffers(persistent),
                 CONSUMER_REGS=240 if consumers == 2 else 160,
-                PREFETCH_L2=prefetch_l2)
+                ISSUE_TURNS=pingpong and consumers != 2,
+                EXP_TURNS=pingpong and consumers == 2, PREFETCH_L2=prefetch_l2)
     # 4 warps run the default partition (consumer 0); the workers add 4 per further consumer and 1
     # producer warp, rounded up to whole warpgroups. maxnreg sets the register pool they share:
     # 65536 registers over all the threads.
