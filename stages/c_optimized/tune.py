@@ -39,13 +39,21 @@ def close_candidates(times_ms: dict, margin: float = TIE_MARGIN) -> list:
 def pick(times_ms: dict, retime) -> tuple:
     """The winner of one cell: ``times_ms`` maps each candidate to its first-pass time; the close
     ones are timed again (``retime(candidate) -> ms``) in ``TIE_ROUNDS`` interleaved rounds, and
-    the lowest median of all their times wins. Returns (winner, its median ms)."""
+    the lowest median of all their times wins. A candidate whose second timing fails (it ran once,
+    so this would be a fault of the run, not of the config) drops out of the choice, with a note;
+    the others go on. Returns (winner, its median ms)."""
     close = close_candidates(times_ms)
     samples = {c: [times_ms[c]] for c in close}
     if len(close) > 1:
         for _ in range(TIE_ROUNDS):
-            for c in close:
-                samples[c].append(retime(c))
+            for c in [c for c in close if c in samples]:
+                try:
+                    samples[c].append(retime(c))
+                except Exception as e:  # noqa: BLE001 - any failure of one candidate
+                    print(f"  {c}: timed again, {type(e).__name__}: {str(e).splitlines()[0][:120]}; left out")
+                    del samples[c]
+                    if not samples:
+                        raise
     medians = {c: statistics.median(v) for c, v in samples.items()}
     winner = min(medians, key=medians.get)
     return winner, medians[winner]
