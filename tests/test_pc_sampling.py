@@ -58,3 +58,14 @@ def test_stored_h200_samples_show_the_exponentials_waiting_in_c_not_in_cudnn():
     assert c.kernel == "ws_attention_kernel" and "cudnn" in cudnn.kernel
     c_wait, cudnn_wait = (s.share(s.by_opcode["MUFU"]["wait"]) for s in (c, cudnn))
     assert c_wait > 3 * cudnn_wait, (c_wait, cudnn_wait)
+
+
+def test_stored_h200_samples_show_the_exponential_turns_emptying_the_unit_queue():
+    """What NOTES.md item 24 reads from the stored files: with the two consumers taking turns at
+    the exponentials, their MUFU instructions no longer wait on the unit's queue (``mio``), where
+    they did with turns at wgmma issue; the kernel is sampled less often (it ran shorter)."""
+    before = pc_sampling.summarize(pc_sampling.read_text(STORED / "c_one_block_fp16_D64_N2048_c1.sass.csv.gz"))
+    after = pc_sampling.summarize(pc_sampling.read_text(STORED / "c_exp_turns_fp16_D64_N2048_c1.sass.csv.gz"))
+    mio_before, mio_after = (s.share(s.by_opcode["MUFU"]["mio"]) for s in (before, after))
+    assert mio_before > 2.0 > 0.5 > mio_after, (mio_before, mio_after)
+    assert after.samples < before.samples
