@@ -238,8 +238,9 @@ def _signal(bar, pred=True):
 def _my_turn(turn, k, WG: gl.constexpr, ISSUE_TURNS: gl.constexpr):
     """Ping-pong at wgmma issue (three consumers): consumer WG issues its k-th batch of wgmma only
     after the previous consumer issued its own, so one warpgroup's softmax lines up with another's
-    matrix products. Each consumer waits on its own barrier ``turn`` and signals the next consumer's; they are
-    separate allocations because Triton orders barrier ops on one allocation with a ``bar.sync``."""
+    matrix products. Each consumer waits on its own barrier ``turn`` and signals the next
+    consumer's; they are separate allocations because Triton orders barrier ops on one allocation
+    with a ``bar.sync``."""
     if ISSUE_TURNS:
         if WG == 0:
             mbarrier.wait(turn, (k & 1) ^ 1)  # consumer 0 goes first
@@ -257,8 +258,9 @@ def _pass_turn(next_turn, ISSUE_TURNS: gl.constexpr):
 def _issue_tile(cur, acc, p_prev, q_tile, ring, turns, s_layout: gl.constexpr, WG: gl.constexpr,
                 ISSUE_TURNS: gl.constexpr):
     """K/V tile ``cur`` (ring slot / ping-pong batch): ``S = Q·K_jᵀ`` and ``acc += P_prev·V`` (the
-    previous tile's, which at an item boundary is the previous item's last) issued together as one
-    ping-pong turn; returns both, done. Each slot is released as soon as its product is done."""
+    previous tile's, which at an item boundary is the previous item's last) issued together (with
+    three consumers, as one ping-pong turn); returns both, done. Each slot is released as soon as
+    its product is done."""
     k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
     my_turn, next_turn = turns
     STAGES: gl.constexpr = k_bufs.shape[0]
