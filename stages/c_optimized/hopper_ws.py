@@ -318,6 +318,15 @@ def _fetch_q(q_desc, q_bufs, q_bars, buf, b, h, row, pred):
 
 
 @gluon.jit
+def _fetch_next_q(q_desc, q_bufs, q_bars, buf, b, h, row, more):
+    """Once the copy engine has read the previous item's O out of ``buf`` (stored at this item's
+    tile 0), the buffer takes the next item's Q, an item ahead of its use. (With one Q buffer, one
+    item per program, ``more`` is false and nothing is fetched.)"""
+    tma.store_wait(0)
+    _fetch_q(q_desc, q_bufs, q_bars, buf, b, h, row, more)
+
+
+@gluon.jit
 def _store_o(acc, l_i, o_desc, buf, t, n_m, H, o_layout: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr,
              CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
     """Normalize O of work item t and send it out through shared buffer ``buf``: ``stmatrix`` from the accumulator
@@ -414,12 +423,8 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURN
         q_tile = q_bufs.index(cb).reshape([ROWS, D])
         mbarrier.wait(q_bars.index(cb), (item // Q_BUFS) & 1)
         for j in range(0, n_tiles):
-            if j == 1:
-                # Once the copy engine has read the previous item's O (stored at tile 0), its buffer
-                # takes the next item's Q, an item ahead of its use. (With one Q buffer, one item per
-                # program, `more` is false and nothing is fetched.)
-                tma.store_wait(0)
-                _fetch_q(q_desc, q_bufs, q_bars, nb, b_next, h_next, start_next + WG * ROWS, more)
+            if j == 1:  # after tile 0's softmax; a one-tile item does this after the loop
+                _fetch_next_q(q_desc, q_bufs, q_bars, nb, b_next, h_next, start_next + WG * ROWS, more)
             S, acc = _issue_tile(it + j, acc, p_prev, q_tile, ring, turns, s_layout, WG, ISSUE_TURNS)
             if Q_BUFS > 1:  # (one item per program: nothing before it to store)
                 if j == 0:
@@ -432,8 +437,7 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURN
             acc, p_prev, m_i, l_i = _softmax_tile(S, j, n_unmasked, acc, m_in, l_in, rows, N, qk_scale, q_desc.dtype,
                                                   o_layout, p_layout, NEED_MASK, CAUSAL, WG, CONSUMERS, EXP_TURNS)
         if n_tiles == 1:
-            tma.store_wait(0)
-            _fetch_q(q_desc, q_bufs, q_bars, nb, b_next, h_next, start_next + WG * ROWS, more)
+            _fetch_next_q(q_desc, q_bufs, q_bars, nb, b_next, h_next, start_next + WG * ROWS, more)
         it += n_tiles
         item += 1
         t_prev = t
