@@ -174,23 +174,28 @@ def _region(text: str, start: int) -> str:
     return text[begin:end if end >= 0 else len(text)]
 
 
+def _sass_spans(sass_text: str, start: str, end: str, count: dict[str, str]) -> list[dict[str, int]]:
+    """For each stretch of the SASS from a line matching ``start`` to the next line matching ``end``:
+    how many of its lines (the first one included) match each pattern of ``count``."""
+    spans, current = [], None
+    for line in sass_text.splitlines():
+        if current is None:
+            if not re.search(start, line):
+                continue
+            current = dict.fromkeys(count, 0)
+        elif re.search(end, line):
+            spans.append(current)
+            current = None
+            continue
+        for name, pattern in count.items():
+            current[name] += bool(re.search(pattern, line))
+    return spans
+
+
 def _softmax_blocks(sass_text: str) -> list[dict[str, int]]:
     """For each run of exponentials in the SASS: from one ``MUFU.EX2`` to the next branch, how many
     exponentials and fp32-to-16-bit conversions (``F2FP``) it holds."""
-    blocks, current = [], None
-    for line in sass_text.splitlines():
-        if "MUFU.EX2" in line and current is None:
-            current = {"ex2": 0, "f2fp": 0}
-        if current is None:
-            continue
-        if re.search(r"\bBRA\b", line):
-            blocks.append(current)
-            current = None
-        elif "MUFU.EX2" in line:
-            current["ex2"] += 1
-        elif "F2FP" in line:
-            current["f2fp"] += 1
-    return blocks
+    return _sass_spans(sass_text, "MUFU.EX2", r"\bBRA\b", {"ex2": "MUFU.EX2", "f2fp": "F2FP"})
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -214,20 +219,8 @@ def test_stage_c_sm90_softmax_is_one_basic_block(compiled, causal):
 def _exp_turns(sass_text: str) -> list[dict[str, int]]:
     """For each wait on a 256-thread named barrier (``BAR.SYNC id, 0x100``) in the SASS: the
     exponentials and branches up to the next arrival on one (``BAR.ARV id, 0x100``)."""
-    turns, current = [], None
-    for line in sass_text.splitlines():
-        if re.search(r"BAR\.SYNC\S*\s+0x[0-9a-f]+, 0x100\b", line):
-            current = {"ex2": 0, "branches": 0}
-        elif current is None:
-            continue
-        elif re.search(r"BAR\.ARV\s+0x[0-9a-f]+, 0x100\b", line):
-            turns.append(current)
-            current = None
-        elif "MUFU.EX2" in line:
-            current["ex2"] += 1
-        elif re.search(r"\bBRA\b", line):
-            current["branches"] += 1
-    return turns
+    return _sass_spans(sass_text, r"BAR\.SYNC\S*\s+0x[0-9a-f]+, 0x100\b", r"BAR\.ARV\s+0x[0-9a-f]+, 0x100\b",
+                       {"ex2": "MUFU.EX2", "branches": r"\bBRA\b"})
 
 
 @pytest.mark.parametrize("consumers", [2, 3])
