@@ -10,7 +10,7 @@ spends its time at. The files this reads come from::
         python my_one_call.py
     ncu -i rep.ncu-rep --page source --csv --print-source sass > kernel.sass.csv
 
-(``results/h200/experiments/pc_sampling/`` holds three, gzipped; ``python -m harness pc-sampling
+(``results/h200/experiments/pc_sampling/`` holds four, gzipped; ``python -m harness pc-sampling
 FILE ...`` prints the summary below for each.) A sample is a warp at a moment, so a warp that
 sits at a barrier for the whole kernel (the idle warps of a producer warpgroup) collects samples
 without costing any issue slot; read the shares next to the instruction that collects them.
