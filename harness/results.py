@@ -2,8 +2,8 @@
 
 Layout: ``results/<gpu-slug>/runs.csv`` and ``results/<gpu-slug>/env.json``.
 
-Rows are appended (and flushed) one at a time as they are measured, so Ctrl-C or a crash loses
-nothing already measured, and ``--resume`` can skip the cells a file already holds.
+Rows are appended (and flushed) as they are measured, a cell at a time, so Ctrl-C or a crash loses
+no finished cell, and ``--resume`` can skip the cells a file already holds.
 
 Columns (stable names; units in the name; empty string = not measured):
 

@@ -220,17 +220,52 @@ def test_oom_and_error_rows_and_run_continues(tmp_path, fake_stages):
     assert rows["oomy"]["dram_read_model"] is not None  # models are kept on failed rows
 
 
-def test_rows_written_before_interrupt_are_kept(tmp_path, fake_stages):
-    def interrupt(q, k, v, *, causal=False, sm_scale=None):
-        raise KeyboardInterrupt
+def test_cells_measured_before_an_interrupt_are_kept(tmp_path, fake_stages):
+    def interrupt_at_32(q, k, v, *, causal=False, sm_scale=None):
+        if q.shape[2] == 32:
+            raise KeyboardInterrupt
+        return _fake_attention(q, k, v, causal=causal)
 
     fake_stages(_fake_stage("fine"))
-    fake_stages(_fake_stage("ctrlc", interrupt))
+    fake_stages(_fake_stage("ctrlc", interrupt_at_32))
     with pytest.raises(KeyboardInterrupt):
         with results.RowWriter(tmp_path) as w:
-            measure.run_cells([results.Cell(1, 1, 16, 16, "fp32", False)],
+            measure.run_cells([results.Cell(1, 1, n, 16, "fp32", False) for n in (16, 32)],
                               impls.build_impls(["fine", "ctrlc"], []), w, run_id="r", device=torch.device("cpu"))
-    assert [r["impl"] for r in results.load_rows(tmp_path)] == ["fine"]
+    assert [(r["impl"], r["N"]) for r in results.load_rows(tmp_path)] == [("fine", 16), ("ctrlc", 16)]
+
+
+def test_impls_of_a_cell_are_timed_in_turns_and_pooled(tmp_path, fake_stages, monkeypatch):
+    """Each turn adds one set of samples; turns go A B, B A, A B; an impl's median is over all of its
+    samples; an impl that fails in a later turn gets an error row and the others go on."""
+    order, turn = [], {"a": 0, "b": 0, "c": 0}
+    samples = {"a": [[1.0, 1.0], [5.0, 5.0], [3.0, 3.0]], "b": [[2.0], [2.0], [8.0]]}
+
+    def fake_samples(fn, on_gpu, cpu_calls=3):
+        out = fn()  # the fake stages' output: which impl this is, from the output's marker
+        name = {1.0: "a", 2.0: "b", 3.0: "c"}[float(out.flatten()[0])]
+        order.append(name)
+        turn[name] += 1
+        if name == "c" and turn[name] == 2:
+            raise RuntimeError("failed in its second turn")
+        return samples.get(name, [[1.0]] * 3)[turn[name] - 1]
+
+    def marked(value):
+        return lambda q, k, v, *, causal=False, sm_scale=None: torch.full_like(q, value)
+
+    fake_stages(_fake_stage("a", marked(1.0)))
+    fake_stages(_fake_stage("b", marked(2.0)))
+    fake_stages(_fake_stage("c", marked(3.0)))
+    monkeypatch.setattr(measure.timing, "samples", fake_samples)
+    with results.RowWriter(tmp_path) as w:
+        measure.run_cells([results.Cell(1, 1, 16, 16, "fp32", False)], impls.build_impls(["a", "b", "c"], []), w,
+                          run_id="r", device=torch.device("cpu"), timing_rounds=3)
+    assert order == ["a", "b", "c", "c", "b", "a", "a", "b"]
+    rows = {r["impl"]: r for r in results.load_rows(tmp_path)}
+    assert rows["a"]["ms_median"] == 3.0 and rows["a"]["ms_p20"] == 1.0 and rows["a"]["ms_p80"] == 5.0
+    assert rows["b"]["ms_median"] == 2.0 and rows["b"]["status"] == "ok"
+    assert rows["c"]["status"] == "error: RuntimeError: failed in its second turn"
+    assert rows["c"]["ms_median"] is None
 
 
 def test_unsupported_peer_row():
