@@ -290,8 +290,9 @@ def render_reading(rows: list[dict], *, dtype: str = "fp16", all_rows: list[dict
     if weakest and weakest[0] < 1 and weakest[3] < 1024:
         ratio, D, causal, n = weakest
         loses.append(f"at N = {n} stage C drops to {ratio:.2f}× of cuDNN (D = {D}{' causal' if causal else ''}; "
-                     "each block of query rows walks only a few K/V tiles there, so its fixed start-up and "
-                     "epilogue costs weigh more)")
+                     "its fixed costs weigh more there: each block of query rows walks only a few K/V tiles, and "
+                     "a call's GPU work is short enough that the host-side launch path, several times cuDNN's, can "
+                     "set the pace)")
     if t["b_cuda"]:
         loses.append(f"the hand-written B (CUDA C++), whose scores run on the CUDA cores instead of the tensor "
                      f"cores, is {t['a'] / t['b_cuda']:.1f}× *slower* than stage A")
