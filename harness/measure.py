@@ -149,8 +149,8 @@ def start_measurement(impl: Impl, cell: CellData, *, run_id: str, on_gpu: bool) 
 def time_in_turns(measurements: list[Measurement], *, on_gpu: bool, rounds: int) -> None:
     """Step 3: time every measurement still going, in ``rounds`` turns: A B C, then C B A, A B C, ...
     Each turn adds one :func:`timing.samples` (on a GPU ~100 ms of repetitions) to the impl's pool.
-    On a GPU held at its power cap the clocks drift by a few percent over seconds (NOTES.md of stage
-    C, item 25): taking turns spreads that drift over every impl of the cell, so their ratio does
+    On a GPU held at its power cap a kernel's time moves by up to ~10 % within seconds (NOTES.md of stage
+    C, item 26): taking turns spreads that drift over every impl of the cell, so their ratio does
     not depend on which one happened to run in a slow second."""
     for r in range(rounds):
         for m in (measurements if r % 2 == 0 else measurements[::-1]):
@@ -245,9 +245,9 @@ def run_cells(cells: Iterable[Cell], impls: list[Impl], writer: RowWriter, *, ru
         if not todo:
             continue
         data = prepare_cell(problem, device, seed)
-        stages = {i.name for i in todo if i.kind == "stage"}
+        stage_names = {i.name for i in todo if i.kind == "stage"}
         # The all-on ablation variant *is* the stage: it reuses the stage row instead of repeating it.
-        reused = [i for i in todo if i.kind == "ablation" and i.variant == "all" and i.name in stages]
+        reused = [i for i in todo if i.kind == "ablation" and i.variant == "all" and i.name in stage_names]
         measured = [start_measurement(i, data, run_id=run_id, on_gpu=on_gpu) for i in todo if i not in reused]
         time_in_turns(measured, on_gpu=on_gpu, rounds=rounds)
         done = {id(m.impl): finish_measurement(m, on_gpu=on_gpu, energy=energy, ncu=ncu) for m in measured}
