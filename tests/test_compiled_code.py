@@ -9,7 +9,7 @@ import torch
 
 from harness.inspect_code import count_instructions, run_ptxas, sass
 from stages import STAGES
-from stages.c_optimized import configs
+from stages.c_optimized import configs, hopper_ws
 from stages.contract import Problem
 
 PROBLEM = Problem(B=4, H=32, N=4096, D=64, dtype="fp16")
@@ -244,6 +244,25 @@ def test_stage_c_sm90_two_consumers_take_turns_at_the_exponentials(consumers):
     assert len(turns) == consumers, turns
     for turn in turns:
         assert turn["ex2"] >= per_thread and turn["branches"] == 0, turn
+
+
+def test_stage_c_sm90_exponential_turns_have_named_barriers_of_their_own():
+    """The exponential turns use hardware named barriers ``EXP_TURN_BARRIER`` + consumer (ids are
+    hard-coded, there are 16). Triton's warp specialization takes named barriers of its own (the
+    whole CTA, the default partition, each worker partition's warpgroup): if a Triton version took
+    one of ours, the turns would wait on the wrong arrivals and the kernel would hang or race on the
+    GPU. Here the clash shows on the CPU: every other barrier in the machine code has a lower id."""
+    config = next(c for c in configs.WS_SHAPES[64] if c.consumers == 2 and c.persistent)
+    (kernel,) = STAGES["c"].compile(Problem(2, 4, 1000, 64, "fp16", True), 90, config=config)
+    machine_code = sass(kernel.asm["ptx"], "sm_90a")
+    if not machine_code:
+        pytest.skip("ptxas or cuobjdump not available in this triton install")
+    first = int(hopper_ws.EXP_TURN_BARRIER.value)
+    ours, theirs = set(), set()
+    for ident, threads in re.findall(r"\bBAR\.(?:SYNC|ARV|RED)[A-Z_.]* (0x[0-9a-f]+)(?:, (0x[0-9a-f]+))?", machine_code):
+        (ours if threads == "0x100" else theirs).add(int(ident, 16))
+    assert ours == {first, first + 1}, ours
+    assert theirs and max(theirs) < first, theirs
 
 
 def _spills_in_tile_loops(sass_text: str) -> list[str]:
