@@ -173,7 +173,8 @@ def _mask(S, cols, rows, N, CAUSAL: gl.constexpr):
 
 #: Hardware named barriers of the exponential turns: consumer WG waits on EXP_TURN_BARRIER + WG.
 #: Triton 3.6's warp specialization uses the low ids (0 and 1 for the whole CTA and the default
-#: partition, 2 and up for worker partitions' own warpgroup barriers); there are 16.
+#: partition, 2 and up for worker partitions' own warpgroup barriers); there are 16. A compiled-code
+#: test checks in the SASS that every barrier Triton takes has a lower id.
 EXP_TURN_BARRIER = gl.constexpr(12)
 
 
