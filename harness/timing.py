@@ -57,11 +57,6 @@ def summarize(times_ms: Sequence[float], on_gpu: bool) -> Timing:
                   "do_bench" if on_gpu else "perf_counter")
 
 
-def bench(fn: Callable[[], object], on_gpu: bool, cpu_calls: int = 3) -> Timing:
-    """One turn of :func:`samples`, summarized."""
-    return summarize(samples(fn, on_gpu, cpu_calls), on_gpu)
-
-
 def bench_gpu(fn: Callable[[], object], warmup_ms: int = 100, rep_ms: int = 100) -> Timing:
     """One turn of do_bench on the current CUDA device, summarized (the notebooks' quick timings)."""
     return summarize(samples_gpu(fn, warmup_ms, rep_ms), True)
