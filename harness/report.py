@@ -18,7 +18,7 @@ reading of the numbers (computed, not typed) and the two headline figures.
 
 Other files hold other named blocks (``<!-- NAME:begin -->`` ... ``<!-- NAME:end -->``), filled by
 the same command: ``ratio`` and ``ablation`` (stage C's README: C against cuDNN over the whole
-grid, and each optimization's measured share) and ``twins`` (the Triton stages beside their CUDA
+grid with a run-to-run table of the latest runs, and each optimization's measured share) and ``twins`` (the Triton stages beside their CUDA
 C++ twins, and the bank-conflict model against Nsight Compute). ``--readme`` may be given several
 times; each file gets every block whose markers it holds.
 """
@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 from . import views
-from .results import ResultsError, load_rows
+from .results import ResultsError, load_env, load_rows
 from .views import dram_bytes, fmt_bytes, fmt_num, is_ok, label, select
 
 BEGIN = "<!-- results:begin -->"
@@ -301,8 +301,52 @@ def render_reading(rows: list[dict], *, dtype: str = "fp16", all_rows: list[dict
     return " ".join(out)
 
 
+#: How many of the latest runs the run-to-run table lists.
+RUN_HISTORY = 6
+
+
+def run_ratios(rows: list[dict], *, impl: str = "c", peer: str = "sdpa_cudnn",
+               min_N: int = 1024) -> dict[str, dict[tuple[str, int, int, int], float]]:
+    """For every run that timed ``impl`` and ``peer`` side by side: ``impl``'s TFLOPS over ``peer``'s in
+    each (dtype, D, causal, N) cell with N ≥ ``min_N`` that run measured both in; runs in time order."""
+    found: dict[str, dict[tuple[str, int, int, int], dict[str, dict]]] = {}
+    for r in views.plain(rows):
+        if r["impl"] in (impl, peer) and is_ok(r) and r["tflops"] and r["N"] >= min_N:
+            cell = (r["dtype"], r["D"], int(r["causal"]), r["N"])
+            found.setdefault(r["run_id"], {}).setdefault(cell, {})[r["impl"]] = r  # a cell's last row wins
+    return {run: {cell: _ratio(pair[impl], pair[peer]) for cell, pair in sorted(cells.items()) if len(pair) == 2}
+            for run, cells in sorted(found.items()) if any(len(pair) == 2 for pair in cells.values())}
+
+
+def run_history_table(rows: list[dict], commits: dict[str, str] | None = None, *, impl: str = "c",
+                      peer: str = "sdpa_cudnn", last: int = RUN_HISTORY) -> str:
+    """The latest ``last`` runs of :func:`run_ratios`, one line each (cells, how many at or above 1.0,
+    min/median/max), then every cell that read below 1.0 in any of them with its ratio in each run:
+    how far one run's verdict can be trusted. '' without such runs."""
+    runs = list(run_ratios(rows, impl=impl, peer=peer).items())[-last:]
+    if not runs:
+        return ""
+    commits = commits or {}
+    lines = [f"#### Run to run: {label(impl)} / {label(peer)} in the latest {len(runs)} runs that timed both "
+             "(N ≥ 1024, fp16 and bf16)", "",
+             "| run | commit | cells | at or above 1.0 | min | median | max |", "|---|---|--:|--:|--:|--:|--:|"]
+    for run, ratios in runs:
+        values = sorted(ratios.values())
+        lines.append(f"| {run} | {_md(commits.get(run, '?'))} | {len(values)} | {sum(v >= 1.0 for v in values)} | "
+                     f"{values[0]:.3f} | {statistics.median(values):.3f} | {values[-1]:.3f} |")
+    below = sorted({cell for _run, ratios in runs for cell, v in ratios.items() if v < 1.0})
+    if below:
+        lines += ["", "Cells below 1.0 in any of these runs, run by run (— : not measured in that run):", ""]
+        for dt, D, causal, N in below:
+            series = ", ".join(f"{ratios[dt, D, causal, N]:.3f}" if (dt, D, causal, N) in ratios else "—"
+                               for _run, ratios in runs)
+            lines.append(f"- {dt}, D = {D}, {'causal' if causal else 'non-causal'}, N = {N}: {series}")
+    return "\n".join(lines)
+
+
 def render_ratio_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> str:
-    """Stage C against SDPA CUDNN over the whole sweep, fp16 and bf16, with min/median/max."""
+    """Stage C against SDPA CUDNN over the whole sweep, fp16 and bf16, with min/median/max, then the
+    same ratio over the latest runs (:func:`run_history_table`)."""
     rows = load_rows(results_dir)  # all runs: ratios pair the two impls within one run
     parts = [_generated_note(_posix_rel(Path(results_dir), Path(readme_dir)))]
     for dt in ("fp16", "bf16"):
@@ -317,6 +361,9 @@ def render_ratio_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> s
                          f"median {statistics.median(ratios):.2f}, max {ratios[-1]:.2f}.")
     if len(parts) == 1:
         parts.append(f"_No stage C and SDPA CUDNN rows yet: run `{views.HINTS['rows']}`._")
+    else:
+        commits = {run: meta.get("git_commit", "?") for run, meta in load_env(results_dir).get("runs", {}).items()}
+        parts.append(run_history_table(rows, commits))
     return "\n\n".join(parts) + "\n"
 
 

@@ -247,6 +247,30 @@ def test_ratio_summary_takes_the_median_of_an_even_number_of_cells(tmp_path):
     assert "Over N ≥ 1024 (4 cells, fp16): min 0.80, median 0.95, max 1.30." in block, block
 
 
+def test_run_history_lists_each_run_and_the_cells_that_fell_below(tmp_path):
+    """Three runs of C and cuDNN over two cells, plus an ablation run (C only, so not a run that timed
+    both): one line per run with its cell count, how many at or above 1.0 and min/median/max, and the
+    cell that read below 1.0 in one of them with its ratio run by run."""
+    runs = {"2026-11-30T01:00:00Z": (1.02, 1.10), "2026-11-30T02:00:00Z": (0.99, 1.08),
+            "2026-11-30T03:00:00Z": (1.01, 1.12)}
+    rows = []
+    for run, ratios in runs.items():
+        for N, ratio in zip((1024, 4096), ratios):
+            rows.append(_row("sdpa_cudnn", "peer", N, 64, 1, tflops=400.0) | {"run_id": run})
+            rows.append(_row("c", "stage", N, 64, 1, tflops=400.0 * ratio) | {"run_id": run})
+    rows.append(_row("c", "ablation", 4096, 64, 0, tflops=500.0, variant="all") | {"run_id": "2026-11-30T04:00:00Z"})
+    table = report.run_history_table(rows, {"2026-11-30T02:00:00Z": "abc1234"})
+    assert "| 2026-11-30T02:00:00Z | abc1234 | 2 | 1 | 0.990 | 1.035 | 1.080 |" in table, table
+    assert "| 2026-11-30T01:00:00Z | ? | 2 | 2 | 1.020 | 1.060 | 1.100 |" in table
+    assert "04:00" not in table
+    assert "- fp16, D = 64, causal, N = 1024: 1.020, 0.990, 1.010" in table
+    assert "N = 4096:" not in table  # never below 1.0
+    assert report.run_history_table(rows, last=1).count("| 2026-11-30T") == 1
+    assert report.run_history_table([r for r in rows if r["impl"] == "c"]) == ""
+    block = report.render_ratio_block(build_results(tmp_path, rows=rows))
+    assert "#### Run to run" in block and "| 2026-11-30T03:00:00Z |" in block
+
+
 # ------------------------------------------------------------------------ the committed results
 
 GENERATED_READMES = ["README.md", "stages/c_optimized/README.md"]
