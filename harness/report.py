@@ -18,8 +18,9 @@ reading of the numbers (computed, not typed) and the two headline figures.
 
 Other files hold other named blocks (``<!-- NAME:begin -->`` ... ``<!-- NAME:end -->``), filled by
 the same command: ``ratio`` and ``ablation`` (stage C's README: C against cuDNN over the whole
-grid with a run-to-run table of the latest runs, and each optimization's measured share) and ``twins`` (the Triton stages beside their CUDA
-C++ twins, and the bank-conflict model against Nsight Compute). ``--readme`` may be given several
+grid, with a table of the latest runs side by side, and each optimization's measured share) and
+``twins`` (the Triton stages beside their CUDA C++ twins, and the bank-conflict model against
+Nsight Compute). ``--readme`` may be given several
 times; each file gets every block whose markers it holds.
 """
 
@@ -327,8 +328,11 @@ def run_history_table(rows: list[dict], commits: dict[str, str] | None = None, *
     if not runs:
         return ""
     commits = commits or {}
+    order = {"fp16": 0, "bf16": 1}
+    dtypes = " and ".join(sorted({cell[0] for _run, ratios in runs for cell in ratios},
+                                 key=lambda d: (order.get(d, 2), d)))
     lines = [f"#### Run to run: {label(impl)} / {label(peer)} in the latest {len(runs)} runs that timed both "
-             "(N ≥ 1024, fp16 and bf16)", "",
+             f"(N ≥ 1024, {dtypes})", "",
              "| run | commit | cells | at or above 1.0 | min | median | max |", "|---|---|--:|--:|--:|--:|--:|"]
     for run, ratios in runs:
         values = sorted(ratios.values())
@@ -362,8 +366,11 @@ def render_ratio_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> s
     if len(parts) == 1:
         parts.append(f"_No stage C and SDPA CUDNN rows yet: run `{views.HINTS['rows']}`._")
     else:
-        commits = {run: meta.get("git_commit", "?") for run, meta in load_env(results_dir).get("runs", {}).items()}
-        parts.append(run_history_table(rows, commits))
+        try:
+            runs = load_env(results_dir).get("runs", {})
+        except ResultsError:  # no env.json: the table goes without commits
+            runs = {}
+        parts.append(run_history_table(rows, {run: meta.get("git_commit", "?") for run, meta in runs.items()}))
     return "\n\n".join(parts) + "\n"
 
 

@@ -267,8 +267,12 @@ def test_run_history_lists_each_run_and_the_cells_that_fell_below(tmp_path):
     assert "N = 4096:" not in table  # never below 1.0
     assert report.run_history_table(rows, last=1).count("| 2026-11-30T") == 1
     assert report.run_history_table([r for r in rows if r["impl"] == "c"]) == ""
-    block = report.render_ratio_block(build_results(tmp_path, rows=rows))
+    assert "(N ≥ 1024, fp16)" in table
+    results = build_results(tmp_path, rows=rows)
+    block = report.render_ratio_block(results)
     assert "#### Run to run" in block and "| 2026-11-30T03:00:00Z |" in block
+    (results / "env.json").unlink()  # the table needs no provenance file, only its commit column does
+    assert "| 2026-11-30T03:00:00Z | ? |" in report.render_ratio_block(results)
 
 
 # ------------------------------------------------------------------------ the committed results
