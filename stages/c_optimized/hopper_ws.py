@@ -32,6 +32,10 @@ lets the kernel say explicitly what FlashAttention-3 does on Hopper:
   per SM) is as loaded as the tensor cores at D = 64. The item boundary's store of O comes before
   the softmax, right after the products. Behind a branch, the conversions and the rescale ran
   after the last exponential, on every tile (NOTES.md, item 23).
+* **Row sums stay in each lane**: a thread keeps its own part of its rows' sums, added across the
+  four lanes of a row once per item, when O is normalized, instead of two rounds of shuffles per
+  row and tile that the end of each exponential turn waited for (``_thread_row_sums``; NOTES.md,
+  item 33).
 * **P never leaves registers**: the probabilities are converted in registers to the A-operand
   layout of the second wgmma.
 * **O leaves through shared memory**: normalized in registers, written (``stmatrix``) into the
@@ -187,18 +191,19 @@ def _exp_turn(x, barrier, ARRIVE: gl.constexpr):
     taking turns there, one consumer's exponentials run at the unit's full rate while the other's
     wgmma run, instead of two softmaxes sharing the unit at half rate while the tensor cores idle.
 
-    ``x`` (two rows per thread) passes through the barrier, so what uses it stays on its side: the
-    exponentials use the row maximum that passed the ``bar.sync``; the ``bar.arrive`` waits for the
-    row sum, which needs every exponential. ptxas moves a plain ``bar.arrive`` up among the
-    exponentials (it sees no dependence on them); predicated on the row sum it cannot. The sum is
-    never negative and a NaN compares false, so the arrival always happens. A named barrier is one
-    instruction, unlike an mbarrier wait (a polling loop, a branch that would split the softmax)."""
+    ``x`` (two values per thread, one for each of its rows) passes through the barrier, so what uses
+    it stays on its side: the exponentials use the row maximum that passed the ``bar.sync``; the
+    ``bar.arrive`` waits for both rows' sums, which need every exponential. ptxas moves a plain
+    ``bar.arrive`` up among the exponentials (it sees no dependence on them); predicated on the sums
+    it cannot (predicated on the first row's sum alone, ptxas moved two of the second row's
+    exponentials past it). A sum is never negative and a NaN compares false, so the arrival always
+    happens. A named barrier is one instruction, unlike an mbarrier wait (a polling loop, a branch that would split the softmax)."""
     bar = gl.full(x.shape, barrier, gl.int32, x.type.layout)
     if ARRIVE:
         y = gl.inline_asm_elementwise(
-            "{\n\t.reg .pred neg;\n\tsetp.lt.f32 neg, $2, 0f00000000;\n\t@!neg bar.arrive $4, 256;"
-            "\n\tmov.b32 $0, $2;\n\tmov.b32 $1, $3;\n\t}", "=r,=r,r,r,r,r", [x, bar], dtype=gl.float32,
-            is_pure=False, pack=2)
+            "{\n\t.reg .pred neg;\n\tsetp.lt.f32 neg, $2, 0f00000000;\n\tsetp.lt.or.f32 neg, $3, 0f00000000, neg;"
+            "\n\t@!neg bar.arrive $4, 256;\n\tmov.b32 $0, $2;\n\tmov.b32 $1, $3;\n\t}", "=r,=r,r,r,r,r", [x, bar],
+            dtype=gl.float32, is_pure=False, pack=2)
     else:
         y = gl.inline_asm_elementwise("bar.sync $4, 256;\n\tmov.b32 $0, $2;\n\tmov.b32 $1, $3;",
                                       "=r,=r,r,r,r,r", [x, bar], dtype=gl.float32, is_pure=False, pack=2)
@@ -206,16 +211,36 @@ def _exp_turn(x, barrier, ARRIVE: gl.constexpr):
 
 
 @gluon.jit
+def _thread_row_sums(p):
+    """Each thread's part of the row sums of a tile in the wgmma accumulator layout, [R, 4]: column
+    c = 8k + 2q + e of a row is held by lane q of the row's four lanes (register pair element e),
+    so summing over k and e adds up one thread's registers, with no shuffle between lanes.
+
+    Why not ``gl.sum(p, axis=1)``: it also adds the four lanes' parts with two rounds of shuffles
+    per row and tile, and the exponential turn's ``bar.arrive`` waits for the sums. Keeping the
+    parts and adding the lanes once, when the item's O is normalized, made D = 64 with
+    N <= 2048 1-5 % faster in two A/B runs on the H200 (NOTES.md, item 33). The row maximum still needs the shuffles: every
+    lane's P must use the same maximum."""
+    R: gl.constexpr = p.shape[0]
+    C: gl.constexpr = p.shape[1]
+    x = p.reshape([R, C // 8, 4, 2]).permute((0, 2, 1, 3)).reshape([R, 4, C // 4])
+    return gl.sum(x, axis=2)
+
+
+@gluon.jit
 def _softmax_step(S, m_i, l_i, qk_scale, WG: gl.constexpr, CONSUMERS: gl.constexpr, EXP_TURNS: gl.constexpr):
     """Online-softmax update for one score tile (base 2, scale folded in): returns P (fp32), the
-    rescale factor alpha for the running output, and the new running max and sum. With
-    ``EXP_TURNS`` the exponentials are this consumer's ping-pong turn (``_exp_turn``)."""
+    rescale factor alpha for the running output, the new running max and the new running sums, as
+    each thread's part (``_thread_row_sums``). With ``EXP_TURNS`` the exponentials are this
+    consumer's ping-pong turn (``_exp_turn``)."""
     m_new = gl.maximum(m_i, gl.max(S, axis=1) * qk_scale)
     if EXP_TURNS:
         m_new = _exp_turn(m_new, EXP_TURN_BARRIER + WG, False)  # wait for the previous consumer's exponentials
     p = gl.exp2(S * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
+    # Same rows in the same threads and registers: no data moves (assert_trivial checks it).
+    alpha_parts = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout), assert_trivial=True)
+    l_i = l_i * gl.expand_dims(alpha_parts, 1) + _thread_row_sums(p)
     if EXP_TURNS:
         l_i = _exp_turn(l_i, EXP_TURN_BARRIER + (WG + 1) % CONSUMERS, True)  # the next consumer's turn
     return p, alpha, m_new, l_i
@@ -337,7 +362,8 @@ def _store_o(acc, l_i, o_desc, buf, t, n_m, H, o_layout: gl.constexpr, WG: gl.co
     ROWS: gl.constexpr = acc.shape[0]
     D: gl.constexpr = acc.shape[1]
     b, h, start_m = _tile_coords(t, n_m, H, ROWS * CONSUMERS, CAUSAL, ZIGZAG)
-    out = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
+    l_row = gl.sum(l_i, axis=1)  # the four lanes' parts of each row sum (_thread_row_sums), added once per item
+    out = acc / gl.expand_dims(gl.convert_layout(l_row, gl.SliceLayout(1, o_layout)), 1)
     buf.reshape([ROWS, D]).store(out.to(o_desc.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [b, h, start_m + WG * ROWS, 0], buf)
@@ -389,7 +415,7 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURN
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
-    l_i = gl.zeros([ROWS], gl.float32, row_layout)
+    l_i = _thread_row_sums(gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout))  # [ROWS, 4]: each lane's part
     p_prev = gl.zeros([ROWS, BLOCK_N], q_desc.dtype, p_layout)
     acc = gl.zeros([ROWS, D], gl.float32, o_layout)
     if EXP_TURNS:
