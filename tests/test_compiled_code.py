@@ -246,6 +246,36 @@ def test_stage_c_sm90_two_consumers_take_turns_at_the_exponentials(consumers):
         assert turn["ex2"] >= per_thread and turn["branches"] == 0, turn
 
 
+def _shuffles_per_softmax(sass_text: str) -> list[int]:
+    """For each exponential turn's arrival (``BAR.ARV id, 0x100``): the lane shuffles (``SHFL``) from
+    the last branch before that turn's ``BAR.SYNC`` up to the arrival, i.e. in the basic block that
+    holds a tile's mask, row maximum, exponentials and row sums."""
+    counts, block_start, turn_start = [], 0, None
+    lines = [ln for ln in sass_text.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/\s+[@A-Z]", ln)]
+    for i, line in enumerate(lines):
+        if re.search(r"BAR\.SYNC\S*\s+0x[0-9a-f]+, 0x100\b", line):
+            turn_start = block_start
+        elif re.search(r"BAR\.ARV\s+0x[0-9a-f]+, 0x100\b", line) and turn_start is not None:
+            counts.append(sum("SHFL" in ln for ln in lines[turn_start:i]))
+            turn_start = None
+        elif re.search(r"\bBRA\b", line):
+            block_start = i
+    return counts
+
+
+def test_stage_c_sm90_row_sums_need_no_shuffles_per_tile():
+    """A tile's softmax shuffles between lanes only for the row maximum, which every lane must share:
+    2 rows per thread × 2 rounds over the 4 lanes of a row. Each thread keeps its own part of its
+    rows' sums, added across lanes once per item (``_thread_row_sums``); with ``gl.sum(p, axis=1)``
+    there were 8, and every turn's end waited for the last of them (NOTES.md, item 33)."""
+    config = next(c for c in configs.WS_SHAPES[64] if c.consumers == 2 and c.persistent)
+    (kernel,) = STAGES["c"].compile(Problem(2, 4, 1000, 64, "fp16", True), 90, config=config)
+    machine_code = sass(kernel.asm["ptx"], "sm_90a")
+    if not machine_code:
+        pytest.skip("ptxas or cuobjdump not available in this triton install")
+    assert _shuffles_per_softmax(machine_code) == [4] * config.consumers
+
+
 def test_stage_c_sm90_exponential_turns_have_named_barriers_of_their_own():
     """The exponential turns use hardware named barriers ``EXP_TURN_BARRIER`` + consumer (ids are
     hard-coded, there are 16). Triton's warp specialization takes named barriers of its own (the
