@@ -267,7 +267,8 @@ def test_stage_c_sm90_row_sums_need_no_shuffles_per_tile():
     """A tile's softmax shuffles between lanes only for the row maximum, which every lane must share:
     2 rows per thread × 2 rounds over the 4 lanes of a row. Each thread keeps its own part of its
     rows' sums, added across lanes once per item (``_thread_row_sums``); with ``gl.sum(p, axis=1)``
-    there were 8, and every turn's end waited for the last of them (NOTES.md, item 33)."""
+    this count read 7 and 8 (the sums' shuffles too), and every turn's end waited for the sums
+    (NOTES.md, item 33)."""
     config = next(c for c in configs.WS_SHAPES[64] if c.consumers == 2 and c.persistent)
     (kernel,) = STAGES["c"].compile(Problem(2, 4, 1000, 64, "fp16", True), 90, config=config)
     machine_code = sass(kernel.asm["ptx"], "sm_90a")

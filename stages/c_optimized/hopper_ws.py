@@ -195,9 +195,10 @@ def _exp_turn(x, barrier, ARRIVE: gl.constexpr):
     it stays on its side: the exponentials use the row maximum that passed the ``bar.sync``; the
     ``bar.arrive`` waits for both rows' sums, which need every exponential. ptxas moves a plain
     ``bar.arrive`` up among the exponentials (it sees no dependence on them); predicated on the sums
-    it cannot (predicated on the first row's sum alone, ptxas moved two of the second row's
-    exponentials past it). A sum is never negative and a NaN compares false, so the arrival always
-    happens. A named barrier is one instruction, unlike an mbarrier wait (a polling loop, a branch that would split the softmax)."""
+    it cannot (on the first row's part alone, ptxas moved two of the second row's exponentials past
+    it). A sum is never negative and a NaN compares false, so the arrival always happens. A named
+    barrier is one instruction, unlike an mbarrier wait (a polling loop, a branch that would split
+    the softmax)."""
     bar = gl.full(x.shape, barrier, gl.int32, x.type.layout)
     if ARRIVE:
         y = gl.inline_asm_elementwise(
@@ -218,9 +219,9 @@ def _thread_row_sums(p):
 
     Why not ``gl.sum(p, axis=1)``: it also adds the four lanes' parts with two rounds of shuffles
     per row and tile, and the exponential turn's ``bar.arrive`` waits for the sums. Keeping the
-    parts and adding the lanes once, when the item's O is normalized, made D = 64 with
-    N <= 2048 1-5 % faster in two A/B runs on the H200 (NOTES.md, item 33). The row maximum still needs the shuffles: every
-    lane's P must use the same maximum."""
+    parts and adding the lanes once, when the item's O is normalized, made D = 64 with N <= 2048
+    1-5 % faster in two A/B runs on the H200 (NOTES.md, item 33). The row maximum still needs the
+    shuffles: every lane's P must use the same maximum."""
     R: gl.constexpr = p.shape[0]
     C: gl.constexpr = p.shape[1]
     x = p.reshape([R, C // 8, 4, 2]).permute((0, 2, 1, 3)).reshape([R, 4, C // 4])
