@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -174,6 +175,12 @@ def _region(text: str, start: int) -> str:
     return text[begin:end if end >= 0 else len(text)]
 
 
+def _instruction_lines(sass_text: str) -> list[str]:
+    """The instruction lines of cuobjdump's SASS listing (an address comment, then the opcode),
+    without the encoding lines and labels around them."""
+    return [ln for ln in sass_text.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/\s+[@A-Z]", ln)]
+
+
 def _sass_spans(sass_text: str, start: str, end: str, count: dict[str, str]) -> list[dict[str, int]]:
     """For each stretch of the SASS from a line matching ``start`` to the next line matching ``end``:
     how many of its lines (the first one included) match each pattern of ``count``."""
@@ -223,6 +230,16 @@ def _exp_turns(sass_text: str) -> list[dict[str, int]]:
                        {"ex2": "MUFU.EX2", "branches": r"\bBRA\b"})
 
 
+@functools.lru_cache(maxsize=None)
+def _persistent_d64_causal_sass(consumers: int) -> tuple[configs.Config, str]:
+    """The persistent warp-specialized config with ``consumers`` consumers, compiled for a ragged
+    D = 64 causal problem, and its SASS ("" where ptxas or cuobjdump is missing): the machine code
+    the exponential-turn tests read, assembled and disassembled once for all of them."""
+    config = next(c for c in configs.WS_SHAPES[64] if c.consumers == consumers and c.persistent)
+    (kernel,) = STAGES["c"].compile(Problem(2, 4, 1000, 64, "fp16", True), 90, config=config)
+    return config, sass(kernel.asm["ptx"], "sm_90a")
+
+
 @pytest.mark.parametrize("consumers", [2, 3])
 def test_stage_c_sm90_two_consumers_take_turns_at_the_exponentials(consumers):
     """With two consumers the ping-pong turn is the block of exponentials, as in cuDNN's loop: a
@@ -231,9 +248,7 @@ def test_stage_c_sm90_two_consumers_take_turns_at_the_exponentials(consumers):
     unpredicated ``bar.arrive`` up among the exponentials, which would end the turn early; this
     test fails then. Three consumers take turns at wgmma issue instead (mbarriers), with no named
     barrier of 256 threads."""
-    config = next(c for c in configs.WS_SHAPES[64] if c.consumers == consumers and c.persistent)
-    (kernel,) = STAGES["c"].compile(Problem(2, 4, 1000, 64, "fp16", True), 90, config=config)
-    machine_code = sass(kernel.asm["ptx"], "sm_90a")
+    config, machine_code = _persistent_d64_causal_sass(consumers)
     if not machine_code:
         pytest.skip("ptxas or cuobjdump not available in this triton install")
     turns = _exp_turns(machine_code)
@@ -251,7 +266,7 @@ def _shuffles_per_softmax(sass_text: str) -> list[int]:
     the last branch before that turn's ``BAR.SYNC`` up to the arrival, i.e. in the basic block that
     holds a tile's mask, row maximum, exponentials and row sums."""
     counts, block_start, turn_start = [], 0, None
-    lines = [ln for ln in sass_text.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/\s+[@A-Z]", ln)]
+    lines = _instruction_lines(sass_text)
     for i, line in enumerate(lines):
         if re.search(r"BAR\.SYNC\S*\s+0x[0-9a-f]+, 0x100\b", line):
             turn_start = block_start
@@ -269,9 +284,7 @@ def test_stage_c_sm90_row_sums_need_no_shuffles_per_tile():
     rows' sums, added across lanes once per item (``_thread_row_sums``); with ``gl.sum(p, axis=1)``
     this count read 7 and 8 (the sums' shuffles too), and every turn's end waited for the sums
     (NOTES.md, item 33)."""
-    config = next(c for c in configs.WS_SHAPES[64] if c.consumers == 2 and c.persistent)
-    (kernel,) = STAGES["c"].compile(Problem(2, 4, 1000, 64, "fp16", True), 90, config=config)
-    machine_code = sass(kernel.asm["ptx"], "sm_90a")
+    config, machine_code = _persistent_d64_causal_sass(2)
     if not machine_code:
         pytest.skip("ptxas or cuobjdump not available in this triton install")
     assert _shuffles_per_softmax(machine_code) == [4] * config.consumers
@@ -283,9 +296,7 @@ def test_stage_c_sm90_exponential_turns_have_named_barriers_of_their_own():
     whole CTA, the default partition, each worker partition's warpgroup): if a Triton version took
     one of ours, the turns would wait on the wrong arrivals and the kernel would hang or race on the
     GPU. Here the clash shows on the CPU: every other barrier in the machine code has a lower id."""
-    config = next(c for c in configs.WS_SHAPES[64] if c.consumers == 2 and c.persistent)
-    (kernel,) = STAGES["c"].compile(Problem(2, 4, 1000, 64, "fp16", True), 90, config=config)
-    machine_code = sass(kernel.asm["ptx"], "sm_90a")
+    config, machine_code = _persistent_d64_causal_sass(2)
     if not machine_code:
         pytest.skip("ptxas or cuobjdump not available in this triton install")
     first = int(hopper_ws.EXP_TURN_BARRIER.value)
@@ -300,7 +311,7 @@ def _spills_in_tile_loops(sass_text: str) -> list[str]:
     """Local-memory loads and stores (register spills) inside a tile loop of the SASS: the innermost
     loops (a backward branch and its target) that issue wgmma (``HGMMA``). Outer loops do not count:
     the warp-specialized kernel's partitions sit in one, which Triton's dispatch branches back to."""
-    lines = [ln for ln in sass_text.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/\s+[@A-Z]", ln)]
+    lines = _instruction_lines(sass_text)
     address = {int(re.search(r"/\*([0-9a-f]{4,})\*/", ln).group(1), 16): i for i, ln in enumerate(lines)}
     loops = []
     for i, ln in enumerate(lines):
