@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -207,8 +208,8 @@ def _softmax_blocks(sass_text: str) -> list[dict[str, int]]:
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_stage_c_sm90_softmax_is_one_basic_block(compiled, causal):
-    """The softmax, the conversion of P for the next ``P·V`` and the rescale of O are one stretch of
-    code with no branch in it, so ptxas interleaves the conversions with the exponentials (their unit
+    """The softmax and the conversion of P for the next ``P·V`` (and the eager rescale of O) are one
+    stretch of code with no branch in it, so ptxas interleaves the conversions with the exponentials (their unit
     is as loaded as the tensor cores at D = 64). When the item boundary's store of O sat between the
     softmax and the conversions, all of them ran after the last exponential (NOTES.md, item 23)."""
     (kernel,) = compiled["c", 90, causal]
@@ -231,11 +232,12 @@ def _exp_turns(sass_text: str) -> list[dict[str, int]]:
 
 
 @functools.lru_cache(maxsize=None)
-def _persistent_d64_causal_sass(consumers: int) -> tuple[configs.Config, str]:
+def _persistent_d64_causal_sass(consumers: int, lazy_rescale: bool = True) -> tuple[configs.Config, str]:
     """The persistent warp-specialized config with ``consumers`` consumers, compiled for a ragged
     D = 64 causal problem, and its SASS ("" where ptxas or cuobjdump is missing): the machine code
     the exponential-turn tests read, assembled and disassembled once for all of them."""
-    config = next(c for c in configs.WS_SHAPES[64] if c.consumers == consumers and c.persistent)
+    config = replace(next(c for c in configs.WS_SHAPES[64] if c.consumers == consumers and c.persistent),
+                     lazy_rescale=lazy_rescale)
     (kernel,) = STAGES["c"].compile(Problem(2, 4, 1000, 64, "fp16", True), 90, config=config)
     return config, sass(kernel.asm["ptx"], "sm_90a")
 
@@ -288,6 +290,35 @@ def test_stage_c_sm90_row_sums_need_no_shuffles_per_tile():
     if not machine_code:
         pytest.skip("ptxas or cuobjdump not available in this triton install")
     assert _shuffles_per_softmax(machine_code) == [4] * config.consumers
+
+
+def _rescale_jumps(sass_text: str) -> list[int]:
+    """For each warp vote (``VOTE.ANY``) followed by a branch (``BRA`` to a higher address): the fp32
+    multiplies (``FMUL``) it jumps over."""
+    lines = _instruction_lines(sass_text)
+    address = [int(re.search(r"/\*([0-9a-f]{4,})\*/", ln).group(1), 16) for ln in lines]
+    jumps = []
+    for i, line in enumerate(lines):
+        if not re.search(r"\bVOTE\.ANY\b", line):
+            continue
+        branch = next((j for j in range(i + 1, min(i + 4, len(lines))) if re.search(r"\bBRA\b", lines[j])), None)
+        target = branch is not None and re.search(r"\bBRA\S*\s+0x([0-9a-f]+)", lines[branch])
+        if target and int(target.group(1), 16) > address[branch]:
+            end = int(target.group(1), 16)
+            jumps.append(sum("FMUL" in ln for ln, a in zip(lines, address) if address[branch] < a < end))
+    return jumps
+
+
+@pytest.mark.parametrize("lazy_rescale", [True, False])
+def test_stage_c_sm90_lazy_rescale_jumps_over_the_multiplies(lazy_rescale):
+    """With the lazy rescale a warp skips the rescale of O (D / 2 multiplies per thread) unless one of
+    its rows raised its maximum by more than 2^8: one vote and one jump per tile, after the
+    exponential turn (``hopper_ws._rescale_if_needed``). The eager form (``-E``) has no such jump."""
+    config, machine_code = _persistent_d64_causal_sass(2, lazy_rescale)
+    if not machine_code:
+        pytest.skip("ptxas or cuobjdump not available in this triton install")
+    jumps = _rescale_jumps(machine_code)
+    assert jumps == ([64 // 2] * config.consumers if lazy_rescale else []), jumps
 
 
 def test_stage_c_sm90_exponential_turns_have_named_barriers_of_their_own():

@@ -244,3 +244,47 @@ def test_gpu_warp_specialized_persistent_programs(dtype, D):
                 launch.run()
                 torch.cuda.synchronize()
                 check_against_reference(o, q, k, v, causal=causal, dtype_name=dtype)
+
+
+def _late_maxima(q, k, *, causal, block_n, seed):
+    """Make about a third of the query rows meet, in a K/V tile after their first one, a key that
+    scores ~40 (natural log units) above the rest: the row's running maximum then jumps by far more
+    than the lazy rescale's threshold (``hopper_ws.RESCALE_THRESHOLD``) and that row's part of O must
+    be rescaled, while other rows of the same warp may need nothing. The rows are drawn at random,
+    so a warp vote that missed one of a thread's two rows would leave some row unscaled."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, N, D = q.shape
+    c = 40.0 / D ** 0.5  # q_i·(c·q_i)/sqrt(D) ≈ c·sqrt(D)
+    for b in range(B):
+        for h in range(H):
+            rows = torch.nonzero(torch.rand(N, generator=g) < 0.35).flatten().tolist()
+            for i in rows:
+                lo = block_n  # a key past the first tile ...
+                hi = i if causal else N - 1  # ... that row i may see
+                if hi < lo:
+                    continue
+                j = int(torch.randint(lo, hi + 1, (1,), generator=g))
+                k[b, h, j] = (q[b, h, i].float() * c).to(k.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_gpu_warp_specialized_lazy_rescale(dtype, D):
+    """The warp-specialized kernel rescales O only when some row of a warp raised its maximum by more
+    than the threshold (``hopper_ws._rescale_if_needed``). Rows whose maximum jumps in a later tile,
+    drawn at random, every config, persistent and not, both causal settings, against float64."""
+    if c_kernels.device_arch(torch.device("cuda")) != 90:
+        pytest.skip("the warp-specialized kernel is for sm_90")
+    for config in c_configs.WS_SHAPES[D]:
+        for N, causal in ((1000, False), (1000, True), (700, True)):
+            q, k, v = make_qkv(2, 3, N, D, DTYPES[dtype], "cuda")
+            _late_maxima(q, k, causal=causal, block_n=config.block_n, seed=N + causal)
+            o = contract.new_output(q)
+            launch = hopper_ws.plan(q, k, v, o, causal=causal, qk_scale=D ** -0.5 * c_kernels.LOG2E,
+                                    block_n=config.block_n, stages=config.num_stages, consumers=config.consumers,
+                                    persistent=config.persistent, num_sms=5)
+            o.fill_(float("nan"))
+            launch.run()
+            torch.cuda.synchronize()
+            check_against_reference(o, q, k, v, causal=causal, dtype_name=dtype)

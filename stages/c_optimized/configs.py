@@ -31,7 +31,9 @@ TUNED_DIR = Path(__file__).with_name("tuned")
 class Config:
     """A Triton-``tl`` kernel config ``M128-N64-w4-s3``, or, with ``ws``, one of the Hopper
     warp-specialized kernel (``hopper_ws.py``): ``WS-M128-N128-s3-P`` has 128/64 = 2 consumer
-    warpgroups, 128-row K/V tiles, a 3-slot K/V ring and (``-P``) a persistent grid."""
+    warpgroups, 128-row K/V tiles, a 3-slot K/V ring and (``-P``) a persistent grid; ``-E`` marks
+    the eager rescale of O on every tile (else lazy: only when a row's maximum grew past 2^8,
+    ``hopper_ws._rescale_if_needed``)."""
 
     block_m: int
     block_n: int
@@ -39,6 +41,7 @@ class Config:
     num_stages: int
     ws: bool = False
     persistent: bool = False
+    lazy_rescale: bool = True
 
     def with_stages(self, num_stages: int) -> "Config":
         return replace(self, num_stages=num_stages)
@@ -49,7 +52,8 @@ class Config:
 
     def __str__(self) -> str:
         if self.ws:
-            return f"WS-M{self.block_m}-N{self.block_n}-s{self.num_stages}" + ("-P" if self.persistent else "")
+            return (f"WS-M{self.block_m}-N{self.block_n}-s{self.num_stages}" + ("-P" if self.persistent else "")
+                    + ("" if self.lazy_rescale else "-E"))
         return f"M{self.block_m}-N{self.block_n}-w{self.num_warps}-s{self.num_stages}"
 
     @classmethod
@@ -57,16 +61,17 @@ class Config:
         m = re.fullmatch(r"M(\d+)-N(\d+)-w(\d+)-s(\d+)", text)
         if m:
             return cls(*(int(g) for g in m.groups()))
-        m = re.fullmatch(r"WS-M(\d+)-N(\d+)-s(\d+)(-P)?", text)
+        m = re.fullmatch(r"WS-M(\d+)-N(\d+)-s(\d+)(-P)?(-E)?", text)
         if m:
             bm, bn, st = (int(g) for g in m.groups()[:3])
-            return ws_config(bm, bn, st, persistent=bool(m.group(4)))
-        raise ValueError(f"config must look like 'M128-N64-w4-s3' or 'WS-M128-N128-s3-P', got {text!r}")
+            return ws_config(bm, bn, st, persistent=bool(m.group(4)), lazy_rescale=not m.group(5))
+        raise ValueError(f"config must look like 'M128-N64-w4-s3' or 'WS-M128-N128-s3-P(-E)', got {text!r}")
 
 
-def ws_config(block_m: int, block_n: int, num_stages: int, persistent: bool) -> Config:
+def ws_config(block_m: int, block_n: int, num_stages: int, persistent: bool, lazy_rescale: bool = True) -> Config:
     """A warp-specialized config: ``block_m // 64`` consumer warpgroups of 4 warps each."""
-    return Config(block_m, block_n, 4 * (block_m // 64), num_stages, ws=True, persistent=persistent)
+    return Config(block_m, block_n, 4 * (block_m // 64), num_stages, ws=True, persistent=persistent,
+                  lazy_rescale=lazy_rescale)
 
 
 #: Stage B's configuration. With every switch off, stage C runs exactly this.
@@ -128,9 +133,13 @@ def candidate_configs(D: int, dtype: torch.dtype, arch: int, warp_specialization
 #: two, because three would spill registers (checked by a compiled-code test). Persistent and one
 #: program per work item both stay: which wins depends on N and causality (tuning.csv). At D = 128
 #: the persistent kernel's second Q buffer leaves room for a 2-slot K/V ring only (FlashAttention-3
-#: uses 2 there too); one program per item keeps 3.
+#: uses 2 there too); one program per item keeps 3. Every config rescales O lazily (only when a
+#: row's maximum grew past 2^8); the two-consumer D = 64 config also comes eager (``-E``): on causal
+#: problems that config ran 0.3-1.8 % faster eager, where every other cell gained from the lazy
+#: rescale (NOTES.md, item 35).
 WS_SHAPES = {
-    64: [ws_config(192, 128, 3, True), ws_config(192, 128, 3, False), ws_config(128, 128, 3, True)],
+    64: [ws_config(192, 128, 3, True), ws_config(192, 128, 3, False), ws_config(128, 128, 3, True),
+         ws_config(128, 128, 3, True, lazy_rescale=False)],
     128: [ws_config(128, 128, 2, True), ws_config(128, 128, 3, False)],
 }
 

@@ -36,6 +36,12 @@ lets the kernel say explicitly what FlashAttention-3 does on Hopper:
   four lanes of a row once per item, when O is normalized, instead of two rounds of shuffles per
   row and tile that the end of each exponential turn waited for (``_thread_row_sums``; NOTES.md,
   item 33).
+* **O is rescaled lazily**, as FlashAttention-4 does: a row's running maximum (the one P is
+  computed against) moves only when a tile raises it by more than 2^8, so P stays <= 2^8 (fp16
+  and bf16 hold it) and on most tiles no row of a warp needs its part of O rescaled; one warp vote
+  and a jump then replace D / 2 multiplies per thread and tile (``_rescale_if_needed``). The
+  tuner also has the two-consumer D = 64 config in the eager form, which measured faster on
+  causal problems (NOTES.md, item 35).
 * **P never leaves registers**: the probabilities are converted in registers to the A-operand
   layout of the second wgmma.
 * **O leaves through shared memory**: normalized in registers, written (``stmatrix``) into the
@@ -229,12 +235,19 @@ def _thread_row_sums(p):
 
 
 @gluon.jit
-def _softmax_step(S, m_i, l_i, qk_scale, WG: gl.constexpr, CONSUMERS: gl.constexpr, EXP_TURNS: gl.constexpr):
+def _softmax_step(S, m_i, l_i, qk_scale, WG: gl.constexpr, CONSUMERS: gl.constexpr, EXP_TURNS: gl.constexpr,
+                  LAZY_RESCALE: gl.constexpr):
     """Online-softmax update for one score tile (base 2, scale folded in): returns P (fp32), the
     rescale factor alpha for the running output, the new running max and the new running sums, as
     each thread's part (``_thread_row_sums``). With ``EXP_TURNS`` the exponentials are this
     consumer's ping-pong turn (``_exp_turn``)."""
-    m_new = gl.maximum(m_i, gl.max(S, axis=1) * qk_scale)
+    m_max = gl.maximum(m_i, gl.max(S, axis=1) * qk_scale)
+    if LAZY_RESCALE:
+        # Keep the old maximum unless the new one is more than 2^RESCALE_THRESHOLD times larger:
+        # P may then reach 2^8, which fp16 and bf16 hold, and O needs no rescale on most tiles.
+        m_new = gl.where(m_max > m_i + RESCALE_THRESHOLD, m_max, m_i)
+    else:
+        m_new = m_max
     if EXP_TURNS:
         m_new = _exp_turn(m_new, EXP_TURN_BARRIER + WG, False)  # wait for the previous consumer's exponentials
     p = gl.exp2(S * qk_scale - gl.expand_dims(m_new, 1))
@@ -317,24 +330,65 @@ def _issue_tile(cur, acc, p_prev, q_tile, ring, turns, s_layout: gl.constexpr, W
 @gluon.jit
 def _softmax_tile(S, j, n_unmasked, acc, m_i, l_i, rows, N, qk_scale, dtype: gl.constexpr, o_layout: gl.constexpr,
                   p_layout: gl.constexpr, NEED_MASK: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
-                  CONSUMERS: gl.constexpr, EXP_TURNS: gl.constexpr):
+                  CONSUMERS: gl.constexpr, EXP_TURNS: gl.constexpr, LAZY_RESCALE: gl.constexpr):
     """The softmax of score tile j, P converted for the next turn's ``P·V``, and the accumulator
     rescaled: one stretch of code with no branch in it after the mask, so ptxas can slot the
-    conversions and the rescale in between the exponentials, whose unit is the bottleneck at D = 64."""
+    conversions (and the eager rescale) in between the exponentials, whose unit is the bottleneck at
+    D = 64. The lazy rescale comes after that stretch, behind its warp vote and jump."""
     if NEED_MASK:
         if j >= n_unmasked:  # a runtime branch, not a second copy of the loop: less code to fetch
             BLOCK_N: gl.constexpr = S.shape[1]
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S.type.layout))
             S = _mask(S, cols, rows, N, CAUSAL)
-    p, alpha, m_i, l_i = _softmax_step(S, m_i, l_i, qk_scale, WG, CONSUMERS, EXP_TURNS)
+    p, alpha, m_i, l_i = _softmax_step(S, m_i, l_i, qk_scale, WG, CONSUMERS, EXP_TURNS, LAZY_RESCALE)
     p_next = gl.convert_layout(p.to(dtype), p_layout)
-    acc = _rescale(acc, alpha, o_layout)
+    if LAZY_RESCALE:
+        acc = _rescale_if_needed(acc, alpha, o_layout)
+    else:
+        acc = _rescale(acc, alpha, o_layout)
     return acc, p_next, m_i, l_i
 
 
 @gluon.jit
 def _rescale(acc, alpha, o_layout: gl.constexpr):
     return acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+
+
+#: The lazy rescale's threshold, log2 units: the running maximum used for P moves only when a tile's
+#: maximum exceeds it by more than this (FlashAttention-4 uses 8.0), so P <= 2^8.
+RESCALE_THRESHOLD = gl.constexpr(8.0)
+
+
+@gluon.constexpr_function
+def _rescale_if_needed_asm(n):
+    """PTX for one thread's n accumulator values: if any of the warp's rows has alpha < 1, multiply
+    every value by its row's alpha, else jump over the multiplies. Operands: $0..$n-1 the results,
+    tied to the inputs $n..$2n-1 (so the jump leaves them as they were), $2n..$3n-1 each value's
+    alpha. In the wgmma accumulator layout a thread's values go (row r: 2 columns, row r + 8:
+    2 columns) per 8 columns, so values 0 and 2 carry the alphas of its two rows."""
+    lines = ["{", ".reg .pred need;", f"setp.lt.f32 need, ${2 * n}, 0f3F800000;",
+             f"setp.lt.or.f32 need, ${2 * n + 2}, 0f3F800000, need;", "vote.sync.any.pred need, need, 0xffffffff;",
+             "@!need bra.uni SKIP_RESCALE;"]
+    lines += [f"mul.f32 ${i}, ${n + i}, ${2 * n + i};" for i in range(n)]
+    lines += ["SKIP_RESCALE:", "}"]
+    return "\n\t".join(lines)
+
+
+@gluon.constexpr_function
+def _rescale_if_needed_constraints(n):
+    return ",".join(["=r"] * n + [str(i) for i in range(n)] + ["r"] * n)
+
+
+@gluon.jit
+def _rescale_if_needed(acc, alpha, o_layout: gl.constexpr):
+    """``_rescale``, skipped by every warp none of whose rows changed its maximum (the lazy rescale:
+    most tiles). One warp-wide vote and a jump instead of D / 2 multiplies per thread and tile."""
+    N_PER_THREAD: gl.constexpr = acc.shape[0] * acc.shape[1] // 128
+    a = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    acc_b, a_b = gl.broadcast(acc, a)
+    return gl.inline_asm_elementwise(_rescale_if_needed_asm(N_PER_THREAD),
+                                     _rescale_if_needed_constraints(N_PER_THREAD), [acc_b, a_b], dtype=gl.float32,
+                                     is_pure=False, pack=N_PER_THREAD)
 
 
 @gluon.jit
@@ -386,7 +440,7 @@ def _prefetch_q_to_l2(Q, stride_qb, stride_qh, stride_qn, b, h, row0, N, ROWS: g
 @gluon.jit
 def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURNS: gl.constexpr,
               EXP_TURNS: gl.constexpr, CAUSAL: gl.constexpr, EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr,
-              PREFETCH_L2: gl.constexpr):
+              PREFETCH_L2: gl.constexpr, LAZY_RESCALE: gl.constexpr):
     """One warpgroup: for each work item of this program, the whole flash loop for its 64 rows.
     ``args`` is the same for every consumer; ``WG`` is this consumer's index (its Q buffers are
     ``q_bufs[WG·Q_BUFS ...]``), ``turns`` its ping-pong barrier and the next consumer's.
@@ -463,7 +517,8 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURN
             m_in = gl.where(j == 0, float("-inf"), m_i)
             l_in = gl.where(j == 0, 0.0, l_i)
             acc, p_prev, m_i, l_i = _softmax_tile(S, j, n_unmasked, acc, m_in, l_in, rows, N, qk_scale, q_desc.dtype,
-                                                  o_layout, p_layout, NEED_MASK, CAUSAL, WG, CONSUMERS, EXP_TURNS)
+                                                  o_layout, p_layout, NEED_MASK, CAUSAL, WG, CONSUMERS, EXP_TURNS,
+                                                  LAZY_RESCALE)
         if n_tiles == 1:
             _fetch_next_q(q_desc, q_bufs, q_bars, nb, b_next, h_next, start_next + WG * ROWS, more)
         it += n_tiles
@@ -490,7 +545,8 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, Q, stride_qb, stride_qh,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                         ISSUE_TURNS: gl.constexpr, EXP_TURNS: gl.constexpr, CAUSAL: gl.constexpr,
                         EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr, Q_BUFS: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr, PREFETCH_L2: gl.constexpr = True):
+                        CONSUMER_REGS: gl.constexpr, PREFETCH_L2: gl.constexpr = True,
+                        LAZY_RESCALE: gl.constexpr = True):
     """Grid: one program per SM (persistent, ``Q_BUFS`` = 2) or per work item (``Q_BUFS`` = 1); work
     item t covers ``CONSUMERS × 64`` query rows of one (batch, head). See the module docstring."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
@@ -525,15 +581,20 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, Q, stride_qb, stride_qh,
     producer_args = (k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, ZIGZAG)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (args, (turn0, turn1), 0, 2, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2)),
-            (_consumer, (args, (turn1, turn0), 1, 2, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2)),
+            (_consumer, (args, (turn0, turn1), 0, 2, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
+                         LAZY_RESCALE)),
+            (_consumer, (args, (turn1, turn0), 1, 2, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
+                         LAZY_RESCALE)),
             (_producer, producer_args),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (args, (turn0, turn1), 0, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2)),
-            (_consumer, (args, (turn1, turn2), 1, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2)),
-            (_consumer, (args, (turn2, turn0), 2, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2)),
+            (_consumer, (args, (turn0, turn1), 0, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
+                         LAZY_RESCALE)),
+            (_consumer, (args, (turn1, turn2), 1, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
+                         LAZY_RESCALE)),
+            (_consumer, (args, (turn2, turn0), 2, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
+                         LAZY_RESCALE)),
             (_producer, producer_args),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
@@ -570,7 +631,8 @@ def supported(dtype: torch.dtype, D: int, arch: int) -> bool:
 
 
 def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int, consumers: int = 2,
-         pingpong: bool = True, persistent: bool = True, num_sms: int = 132, prefetch_l2: bool = True) -> Launch:
+         pingpong: bool = True, persistent: bool = True, num_sms: int = 132, prefetch_l2: bool = True,
+         lazy_rescale: bool = True) -> Launch:
     """The launch of ``ws_attention_kernel`` for these tensors: grid, arguments and options.
 
     This runs on every call, on the host, before the GPU sees the kernel, so it is kept short: when
@@ -583,7 +645,10 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
     ``prefetch_l2``: each consumer asks L2 for its next item's Q rows at the start of an item (a
     persistent program only; with the item-by-item kernel of NOTES.md item 17 it measured 0.97× to
     1.06× against leaving it out, median 1.00×; now the TMA copy of that Q starts one tile later,
-    and leaving it out measured 0.955–1.023×, median 1.005×: item 28)."""
+    and leaving it out measured 0.955–1.023×, median 1.005×: item 28).
+
+    ``lazy_rescale``: O is rescaled only when some row of a warp raised its maximum by more than
+    2^8 (``_rescale_if_needed``); else on every tile (the ``-E`` configs; NOTES.md, item 35)."""
     B, H, N, D = q.shape
     q_desc, k_desc, v_desc, o_desc = descriptors(q, k, v, o, block_n)
     n_m = -(-N // (ROWS_PER_CONSUMER * consumers))
@@ -599,7 +664,7 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
                 EVEN_N=(N % block_n == 0), ZIGZAG=zigzag, Q_BUFS=q_buffers(persistent),
                 CONSUMER_REGS=240 if consumers == 2 else 160,
                 ISSUE_TURNS=pingpong and consumers != 2,
-                EXP_TURNS=pingpong and consumers == 2, PREFETCH_L2=prefetch_l2)
+                EXP_TURNS=pingpong and consumers == 2, PREFETCH_L2=prefetch_l2, LAZY_RESCALE=lazy_rescale)
     # 4 warps run the default partition (consumer 0); the workers add 4 per further consumer and 1
     # producer warp, rounded up to whole warpgroups. maxnreg sets the register pool they share:
     # 65536 registers over all the threads.
