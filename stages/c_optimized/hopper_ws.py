@@ -26,10 +26,11 @@ lets the kernel say explicitly what FlashAttention-3 does on Hopper:
   kernel's PTX used to say that (wait for ``S_j`` only, for ``P·V`` just before the rescale), but
   ptxas put the second wait among the first instructions of the softmax all the same, and forcing
   the overlap measured slower (NOTES.md, items 19 and 23); the kernel now writes what ran.
-* **The softmax is one stretch of code.** From the mask to the loop's end there is no branch: the
-  exponentials, the conversion of P for the next ``P·V`` and the rescale of O share one basic
-  block, so ptxas slots the conversions in between the exponentials, whose unit (16 per clock
-  per SM) is as loaded as the tensor cores at D = 64. The item boundary's store of O comes before
+* **The softmax is one stretch of code.** From the mask to the conversion of P there is no branch
+  (the lazy rescale's jump comes after it): the exponentials and the conversion of P for the next
+  ``P·V`` (and the eager rescale of O) share one basic block, so ptxas slots the conversions in
+  between the exponentials, whose unit (16 per clock per SM) is as loaded as the tensor cores at
+  D = 64. The item boundary's store of O comes before
   the softmax, right after the products. Behind a branch, the conversions and the rescale ran
   after the last exponential, on every tile (NOTES.md, item 23).
 * **Row sums stay in each lane**: a thread keeps its own part of its rows' sums, added across the
