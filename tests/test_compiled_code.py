@@ -182,6 +182,11 @@ def _instruction_lines(sass_text: str) -> list[str]:
     return [ln for ln in sass_text.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/\s+[@A-Z]", ln)]
 
 
+def _address(line: str) -> int:
+    """The address of one of ``_instruction_lines``."""
+    return int(re.search(r"/\*([0-9a-f]{4,})\*/", line).group(1), 16)
+
+
 def _sass_spans(sass_text: str, start: str, end: str, count: dict[str, str]) -> list[dict[str, int]]:
     """For each stretch of the SASS from a line matching ``start`` to the next line matching ``end``:
     how many of its lines (the first one included) match each pattern of ``count``."""
@@ -296,7 +301,7 @@ def _rescale_jumps(sass_text: str) -> list[int]:
     """For each warp vote (``VOTE.ANY``) followed by a branch (``BRA`` to a higher address): the fp32
     multiplies (``FMUL``) it jumps over."""
     lines = _instruction_lines(sass_text)
-    address = [int(re.search(r"/\*([0-9a-f]{4,})\*/", ln).group(1), 16) for ln in lines]
+    address = [_address(ln) for ln in lines]
     jumps = []
     for i, line in enumerate(lines):
         if not re.search(r"\bVOTE\.ANY\b", line):
@@ -343,7 +348,7 @@ def _spills_in_tile_loops(sass_text: str) -> list[str]:
     loops (a backward branch and its target) that issue wgmma (``HGMMA``). Outer loops do not count:
     the warp-specialized kernel's partitions sit in one, which Triton's dispatch branches back to."""
     lines = _instruction_lines(sass_text)
-    address = {int(re.search(r"/\*([0-9a-f]{4,})\*/", ln).group(1), 16): i for i, ln in enumerate(lines)}
+    address = {_address(ln): i for i, ln in enumerate(lines)}
     loops = []
     for i, ln in enumerate(lines):
         target = re.search(r"\bBRA\s+(?:`?\(?)0x([0-9a-f]+)", ln)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -237,8 +238,7 @@ def test_gpu_warp_specialized_persistent_programs(dtype, D):
             # A config made for one program per item may not fit the persistent kernel's second Q buffer.
             for persistent in ((True, False) if config.persistent else (False,)):
                 launch = hopper_ws.plan(q, k, v, o, causal=causal, qk_scale=D ** -0.5 * c_kernels.LOG2E,
-                                        block_n=config.block_n, stages=config.num_stages,
-                                        consumers=config.consumers, persistent=persistent, num_sms=3)
+                                        **replace(config, persistent=persistent).ws_options(), num_sms=3)
                 assert launch.grid[0] == (3 if persistent else launch.args["total"])
                 o.fill_(float("nan"))
                 launch.run()
@@ -282,8 +282,7 @@ def test_gpu_warp_specialized_lazy_rescale(dtype, D):
             _late_maxima(q, k, causal=causal, block_n=config.block_n, seed=N + causal)
             o = contract.new_output(q)
             launch = hopper_ws.plan(q, k, v, o, causal=causal, qk_scale=D ** -0.5 * c_kernels.LOG2E,
-                                    block_n=config.block_n, stages=config.num_stages, consumers=config.consumers,
-                                    persistent=config.persistent, num_sms=5)
+                                    **config.ws_options(), num_sms=5)
             o.fill_(float("nan"))
             launch.run()
             torch.cuda.synchronize()

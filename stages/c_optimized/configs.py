@@ -50,6 +50,11 @@ class Config:
     def consumers(self) -> int:
         return self.block_m // 64
 
+    def ws_options(self) -> dict:
+        """``hopper_ws.plan``'s keyword arguments for this warp-specialized config."""
+        return dict(block_n=self.block_n, stages=self.num_stages, consumers=self.consumers,
+                    persistent=self.persistent, lazy_rescale=self.lazy_rescale)
+
     def __str__(self) -> str:
         if self.ws:
             return (f"WS-M{self.block_m}-N{self.block_n}-s{self.num_stages}" + ("-P" if self.persistent else "")

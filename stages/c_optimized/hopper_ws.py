@@ -30,8 +30,7 @@ lets the kernel say explicitly what FlashAttention-3 does on Hopper:
   (the lazy rescale's jump comes after it): the exponentials and the conversion of P for the next
   ``P·V`` (and the eager rescale of O) share one basic block, so ptxas slots the conversions in
   between the exponentials, whose unit (16 per clock per SM) is as loaded as the tensor cores at
-  D = 64. The item boundary's store of O comes before
-  the softmax, right after the products. Behind a branch, the conversions and the rescale ran
+  D = 64. The item boundary's store of O comes before the softmax, right after the products. Behind a branch, the conversions and the rescale ran
   after the last exponential, on every tile (NOTES.md, item 23).
 * **Row sums stay in each lane**: a thread keeps its own part of its rows' sums, added across the
   four lanes of a row once per item, when O is normalized, instead of two rounds of shuffles per
@@ -351,8 +350,14 @@ def _softmax_tile(S, j, n_unmasked, acc, m_i, l_i, rows, N, qk_scale, dtype: gl.
 
 
 @gluon.jit
+def _row_factor(alpha, o_layout: gl.constexpr):
+    """Each row's alpha as a column that broadcasts over the accumulator's D values."""
+    return gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+
+
+@gluon.jit
 def _rescale(acc, alpha, o_layout: gl.constexpr):
-    return acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    return acc * _row_factor(alpha, o_layout)
 
 
 #: The lazy rescale's threshold, log2 units: the running maximum used for P moves only when a tile's
@@ -385,8 +390,7 @@ def _rescale_if_needed(acc, alpha, o_layout: gl.constexpr):
     """``_rescale``, skipped by every warp none of whose rows changed its maximum (the lazy rescale:
     most tiles). One warp-wide vote and a jump instead of D / 2 multiplies per thread and tile."""
     N_PER_THREAD: gl.constexpr = acc.shape[0] * acc.shape[1] // 128
-    a = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    acc_b, a_b = gl.broadcast(acc, a)
+    acc_b, a_b = gl.broadcast(acc, _row_factor(alpha, o_layout))
     return gl.inline_asm_elementwise(_rescale_if_needed_asm(N_PER_THREAD),
                                      _rescale_if_needed_constraints(N_PER_THREAD), [acc_b, a_b], dtype=gl.float32,
                                      is_pure=False, pack=N_PER_THREAD)

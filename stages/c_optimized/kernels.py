@@ -216,9 +216,8 @@ def plan(q, k, v, o, *, causal: bool, scale: float, arch: int, config: Config | 
         if not ws_allowed:
             raise ValueError(f"config {config} needs the warp-specialized kernel: sm_90, fp16/bf16, D 64 or 128, "
                              f"16-byte aligned strides and every switch on (got arch={arch}, dtype={q.dtype}, D={D})")
-        return [hopper_ws.plan(q, k, v, o, causal=causal, qk_scale=scale * LOG2E, block_n=config.block_n,
-                               stages=config.num_stages, consumers=config.consumers, persistent=config.persistent,
-                               lazy_rescale=config.lazy_rescale, num_sms=num_sms(q.device) if q.is_cuda else 132)]
+        return [hopper_ws.plan(q, k, v, o, causal=causal, qk_scale=scale * LOG2E, **config.ws_options(),
+                               num_sms=num_sms(q.device) if q.is_cuda else 132)]
     if not pipelining:
         config = config.with_stages(1)
     use_tma = tma and _tma_supported(arch, q, k, v, o)
