@@ -3,7 +3,12 @@
 A stage is a package under ``stages/`` that exports a :class:`Stage`. The harness, the tests and a
 learner's own kernel all plug in through this one small surface:
 
-* ``attention(q, k, v, *, causal=False, sm_scale=None) -> o`` for ``[B, H, N, D]`` tensors;
+* ``attention(q, k, v, *, causal=False, sm_scale=None) -> o``: q ``[B, Hq, Nq, D]``, k and v
+  ``[B, Hkv, Nk, D]``, o ``[B, Hq, Nq, D]``. Grouped-query attention: ``Hq % Hkv == 0`` and query
+  head h reads KV head ``h // (Hq // Hkv)`` (no copy of K/V). ``causal=True`` is aligned to the
+  bottom right: query i sees key j iff ``j <= i + Nk - Nq`` (a row that sees no key outputs 0).
+  Head dims: every multiple of 8 from 8 to 256. The output is differentiable: ``o.backward(do)``
+  runs the stage's own backward kernels;
 * ``hbm_bytes(problem) -> HbmTraffic``: the bytes the stage's kernels request from device memory;
 * ``workspace_bytes(problem) -> int``: extra device memory one call allocates besides the output;
 * a title and the list of techniques the stage adds over the one before.
@@ -26,14 +31,50 @@ import torch
 #: dtypes every stage accepts, by the short names the harness and the CLI use.
 DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
-#: head dims every stage supports. Powers of two keep every tile a power of two (Triton's
-#: ``tl.arange`` needs that) without padding the head dim inside the kernels.
-HEAD_DIMS: tuple[int, ...] = (16, 32, 64, 128, 256)
+#: head dims every stage supports: every multiple of 8 up to 256. Triton's ``tl.arange`` needs a
+#: power-of-two length, so the kernels pad the head dim to :func:`padded_head_dim` *inside* the
+#: kernel (masked loads and stores; the inputs are never copied).
+HEAD_DIMS: tuple[int, ...] = tuple(range(8, 257, 8))
+
+
+def padded_head_dim(D: int) -> int:
+    """The power-of-two tile width a kernel uses for head dim ``D`` (at least 16: ``tl.dot``'s
+    smallest reduction). Columns past ``D`` are masked on load (zeros) and on store."""
+    return max(16, 1 << (D - 1).bit_length())
+
+
+def causal_offset(Nq: int, Nk: int) -> int:
+    """Bottom-right causal alignment: query row i sees key j iff ``j <= i + causal_offset(Nq, Nk)``."""
+    return Nk - Nq
+
+
+def visible_keys(i: int, Nq: int, Nk: int, causal: bool) -> int:
+    """How many keys query row ``i`` sees (0 for a causal row above the first key when Nq > Nk)."""
+    if not causal:
+        return Nk
+    return min(Nk, max(0, i + causal_offset(Nq, Nk) + 1))
+
+
+def visible_pairs(Nq: int, Nk: int, causal: bool) -> int:
+    """(query, key) pairs that enter the softmax, per head: Nq·Nk, or the causal count."""
+    if not causal:
+        return Nq * Nk
+    off = causal_offset(Nq, Nk)
+    # Rows lo..hi see i + off + 1 keys (1 up to Nk - 1): an arithmetic series; rows from
+    # Nk - 1 - off on see all Nk; rows before -off see none.
+    lo, hi = max(0, -off), min(Nq - 1, Nk - 2 - off)
+    partial = (hi - lo + 1) * (lo + hi + 2 * off + 2) // 2 if hi >= lo else 0
+    return partial + max(0, Nq - max(0, Nk - 1 - off)) * Nk
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One attention problem: shapes, dtype and masking. Sizes in elements."""
+    """One attention problem: shapes, dtype and masking. Sizes in elements.
+
+    ``H`` and ``N`` are the query heads and query rows (Hq, Nq); ``Hkv`` and ``Nk`` the key/value
+    heads and rows, defaulting to ``H`` and ``N`` (plain multi-head self-attention), so
+    ``Problem(B, H, N, D)`` means what it always meant.
+    """
 
     B: int
     H: int
@@ -41,14 +82,36 @@ class Problem:
     D: int
     dtype: str = "fp16"
     causal: bool = False
+    Hkv: int | None = None
+    Nk: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("B", "H", "N", "D"):
+        if self.Hkv is None:
+            object.__setattr__(self, "Hkv", self.H)
+        if self.Nk is None:
+            object.__setattr__(self, "Nk", self.N)
+        for name in ("B", "H", "N", "D", "Hkv", "Nk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.H % self.Hkv:
+            raise ValueError(f"H (query heads) must be a multiple of Hkv (key/value heads), got H={self.H}, "
+                             f"Hkv={self.Hkv}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def Hq(self) -> int:
+        return self.H
+
+    @property
+    def Nq(self) -> int:
+        return self.N
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head (1: multi-head; H: multi-query)."""
+        return self.H // self.Hkv
 
     @property
     def element_bytes(self) -> int:
@@ -56,29 +119,52 @@ class Problem:
 
     @property
     def heads(self) -> int:
-        """Independent (batch, head) pairs: the grid's second axis in every stage."""
+        """Independent (batch, query head) pairs: the grid's second axis in every stage."""
         return self.B * self.H
+
+    @property
+    def kv_heads(self) -> int:
+        """(batch, key/value head) pairs: K and V hold this many [Nk, D] matrices each."""
+        return self.B * self.Hkv
+
+    @property
+    def q_bytes(self) -> int:
+        """Bytes of Q (and of O, which has Q's shape)."""
+        return self.heads * self.N * self.D * self.element_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K (and of V)."""
+        return self.kv_heads * self.Nk * self.D * self.element_bytes
 
     @property
     def qkvo_bytes(self) -> int:
         """Bytes of Q, K, V and O together: the least any attention kernel must move."""
-        return 4 * self.heads * self.N * self.D * self.element_bytes
+        return 2 * self.q_bytes + 2 * self.kv_bytes
+
+    @property
+    def pairs(self) -> int:
+        """(query, key) pairs in the softmax per head: Nq·Nk, or the visible ones when causal."""
+        return visible_pairs(self.N, self.Nk, self.causal)
 
     @property
     def flops(self) -> float:
-        """Matmul FLOPs of the forward pass: 2·N²·D for QKᵀ plus 2·N²·D for PV, per head.
+        """Matmul FLOPs of the forward pass: 2·D per visible (query, key) pair for QKᵀ and 2·D for
+        PV, per query head: 4·B·Hq·Nq·Nk·D, the causal count taking only the visible pairs
+        (N(N+1)/2 when Nq = Nk, about half). The backward pass counts 2.5× this (the
+        FlashAttention papers' convention: five matmuls to the forward's two)."""
+        return 4.0 * self.heads * self.pairs * self.D
 
-        Causal counts half, the convention of the FlashAttention papers and Triton's tutorial
-        (the exact count, N(N+1)/2 pairs, differs from N²/2 by under 1/N).
-        """
-        full = 4.0 * self.heads * self.N * self.N * self.D
-        return full / 2 if self.causal else full
+    @property
+    def bwd_flops(self) -> float:
+        return 2.5 * self.flops
 
     @classmethod
-    def of(cls, q: torch.Tensor, *, causal: bool = False) -> "Problem":
+    def of(cls, q: torch.Tensor, k: torch.Tensor | None = None, *, causal: bool = False) -> "Problem":
         B, H, N, D = q.shape
         name = next(n for n, dt in DTYPES.items() if dt == q.dtype)
-        return cls(B, H, N, D, name, causal)
+        Hkv, Nk = (k.shape[1], k.shape[2]) if k is not None else (H, N)
+        return cls(B, H, N, D, name, causal, Hkv, Nk)
 
 
 @dataclass(frozen=True)
@@ -114,6 +200,12 @@ class Stage:
     #: GPU of compute capability ``arch`` (80, 90) without needing one, for ``harness inspect``
     #: and the compiled-code tests. None where a stage cannot (the CUDA twins use nvcc instead).
     compile: Callable[..., list] | None = None
+    #: the backward pass's models (None: the stage has no backward of its own, e.g. a CUDA twin):
+    #: ``bwd_hbm_bytes(problem, **switches)``: bytes the backward kernels request, given the saved
+    #: forward; ``train_workspace_bytes(problem)``: extra device memory at the peak of one training
+    #: step (forward + backward) besides q, k, v, o, dO and the three gradients (A: its saved P).
+    bwd_hbm_bytes: Callable[..., HbmTraffic] | None = None
+    train_workspace_bytes: Callable[[Problem], int] | None = None
 
 
 @dataclass(frozen=True)
@@ -157,35 +249,49 @@ def validate_inputs(
 ) -> float:
     """Check a stage's inputs and return the softmax scale to use.
 
-    Raises ``TypeError`` for wrong types and ``ValueError`` for wrong values; every message names
-    the argument, what was given and what is allowed, so a user mistake never reaches the Triton
-    compiler (whose tracebacks would not say which argument was wrong).
+    q is ``[B, Hq, Nq, D]``, k and v ``[B, Hkv, Nk, D]`` with ``Hq % Hkv == 0``. Raises ``TypeError``
+    for wrong types and ``ValueError`` for wrong values; every message names the argument, what was
+    given and what is allowed, so a user mistake never reaches the Triton compiler (whose
+    tracebacks would not say which argument was wrong).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of shape [B, H, N, D], got {_describe(t)}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [B, H, N, D], got {t.dim()}-D shape {tuple(t.shape)}")
+        if t.is_meta:
+            raise ValueError(f"{name} is on the meta device (shapes without data); attention needs real tensors "
+                             f"on a CUDA GPU or the CPU")
         if t.dtype not in dtypes:
             allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
             raise TypeError(f"{name}.dtype must be one of {allowed}, got {str(t.dtype).replace('torch.', '')}")
-        if t.stride(-1) != 1:
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
             raise ValueError(
                 f"{name} must be contiguous in its last (head) dim, got stride(-1)={t.stride(-1)}; "
                 f"call {name}.contiguous() first")
-    if not (q.shape == k.shape == v.shape):
-        raise ValueError(
-            f"q, k and v must have the same shape [B, H, N, D], got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape [B, Hkv, Nk, D], got k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
-    B, H, N, D = q.shape
-    if N == 0 or B == 0 or H == 0:
-        raise ValueError(f"q, k, v must have B, H, N >= 1, got shape {tuple(q.shape)}")
+    B, Hq, Nq, D = q.shape
+    _, Hkv, Nk, Dk = k.shape
+    if k.shape[0] != B:
+        raise ValueError(f"q and k must have the same batch size B (dim 0), got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
+    if Dk != D:
+        raise ValueError(f"q and k must have the same head dim D (dim 3), got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
+    if 0 in (B, Hq, Nq, Hkv, Nk):
+        raise ValueError(f"q, k, v must have B, H, N >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if Hq % Hkv:
+        raise ValueError(f"the query heads of q (Hq = {Hq}, dim 1) must be a multiple of the key/value heads "
+                         f"of k and v (Hkv = {Hkv}): grouped-query attention shares each K/V head among "
+                         f"Hq / Hkv query heads")
     if D not in head_dims:
-        raise ValueError(f"head dim D (q.shape[-1]) must be one of {list(head_dims)}, got {D}")
+        raise ValueError(f"head dim D (q.shape[-1]) must be {_allowed_head_dims(head_dims)}, got {D}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {_describe(causal)}")
     if sm_scale is None:
@@ -195,6 +301,12 @@ def validate_inputs(
     if not math.isfinite(sm_scale) or sm_scale <= 0:
         raise ValueError(f"sm_scale must be a finite positive float or None (meaning 1/sqrt(D)), got {sm_scale!r}")
     return float(sm_scale)
+
+
+def _allowed_head_dims(head_dims: tuple[int, ...]) -> str:
+    if tuple(head_dims) == HEAD_DIMS:
+        return "a multiple of 8 from 8 to 256"
+    return f"one of {list(head_dims)}"
 
 
 #: When True, every new output starts as NaN, so an element a kernel forgets to write fails the

@@ -1,10 +1,11 @@
-"""Helpers shared by the stage tests: fresh inputs and the error check against float64."""
+"""Helpers shared by the stage tests: fresh inputs and the error checks against float64."""
 
 from __future__ import annotations
 
 import torch
 
-from harness.reference import reference_attention, rel_err, torch_same_precision
+from harness.reference import (reference_attention, reference_gradients, rel_err, torch_same_precision,
+                               torch_same_precision_gradients)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -12,15 +13,23 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 ABS_FLOOR = {"fp16": 2e-3, "bf16": 1.6e-2, "fp32": 1e-5}
 
 
-def make_qkv(B, H, N, D, dtype, device, *, layout="bhnd", scale=1.0, seed=None):
-    """Fresh random q, k, v. ``layout="bnhd"`` gives strided views: a [B, N, H, D] tensor
-    transposed to [B, H, N, D], as a model that keeps heads interleaved would pass them."""
+def make_qkv(B, H, N, D, dtype, device, *, layout="bhnd", scale=1.0, seed=None, Hkv=None, Nk=None):
+    """Fresh random q ``[B, H, N, D]`` and k, v ``[B, Hkv, Nk, D]`` (Hkv, Nk default to H, N).
+    ``layout="bnhd"`` gives strided views: a [B, N, H, D] tensor transposed to [B, H, N, D], as a
+    model that keeps heads interleaved would pass them."""
     g = torch.Generator().manual_seed(seed) if seed is not None else None
-    def one():
-        shape = (B, N, H, D) if layout == "bnhd" else (B, H, N, D)
+    Hkv = H if Hkv is None else Hkv
+    Nk = N if Nk is None else Nk
+
+    def one(h, n):
+        shape = (B, n, h, D) if layout == "bnhd" else (B, h, n, D)
         t = (torch.randn(shape, generator=g) * scale).to(dtype).to(device)
         return t.transpose(1, 2) if layout == "bnhd" else t
-    return one(), one(), one()
+    return one(H, N), one(Hkv, Nk), one(Hkv, Nk)
+
+
+def _bound(torch_err: float, dtype_name: str, factor: float) -> float:
+    return max(factor * torch_err, ABS_FLOOR[dtype_name])
 
 
 def check_against_reference(o, q, k, v, *, causal, dtype_name, sm_scale=None, factor=2.0):
@@ -31,12 +40,44 @@ def check_against_reference(o, q, k, v, *, causal, dtype_name, sm_scale=None, fa
     ref = reference_attention(q, k, v, causal=causal, sm_scale=sm_scale)
     err = rel_err(o, ref)
     torch_err = rel_err(torch_same_precision(q, k, v, causal=causal, sm_scale=sm_scale), ref)
-    assert err <= max(factor * torch_err, ABS_FLOOR[dtype_name]), (
+    assert err <= _bound(torch_err, dtype_name, factor), (
         f"relative error {err:.3e} vs PyTorch same-precision {torch_err:.3e}")
-    # Each head separately, so a batch/head offset bug cannot hide behind a good average.
+    # Each head separately, so a batch/head offset bug cannot hide behind a good average. A head
+    # whose reference is all zeros (every row masked) must be exactly zero.
     for b in range(q.shape[0]):
         for h in range(q.shape[1]):
+            if not ref[b, h].any():
+                assert not o[b, h].any(), f"head (b={b}, h={h}) should be all zeros"
+                continue
             head_err = rel_err(o[b, h], ref[b, h])
-            assert head_err <= max(4 * factor * torch_err, 4 * ABS_FLOOR[dtype_name]), (
+            assert head_err <= 4 * _bound(torch_err, dtype_name, factor), (
                 f"head (b={b}, h={h}) error {head_err:.3e}")
     return err, torch_err
+
+
+def check_gradients(attention, q, k, v, *, causal, dtype_name, sm_scale=None, factor=3.0, do=None, **kwargs):
+    """Run ``attention`` forward and backward; dq, dk, dv must each be within ``factor``× PyTorch's
+    same-precision autograd error against float64 autograd (or under the rounding floor), finite,
+    and of their input's shape and dtype. Returns {name: (err, torch_err)}."""
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    o = attention(q, k, v, causal=causal, sm_scale=sm_scale, **kwargs)
+    if do is None:
+        do = torch.randn(o.shape, dtype=torch.float32).to(o.dtype).to(o.device)
+    o.backward(do)
+    refs = reference_gradients(q, k, v, do, causal=causal, sm_scale=sm_scale)
+    same = torch_same_precision_gradients(q, k, v, do, causal=causal, sm_scale=sm_scale)
+    out = {}
+    for name, t, ref, tp in zip(("dq", "dk", "dv"), (q, k, v), refs, same):
+        g = t.grad
+        assert g is not None, f"{name} was not computed"
+        assert g.shape == t.shape and g.dtype == t.dtype, f"{name}: shape/dtype {g.shape}/{g.dtype}"
+        assert torch.isfinite(g).all(), f"{name} has NaN/inf"
+        if not ref.any():
+            assert not g.any(), f"{name} should be all zeros"
+            out[name] = (0.0, 0.0)
+            continue
+        err, torch_err = rel_err(g, ref), rel_err(tp, ref)
+        assert err <= _bound(torch_err, dtype_name, factor), (
+            f"{name}: relative error {err:.3e} vs PyTorch same-precision {torch_err:.3e}")
+        out[name] = (err, torch_err)
+    return out
