@@ -49,7 +49,8 @@ def load(results_dir) -> tuple[list[dict], dict]:
     A missing or malformed CSV raises :class:`ResultsError`; a missing ``env.json`` does not (the
     figures then carry no GPU name), because the rows alone are enough to draw from.
     """
-    rows = merge_profile(latest_rows(load_rows(results_dir)), results_dir)
+    all_rows = load_rows(results_dir)
+    rows = merge_profile(merge_energy(latest_rows(all_rows), all_rows), results_dir)
     try:
         env = load_env(results_dir)
     except ResultsError as e:
@@ -82,6 +83,54 @@ def merge_profile(rows: list[dict], results_dir) -> list[dict]:
             row = {**row, **{c: prof[c] for c in PROFILE_COLUMNS if prof[c] is not None}}
         merged.append(row)
     return merged + list(profiled.values())
+
+
+#: what ``sweep --energy`` measures beside the time (NVML, over a >= 2 s loop). A later sweep of the
+#: same cell without ``--energy`` leaves them empty; :func:`merge_energy` keeps the measured ones.
+ENERGY_COLUMNS = ("energy_j_per_call", "power_w")
+
+
+def has_energy(row: dict) -> bool:
+    return is_ok(row) and row.get("energy_j_per_call") is not None
+
+
+def latest_energy_rows(all_rows: list[dict]) -> dict[tuple, dict]:
+    """Per cell (``results.cell_key``), the latest ``ok`` row that has energy measured, whatever
+    came after it. ``all_rows`` in file order (the order ``load_rows`` returns)."""
+    from .results import cell_key
+
+    found: dict[tuple, dict] = {}
+    for r in all_rows:
+        if has_energy(r):
+            found[cell_key(r)] = r
+    return found
+
+
+def merge_energy(rows: list[dict], all_rows: list[dict]) -> list[dict]:
+    """Give each latest row of a cell the energy of that cell's latest run that measured it.
+
+    The views keep the latest row of each cell, so a sweep without ``--energy`` would otherwise hide
+    the energy an earlier sweep measured. A row whose own run measured energy keeps it; a row that
+    borrows it gets ``energy_run_id`` = the run it came from (its own run_id otherwise), so a figure
+    or table can say which run its energy shows. Energy is per call at that run's clocks: it is
+    not rescaled to the borrowing row's time.
+    """
+    from .results import cell_key
+
+    measured = latest_energy_rows(all_rows)
+    out = []
+    for row in rows:
+        source = row if has_energy(row) else measured.get(cell_key(row))
+        if source is None:
+            out.append(row)
+            continue
+        out.append({**row, **{c: source.get(c) for c in ENERGY_COLUMNS}, "energy_run_id": source.get("run_id")})
+    return out
+
+
+def energy_runs(rows: list[dict]) -> list[str]:
+    """The runs the energy of ``rows`` comes from (sorted), for a figure's caption."""
+    return sorted({str(r.get("energy_run_id") or r.get("run_id")) for r in rows if has_energy(r)})
 
 
 def is_ok(row: dict) -> bool:

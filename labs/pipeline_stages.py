@@ -1,0 +1,75 @@
+"""Lab 3: choose ``num_stages`` and predict the ``cp.async`` instructions in the PTX, then check.
+
+With ``num_stages = 1`` every K/V load of the loop below is a plain ``ld.global``: the warps wait for
+device memory, then compute. With ``num_stages = s > 1`` Triton software-pipelines the loop: it copies
+the K and V tiles of later iterations straight into shared memory with ``cp.async`` (no registers on
+the way), groups each iteration's copies with ``cp.async.commit_group`` and, before the math needs a
+tile, waits with ``cp.async.wait_group n``: "until at most n groups are still in flight". So while
+tile j is being computed, the copies of the next tiles are already on their way.
+
+This lab compiles the kernel for an A100 (sm_80) on the CPU: no GPU needed (a few seconds). Your job,
+marked ``TODO(lab)``:
+
+1. ``NUM_STAGES``: how many K/V tiles should be in flight or resident at once so that while tile j is
+   computed, the copy of tile j+1 is already running (double buffering)?
+2. ``predict_ptx_counts(num_stages)``: how many of each instruction appear in the PTX? Read
+   ``ptx_counts(num_stages)`` for a few values first
+   (``python -c "from labs import pipeline_stages as m; print(m.ptx_counts(2))"``), find the rule,
+   write it down, and the check compares it against the compiler at several depths.
+
+    python -m labs check pipeline_stages
+"""
+
+from __future__ import annotations
+
+import stages  # noqa: F401  (turns the Triton interpreter on when there is no GPU)
+import triton
+import triton.language as tl
+
+from labs.compile_helper import compile_ptx
+
+# TODO(lab): pick the pipeline depth that double-buffers the K/V tiles.
+NUM_STAGES = None
+
+#: the instructions the check counts (static occurrences in the PTX text)
+COUNTED = ("cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group", "ld.global")
+
+D, BLOCK_M, BLOCK_N = 64, 64, 64
+
+
+@triton.jit
+def attention_kernel(Q, K, V, O, scale, Nk,
+                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ds = tl.arange(0, D)
+    q = tl.load(Q + rows[:, None] * D + ds[None, :])
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    for n0 in range(0, Nk, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        k = tl.load(K + cols[:, None] * D + ds[None, :])   # the loads the pipeliner turns into cp.async
+        v = tl.load(V + cols[:, None] * D + ds[None, :])
+        s = tl.dot(q, tl.trans(k)) * scale
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+        m_i = m_new
+    tl.store(O + rows[:, None] * D + ds[None, :], (acc / l_i[:, None]).to(tl.float16))
+
+
+def ptx_counts(num_stages: int, arch: int = 80) -> dict[str, int]:
+    """How often each instruction of ``COUNTED`` appears in the kernel's PTX for ``sm_<arch>``
+    (fp16 pointers 16-byte aligned, Nk a multiple of 16, 4 warps)."""
+    ptx = compile_ptx(__name__, "attention_kernel", num_stages=num_stages, arch=arch)
+    lines = [line.strip() for line in ptx.splitlines()]
+    return {name: sum(1 for line in lines if line.startswith(name)) for name in COUNTED}
+
+
+def predict_ptx_counts(num_stages: int) -> dict[str, int]:
+    """Your prediction of ``ptx_counts(num_stages)`` (sm_80), for num_stages = 1, 2, 3, 4."""
+    # TODO(lab): return {"cp.async.cg.shared.global": ..., "cp.async.commit_group": ...,
+    #                    "cp.async.wait_group": ..., "ld.global": ...} as a function of num_stages.
+    raise NotImplementedError("TODO(lab): predict_ptx_counts")
