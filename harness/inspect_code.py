@@ -141,7 +141,10 @@ def run_ptxas(ptx: str, arch: str | None = None, timeout_s: float = 120) -> dict
             return {"ptxas_error": f"{type(e).__name__}: {e}"}
     text = proc.stdout + proc.stderr
     if proc.returncode != 0:
-        return {"ptxas_error": (text.strip().splitlines() or ["failed"])[-1][:300]}
+        lines = text.strip().splitlines() or ["failed"]
+        # the first "ptxas fatal"/"error" line names the cause; later lines are often only its echo
+        causes = [line for line in lines if "fatal" in line or "error" in line.lower()]
+        return {"ptxas_error": (causes or lines[-1:])[0][:300]}
     return parse_ptxas(text)
 
 

@@ -8,18 +8,25 @@ kernel with :func:`register` and every harness command picks it up (notebook 07 
 from __future__ import annotations
 
 import os
+import sys
 
 # The Triton interpreter must be chosen before triton is imported anywhere. Without a CUDA GPU the
 # stages can only run interpreted, so choose it here, once, for every entry point (harness, tests,
 # notebooks). Setting TRITON_INTERPRET yourself (0 or 1) always wins.
 if "TRITON_INTERPRET" not in os.environ:
-    try:
-        import torch as _torch
+    import torch as _torch
 
-        if not _torch.cuda.is_available():
-            os.environ["TRITON_INTERPRET"] = "1"
-    except ImportError:  # pragma: no cover - torch is a hard dependency
-        pass
+    if not _torch.cuda.is_available():
+        if "triton" in sys.modules:
+            # Too late: triton built its own @triton.jit helpers (tl.sum, tl.cdiv, ...) for a GPU when
+            # it was imported, and every interpreted kernel that calls one would fail with "Cannot
+            # call @triton.jit'd outside of the scope of a kernel". Say so now, and what to do.
+            raise ImportError(
+                "triton was imported before stages on a machine without a CUDA GPU, so Triton's "
+                "interpreter can no longer be chosen and every kernel call would fail. Import stages "
+                "before triton (`import stages` first), or set TRITON_INTERPRET=1 in the environment "
+                "before starting Python.")
+        os.environ["TRITON_INTERPRET"] = "1"
 
 from .contract import DTYPES, HEAD_DIMS, HbmTraffic, Problem, Stage, validate_inputs  # noqa: E402
 

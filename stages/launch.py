@@ -109,8 +109,31 @@ def _compile_in_child(module: str, name: str, problem, arch: int, switches: dict
                           text=True,
                           capture_output=True, env=env)
     if proc.returncode != 0:
-        raise RuntimeError(f"compiling {module}.{name} for sm_{arch} failed:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"compiling {module}.{name} for sm_{arch} failed:\n{compile_error_summary(proc.stderr)}")
     return [CompiledKernel(**k) for k in json.loads(proc.stdout)]
+
+
+#: lines the compiler child prints that never explain a failure: some Triton builds report every
+#: nanobind object still alive at exit, hundreds of lines that would push the real error out of view
+_NOISE_PREFIXES = ("nanobind: ",)
+#: lines that state a cause: the exception itself, MLIR/LLVM diagnostics, ptxas
+_CAUSE_MARKERS = ("error:", "Error:", "ptxas fatal", "ptxas error", "fatal error")
+
+
+def compile_error_summary(stderr: str, tail_chars: int = 3000) -> str:
+    """The compiler child's stderr made readable: noise dropped, the lines that state the cause first
+    (the exception line, ``error:`` diagnostics, ``ptxas fatal``), then the last ``tail_chars``
+    characters of what is left, for context."""
+    lines = [line for line in stderr.splitlines() if not line.startswith(_NOISE_PREFIXES)]
+    causes = [line for line in lines if any(marker in line for marker in _CAUSE_MARKERS)]
+    # A traceback ends with "SomeError: message" at column 0; it is the cause even without a marker.
+    exception_lines = [line for line in lines if line and not line[0].isspace() and ": " in line
+                       and line.split(":", 1)[0].endswith(("Error", "Exception")) and line not in causes]
+    first = list(dict.fromkeys(causes + exception_lines))
+    tail = "\n".join(lines)[-tail_chars:]
+    if not first:
+        return tail
+    return "\n".join(first) + "\n--- end of the compiler's output ---\n" + tail
 
 
 def _encode(obj) -> dict:

@@ -67,7 +67,12 @@ def _rows(out_dir) -> list[dict]:
 def test_flops_formula():
     p = Problem(2, 3, 128, 64, "fp16", False)
     assert p.flops == 4 * 2 * 3 * 128 * 128 * 64
-    assert Problem(2, 3, 128, 64, "fp16", True).flops == p.flops / 2
+    # causal: the visible pairs only, N(N+1)/2 per head when Nq = Nk
+    assert Problem(2, 3, 128, 64, "fp16", True).flops == 4 * 2 * 3 * (128 * 129 // 2) * 64
+    # bottom-right causal with Nq < Nk: query i sees Nk - Nq + i + 1 keys
+    assert Problem(1, 1, 2, 8, "fp16", True, Nk=5).flops == 4 * (4 + 5) * 8
+    # GQA: FLOPs count query heads; K/V heads only change the bytes
+    assert Problem(1, 8, 16, 64, "fp16", False, Hkv=2).flops == 4 * 8 * 16 * 16 * 64
 
 
 def test_peer_byte_models():
@@ -320,7 +325,7 @@ def test_reading_names_the_weakest_small_n_cell_and_only_a_real_loss():
     (["compare", "--stages", "a,zz"], "--stages"),
     (["compare", "--N", "0"], "--N"),
     (["compare", "--dtype", "fp8"], "--dtype"),
-    (["compare", "--D", "48"], "--D"),
+    (["compare", "--D", "44"], "--D"),
     (["sweep", "--N", "12,x"], "--N"),
     (["sweep", "--D", "64,"], "--D"),
     (["sweep", "--dtype", "fp16,int8"], "--dtype"),
@@ -353,7 +358,9 @@ def test_cli_no_gpu_messages(capsys, tmp_path):
     assert code != 0 and ("ncu" in err)
 
 
-def test_grid_shapes_fa_paper_setting():
+def test_grid_shapes_fa_paper_setting(monkeypatch):
+    # On a GPU a sweep keeps the FA paper's token and hidden budget (a CPU keeps small sizes).
+    monkeypatch.setattr(cli, "_on_gpu", lambda: True)
     parser = cli.build_parser()
     args = parser.parse_args(["sweep", "--N", "512,32768", "--D", "64,128", "--causal", "both", "--dtype", "fp16"])
     cells = cli._grid_cells(args, cli.SWEEP_N)
