@@ -2,8 +2,9 @@
 
 Commands: ``compare`` (one problem, one table), ``sweep`` (grids -> results CSV), ``profile``
 (DRAM bytes by Nsight Compute), ``inspect`` (compiled-code facts, no GPU), ``device`` (roofline
-ceilings of this GPU), and from their own modules ``plot``, ``report`` and ``pc-sampling`` (Nsight
-Compute's per-instruction warp sampling, summarized). ``python -m harness <command> --help`` lists
+ceilings of this GPU), ``repair`` (moves a damaged runs.csv's bad lines aside), and from their own
+modules ``plot``, ``report`` and ``pc-sampling`` (Nsight Compute's per-instruction warp sampling,
+summarized). ``python -m harness <command> --help`` lists
 each one's flags.
 
 Adding a command: the subcommands are built from the :data:`SUBCOMMANDS` registry. Call
@@ -25,6 +26,7 @@ import importlib
 import importlib.util
 import sys
 import tempfile
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +50,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {}
 
 #: commands provided by optional modules (written separately); loaded when the module exists.
 OPTIONAL_SUBCOMMANDS: dict[str, str] = {"plot": "harness.plots", "report": "harness.report",
-                                         "pc-sampling": "harness.pc_sampling"}
+                                         "pc-sampling": "harness.pc_sampling", "train": "harness.train",
+                                         "latency": "harness.latency"}
 
 
 def register_subcommand(name: str, help: str, add_arguments, run, hidden: bool = False, add_parser=None) -> None:
@@ -112,8 +115,36 @@ def _head_dim(text: str) -> int:
 
     value = _positive_int(text)
     if value not in HEAD_DIMS:
-        raise argparse.ArgumentTypeError(f"head dim must be one of {list(HEAD_DIMS)}, got {value}")
+        raise argparse.ArgumentTypeError(f"head dim must be a multiple of 8 from {HEAD_DIMS[0]} to "
+                                         f"{HEAD_DIMS[-1]}, got {value}")
     return value
+
+
+def _pass_list(text: str) -> list[str]:
+    """``--pass fwd,bwd,fwd_bwd``: the passes to time, each once, in the order given."""
+    from .results import PASSES
+
+    names = _list_of(str, "passes")(text)
+    for n in names:
+        if n not in PASSES:
+            raise argparse.ArgumentTypeError(f"pass must be one of {', '.join(PASSES)}, got {n!r}")
+    return list(dict.fromkeys(names))
+
+
+def _add_pass_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pass", dest="passes", type=_pass_list, default=["fwd"], metavar="fwd,bwd,fwd_bwd",
+                   help="what to time: fwd (forward), bwd (backward alone, given a saved forward), fwd_bwd "
+                        "(a training step); a comma-separated list, one row each (default fwd)")
+
+
+def _check_kv_heads(parser: argparse.ArgumentParser, Hs: list[int], Hkvs: list[int] | None) -> None:
+    """Grouped-query attention needs every query head count to be a multiple of every K/V head count."""
+    for H in Hs:
+        for Hkv in Hkvs or []:
+            if H % Hkv:
+                parser.error(f"argument --Hkv: the query heads H = {H} must be a multiple of the key/value "
+                             f"heads Hkv = {Hkv} (grouped-query attention shares each K/V head among H / Hkv "
+                             f"query heads)")
 
 
 def _dtype(text: str) -> str:
@@ -135,6 +166,13 @@ _dtype_list = _list_of(_dtype, "dtypes")
 CAUSAL_CHOICES = {"no": [False], "yes": [True], "both": [False, True]}
 
 
+def _add_causal_argument(p: argparse.ArgumentParser, default: str, choices=tuple(CAUSAL_CHOICES)) -> None:
+    """``--causal {no,yes,both}``, spelled the same in every command; a bare ``--causal`` means yes
+    (it was an on/off flag in ``compare`` and ``inspect`` before)."""
+    p.add_argument("--causal", choices=list(choices), nargs="?", const="yes", default=default,
+                   help=f"masking: {', '.join(choices)} (default {default}; a bare --causal means yes)")
+
+
 # ------------------------------------------------------------------------------------------- helpers
 
 def _on_gpu() -> bool:
@@ -154,14 +192,25 @@ def _repo_root() -> Path:
 
 
 def default_out_dir(sub: str = "") -> Path:
-    """``results/<gpu-slug>/[sub]`` on a GPU. On a CPU a fresh temporary directory: interpreter
-    times must not land in results/, which holds measured GPU runs only."""
+    """``results/<gpu-slug>/[sub]`` on a GPU. On a CPU ``<system temp dir>/harness-cpu-interpreter/[sub]``:
+    interpreter times must not land in results/, which holds measured GPU runs only, and the folder
+    is the same on every call, so ``sweep --resume`` finds the cells of the last CPU sweep and
+    repeated ``compare`` runs append to one file instead of leaving a folder each behind."""
     from .device_info import device_slug
 
     if _on_gpu():
         path = _repo_root() / "results" / device_slug()
-        return path / sub if sub else path
-    return Path(tempfile.mkdtemp(prefix="harness-cpu-interpreter-"))
+    else:
+        path = Path(tempfile.gettempdir()) / "harness-cpu-interpreter"
+    return path / sub if sub else path
+
+
+def _out_dir(args: argparse.Namespace, sub: str = "") -> Path:
+    """``--out`` or the default folder, created and checked writable before anything is measured
+    (a ResultsError naming the folder otherwise: one line, exit 1)."""
+    from .results import ensure_writable_dir
+
+    return ensure_writable_dir(args.out or default_out_dir(sub))
 
 
 def _resolve_stages(parser: argparse.ArgumentParser, names: list[str] | None, flag: str = "--stages") -> list[str]:
@@ -244,7 +293,8 @@ def _add_impl_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ablation", action="store_true",
                    help="also run every stage.variants entry as a row (kind=ablation); 'all' = the stage itself")
     p.add_argument("--out", type=Path, default=None,
-                   help="results directory (default: results/<gpu>/ on a GPU, a temporary directory on a CPU)")
+                   help="results directory (default: results/<gpu>/ on a GPU; on a CPU "
+                        "<system temp dir>/harness-cpu-interpreter/, the same every time)")
     p.add_argument("--seed", type=int, default=0, help="base seed of the inputs (default 0)")
 
 
@@ -252,11 +302,16 @@ def _add_impl_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--B", type=_positive_int, help="batch (GPU default 4, CPU default 1)")
-    p.add_argument("--H", type=_positive_int, help="heads (GPU default 32, CPU default 2)")
-    p.add_argument("--N", type=_positive_int, help="sequence length (GPU default 4096, CPU default 128)")
-    p.add_argument("--D", type=_head_dim, help="head dim (default 64)")
+    p.add_argument("--H", type=_positive_int, help="query heads (GPU default 32, CPU default 2)")
+    p.add_argument("--N", type=_positive_int, help="query sequence length (GPU default 4096, CPU default 128)")
+    p.add_argument("--Hkv", type=_positive_int, help="key/value heads, H a multiple of it: GQA, MQA with 1 "
+                                                     "(default: H)")
+    p.add_argument("--Nk", type=_positive_int, help="key/value sequence length: cross-attention, a KV cache "
+                                                    "(default: N; causal is aligned to the bottom right)")
+    p.add_argument("--D", type=_head_dim, help="head dim, a multiple of 8 up to 256 (default 64)")
     p.add_argument("--dtype", type=_dtype, help="fp16, bf16 or fp32 (default fp16)")
-    p.add_argument("--causal", action="store_true", help="causal mask")
+    _add_causal_argument(p, "no")
+    _add_pass_argument(p)
     _add_impl_arguments(p)
     p.add_argument("--ncu", action="store_true", help="also measure DRAM bytes with Nsight Compute (slow)")
     p.add_argument("--energy", action=argparse.BooleanOptionalAction, default=True,
@@ -274,33 +329,39 @@ def run_compare(args: argparse.Namespace) -> int:
     from .results import Cell, RowWriter, run_id_now, write_env
     from .table import print_compare
 
+    if args.causal == "both":  # one compare (and one table) per masking
+        codes = [run_compare(argparse.Namespace(**{**vars(args), "causal": c})) for c in ("no", "yes")]
+        return max(codes)
     parser = args._parser
     stage_names = _resolve_stages(parser, args.stages)
     peer_names = _resolve_peers(parser, args.peers)
     on_gpu = _on_gpu()
     defaults = GPU_COMPARE if on_gpu else CPU_COMPARE
     shape = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
+    _check_kv_heads(parser, [shape["H"]], [args.Hkv] if args.Hkv else None)
     ncu_hook = None
     if args.ncu:
         if not _require_ncu():
             return 1
         ncu_hook = _ncu_hook(args.seed)
-    out = args.out or default_out_dir()
+    out = _out_dir(args)
     run_id = run_id_now()
     write_env(out, _environment(run_id))
-    cell = Cell(shape["B"], shape["H"], shape["N"], shape["D"], shape["dtype"], args.causal)
+    cells = [Cell(shape["B"], shape["H"], shape["N"], shape["D"], shape["dtype"], args.causal == "yes", args.Hkv,
+                  args.Nk, pass_) for pass_ in args.passes]
+    cell = cells[0]
     impl_list = impls_mod.build_impls(stage_names, peer_names, ablation=args.ablation)
     import torch
 
     device = torch.device("cuda" if on_gpu else "cpu")
     console = _console()
-    console.print(f"[bold]compare[/bold] B={cell.B} H={cell.H} N={cell.N} D={cell.D} {cell.dtype} "
+    console.print(f"[bold]compare[/bold] {_shape_text(cell)} "
                   f"causal={int(cell.causal)} on {'GPU ' + torch.cuda.get_device_name() if on_gpu else 'CPU (Triton interpreter)'}"
                   f": {', '.join(i.label for i in impl_list)}")
     from .results import RUNS_CSV
 
     with RowWriter(out) as writer:
-        rows = run_cells([cell], impl_list, writer, run_id=run_id, device=device,
+        rows = run_cells(cells, impl_list, writer, run_id=run_id, device=device,
                          energy=bool(args.energy and on_gpu), ncu=ncu_hook, seed=args.seed,
                          on_row=lambda r: console.print(f"  measured {r['impl']} {r.get('variant') or ''}: {r['status']}"))
     footer = []
@@ -315,26 +376,45 @@ def run_compare(args: argparse.Namespace) -> int:
     if notes:
         footer.append("notes:\n" + "\n".join(notes))
     footer.append(f"rows written to {Path(out) / RUNS_CSV} (provenance in env.json)")
-    print_compare(rows, console, title=f"attention forward, B={cell.B} H={cell.H} N={cell.N} D={cell.D} "
-                                       f"{cell.dtype}{' causal' if cell.causal else ''}",
-                  interpreted=not on_gpu, footer=footer)
+    for c in cells:  # one table per pass: ×prev and ×A compare rows of one pass only
+        print_compare([r for r in rows if r["pass"] == c.pass_], console,
+                      title=f"attention {PASS_TITLES[c.pass_]}, {_shape_text(c)}{' causal' if c.causal else ''}",
+                      interpreted=not on_gpu, footer=footer if c is cells[-1] else [])
+    if any(c.pass_ != "fwd" for c in cells):
+        console.print("Backward FLOPs count 2.5× the forward's (the FlashAttention papers' convention), a "
+                      "training step 3.5×; the error of a backward row is the largest of dq's, dk's and dv's.")
     return 0
 
 
+PASS_TITLES = {"fwd": "forward", "bwd": "backward (given the saved forward)", "fwd_bwd": "forward + backward"}
+
+
+def _shape_text(cell) -> str:
+    """``B=4 H=32 N=4096 D=64 fp16``, with ``Hkv=``/``Nk=`` when they differ from H/N."""
+    kv = (f" Hkv={cell.Hkv}" if cell.Hkv != cell.H else "") + (f" Nk={cell.Nk}" if cell.Nk != cell.N else "")
+    return f"B={cell.B} H={cell.H} N={cell.N}{kv} D={cell.D} {cell.dtype}"
+
+
 # --------------------------------------------------------------------------------------------- sweep
+
+#: (tokens = B·N, hidden = H·D) of a grid cell: the FlashAttention paper's on a GPU; on a CPU sizes
+#: the Triton interpreter runs in seconds
+GPU_TOKENS_HIDDEN = (16384, 2048)
+CPU_TOKENS_HIDDEN = (256, 128)
 
 def _add_grid_arguments(p: argparse.ArgumentParser, default_N: str, default_causal: str) -> None:
     p.add_argument("--N", type=_int_list, default=None, metavar="512,1024,...",
                    help=f"sequence lengths (GPU default {default_N}; CPU default 64,128)")
     p.add_argument("--D", type=_head_dim_list, default=None, metavar="64,128", help="head dims (default 64,128)")
-    p.add_argument("--causal", choices=list(CAUSAL_CHOICES), default=default_causal,
-                   help=f"masking: no, yes or both (default {default_causal})")
+    _add_causal_argument(p, default_causal)
     p.add_argument("--dtype", type=_dtype_list, default=None, metavar="fp16,bf16",
                    help="dtypes (GPU default fp16; CPU default fp32)")
-    p.add_argument("--tokens", type=_positive_int, default=16384,
-                   help="B·N kept constant, FlashAttention-paper setting: B = tokens/N, at least 1 (default 16384)")
-    p.add_argument("--hidden", type=_positive_int, default=2048,
-                   help="H·D kept constant: H = hidden/D, at least 1 (default 2048)")
+    p.add_argument("--tokens", type=_positive_int, default=None,
+                   help="B·N kept constant, FlashAttention-paper setting: B = tokens/N, at least 1 "
+                        f"(GPU default {GPU_TOKENS_HIDDEN[0]}; CPU default {CPU_TOKENS_HIDDEN[0]})")
+    p.add_argument("--hidden", type=_positive_int, default=None,
+                   help="H·D kept constant: H = hidden/D, at least 1 "
+                        f"(GPU default {GPU_TOKENS_HIDDEN[1]}; CPU default {CPU_TOKENS_HIDDEN[1]})")
     p.add_argument("--B", type=_int_list, default=None, help="explicit batch sizes (overrides --tokens)")
     p.add_argument("--H", type=_int_list, default=None, help="explicit head counts (overrides --hidden)")
 
@@ -346,7 +426,10 @@ def _grid_cells(args: argparse.Namespace, default_N: list[int]) -> list:
     Ns = args.N or (default_N if on_gpu else [64, 128])
     Ds = args.D or [64, 128]
     dtypes = args.dtype or (["fp16"] if on_gpu else ["fp32"])
-    tokens, hidden = (args.tokens, args.hidden) if on_gpu or args.N else (min(args.tokens, 256), min(args.hidden, 128))
+    # The paper's sizes on a GPU; on a CPU small ones, also when --N is given (B = 256, H = 32 at
+    # N = 64 takes the interpreter about a minute per cell). --tokens/--hidden given explicitly win.
+    default_tokens, default_hidden = GPU_TOKENS_HIDDEN if on_gpu else CPU_TOKENS_HIDDEN
+    tokens, hidden = args.tokens or default_tokens, args.hidden or default_hidden
     cells = []
     for dtype in dtypes:
         for D in Ds:
@@ -354,7 +437,13 @@ def _grid_cells(args: argparse.Namespace, default_N: list[int]) -> list:
                 for N in Ns:
                     for B in (args.B or [max(1, tokens // N)]):
                         for H in (args.H or [max(1, hidden // D)]):
-                            cells.append(Cell(B, H, N, D, dtype, causal))
+                            # K/V heads and rows, and the passes: only sweep has these flags
+                            Hkvs = getattr(args, "Hkv", None)
+                            _check_kv_heads(args._parser, [H], Hkvs)
+                            for Hkv in (Hkvs or [H]):
+                                for Nk in (getattr(args, "Nk", None) or [N]):
+                                    for pass_ in getattr(args, "passes", None) or ["fwd"]:
+                                        cells.append(Cell(B, H, N, D, dtype, causal, Hkv, Nk, pass_))
     return cells
 
 
@@ -362,7 +451,18 @@ SWEEP_N = [512, 1024, 2048, 4096, 8192, 16384]
 
 
 def _add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    from .suites import SUITE_HELP
+
     _add_grid_arguments(p, ",".join(map(str, SWEEP_N)), "both")
+    p.add_argument("--Hkv", type=_int_list, default=None, metavar="8,32",
+                   help="key/value heads (GQA; every H must be a multiple of each; default: equal to H)")
+    p.add_argument("--Nk", type=_int_list, default=None, metavar="4096,32768",
+                   help="key/value sequence lengths (default: equal to N; causal is aligned to the bottom right)")
+    _add_pass_argument(p)
+    p.add_argument("--suite", choices=list(SUITE_HELP), default=None,
+                   help="measure a named suite of cells instead of the grid; rows go to results/<gpu>/<suite>/ "
+                        "with the cell's name in the 'cell' column. "
+                        + "; ".join(f"{name}: {text}" for name, text in SUITE_HELP.items()))
     _add_impl_arguments(p)
     p.add_argument("--resume", action="store_true", help="skip cells already in --out's runs.csv (any status)")
     p.add_argument("--energy", action=argparse.BooleanOptionalAction, default=False,
@@ -387,8 +487,14 @@ def run_sweep(args: argparse.Namespace) -> int:
         if not _require_ncu():
             return 1
         ncu_hook = _ncu_hook(args.seed)
-    out = args.out or default_out_dir()
-    cells = _grid_cells(args, SWEEP_N)
+    if args.suite:
+        cells = _suite_cells(args, on_gpu)
+        if cells is None:
+            return 1
+        out = _out_dir(args, args.suite)
+    else:
+        cells = _grid_cells(args, SWEEP_N)
+        out = _out_dir(args)
     impl_list = impls_mod.build_impls(stage_names, peer_names, ablation=args.ablation)
     skip = done_cells(out) if args.resume else set()
     run_id = run_id_now()
@@ -404,7 +510,9 @@ def run_sweep(args: argparse.Namespace) -> int:
         def on_row(r: dict) -> None:
             statuses[r["status"].split(":")[0]] += 1
             ms = f"{r['ms_median']:.3f} ms {r['tflops']:.1f} TFLOPS" if r.get("ms_median") is not None else ""
-            progress.console.print(f"  N={r['N']:>6} D={r['D']:>3} B={r['B']} H={r['H']} {r['dtype']} "
+            kv = (f" Hkv={r['Hkv']}" if r["Hkv"] != r["H"] else "") + (f" Nk={r['Nk']}" if r["Nk"] != r["N"] else "")
+            what = (f"{r['cell']} " if r.get("cell") else "") + (f"{r['pass']} " if r["pass"] != "fwd" else "")
+            progress.console.print(f"  {what}N={r['N']:>6} D={r['D']:>3} B={r['B']} H={r['H']}{kv} {r['dtype']} "
                                    f"causal={r['causal']}  {r['impl']} {r.get('variant') or ''}  {ms}  {r['status']}")
             progress.advance(task)
 
@@ -416,6 +524,28 @@ def run_sweep(args: argparse.Namespace) -> int:
     console.print(f"done: {dict(statuses)}" + (f", {skipped} skipped (--resume)" if skipped else "")
                   + f"; rows in {Path(out) / RUNS_CSV}")
     return 0
+
+
+#: grid flags that a suite replaces with its own shapes
+_GRID_FLAGS = ("N", "D", "dtype", "tokens", "hidden", "B", "H", "Hkv", "Nk")
+
+
+def _suite_cells(args: argparse.Namespace, on_gpu: bool) -> list | None:
+    """The cells of ``--suite`` (each pass of each named cell), or None after saying why not: a
+    GPU-sized suite on a CPU is refused rather than scaled down, since a scaled-down "llama3-8b"
+    would not be the shape its name promises (the ``smoke`` suite has the same kinds of shape at
+    interpreter sizes)."""
+    from .suites import GPU_SIZED, suite_cells
+
+    given = [f"--{f}" for f in _GRID_FLAGS if getattr(args, f, None) is not None]
+    if given:
+        args._parser.error(f"argument --suite: the suite gives every cell's shape; drop {', '.join(given)}")
+    if args.suite in GPU_SIZED and not on_gpu:
+        print(f"error: the {args.suite!r} suite is sized for a GPU (up to 65,536 keys per head) and this machine has "
+              f"no CUDA GPU; the Triton interpreter would take days. Try `--suite smoke`, the same kinds of shape "
+              f"at interpreter sizes.", file=sys.stderr)
+        return None
+    return suite_cells(args.suite, args.passes)
 
 
 def _key(impl, cell) -> tuple:
@@ -451,7 +581,7 @@ def run_profile(args: argparse.Namespace) -> int:
     path = _require_ncu()
     if not path:
         return 1
-    out = args.out or default_out_dir("profile")
+    out = _out_dir(args, "profile")
     cells = _grid_cells(args, PROFILE_N)
     impl_list = impls_mod.build_impls(stage_names, peer_names, ablation=args.ablation)
     run_id = run_id_now()
@@ -568,7 +698,7 @@ def _add_inspect_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--N", type=_positive_int, default=4096, help="sequence length the kernels are compiled for")
     p.add_argument("--D", type=_head_dim, default=64, help="head dim (default 64)")
     p.add_argument("--dtype", type=_dtype, default="fp16", help="dtype (default fp16)")
-    p.add_argument("--causal", action="store_true")
+    _add_causal_argument(p, "no", choices=("no", "yes"))
     p.add_argument("--ablation", action="store_true",
                    help="also compile every stage.variants entry (when the stage's compile hook takes its kwargs)")
     p.add_argument("--no-ptxas", dest="ptxas", action="store_false", help="skip registers/spills (ptxas)")
@@ -598,8 +728,12 @@ def run_inspect(args: argparse.Namespace) -> int:
         for n in names:
             if n not in stages.STAGES:
                 parser.error(f"argument --stages: unknown stage {n!r}; registered stages: {', '.join(stages.STAGES)}")
-    problem = Problem(1, 1, args.N, args.D, args.dtype, args.causal)
-    results, skipped = [], []
+    # The headline cell's B and H (B·N = 16k tokens, H·D = 2048), so the kernels shown are the ones
+    # a GPU-filling problem runs (a lone head would take the split-KV decode path); compiling needs no
+    # memory, the tensors are shapes only.
+    problem = Problem(max(1, 16384 // args.N), max(1, 2048 // args.D), args.N, args.D, args.dtype,
+                      args.causal == "yes")
+    results, skipped, failed = [], [], []  # failed: kernels asked for that did not compile
     for n in names:
         stage = stages.STAGES[n]
         if stage.compile is None:
@@ -616,20 +750,27 @@ def run_inspect(args: argparse.Namespace) -> int:
                     else:
                         skipped.append(f"{n} sm_{arch}: {type(e).__name__}: {e}")
                 except Exception as e:
-                    skipped.append(f"{n}{' ' + variant if variant else ''} sm_{arch}: {type(e).__name__}: "
-                                   f"{(str(e).splitlines() or [''])[0][:200]}")
+                    # the first lines say what failed and why (launch.compile_error_summary puts the cause first)
+                    why = " | ".join(line for line in str(e).splitlines()[:3] if line.strip())
+                    failed.append(f"{n}{' ' + variant if variant else ''} sm_{arch}: {type(e).__name__}: {why[:400]}")
+    # a kernel that compiles to PTX but that ptxas rejects would not run on the GPU either: a failure too
+    failed += [f"{r['stage']}{' ' + r['variant'] if r['variant'] else ''} {r['kernel']} sm_{r['arch']}: "
+               f"ptxas: {r['ptxas_error']}" for r in results if r.get("ptxas_error")]
+    exit_code = 1 if failed or (names and not results) else 0
     if args.json:
-        print(json.dumps({"problem": problem.__dict__, "kernels": results, "skipped": skipped}, indent=2))
-        return 0 if results or not names else 1
+        print(json.dumps({"problem": problem.__dict__, "kernels": results, "skipped": skipped, "failed": failed},
+                         indent=2))
+        return exit_code
     console = _console()
     if not results:
-        console.print("no stage produced compiled kernels" + (": " + "; ".join(skipped) if skipped else ""))
+        console.print("no stage produced compiled kernels" + (": " + "; ".join(failed + skipped)
+                                                              if failed or skipped else ""))
         return 1
     for arch in args.arch:
         rows = [r for r in results if r["arch"] == arch]
         if rows:
             console.print(inspect_table(rows, f"sm_{arch}: N={args.N} D={args.D} {args.dtype}"
-                                              f"{' causal' if args.causal else ''} (one column per kernel)"))
+                                              f"{' causal' if problem.causal else ''} (one column per kernel)"))
         for r in rows:
             if r.get("ptxas_error"):
                 console.print(f"  ptxas {r['stage']} {r['kernel']}: {r['ptxas_error']}")
@@ -639,7 +780,9 @@ def run_inspect(args: argparse.Namespace) -> int:
                   "wgmma.mma_async = sm_90 tensor cores. Registers/spills: triton's bundled ptxas -v.")
     for s in skipped:
         console.print(f"  skipped {s}")
-    return 0
+    for f in failed:
+        console.print(f"  [red]failed[/red] {f}")
+    return exit_code
 
 
 def inspect_table(rows: list[dict], title: str):
@@ -691,7 +834,7 @@ def run_device(args: argparse.Namespace) -> int:
     console.print("measuring: 2 GiB device-to-device copy, 8192³ fp16 and bf16 matmul ...")
     env = _environment(run_id_now())
     env["ceilings"] = measure_ceilings()
-    out = args.out or default_out_dir()
+    out = _out_dir(args)
     path = write_env(out, env)
     table = Table(title=f"{env.get('gpu_name')}: measured ceilings and device facts", header_style="bold")
     table.add_column("fact")
@@ -710,6 +853,26 @@ def run_device(args: argparse.Namespace) -> int:
     return 0
 
 
+# -------------------------------------------------------------------------------------------- repair
+
+def _add_repair_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results", type=Path, help="a results folder or its runs.csv")
+
+
+def run_repair(args: argparse.Namespace) -> int:
+    """A damaged runs.csv (its last row cut off by a crash or a full disk) stops report, plot and
+    --resume at the bad line; this moves such lines aside so the good rows can be read again."""
+    from .results import repair_results_file
+
+    done = repair_results_file(args.results)
+    if not done.moved:
+        print(f"repair: every row of {args.results} parses ({done.kept} rows); nothing to do")
+        return 0
+    print(f"repair: kept {done.kept} rows; moved {done.moved} unparseable record(s) to {done.bad_path} "
+          f"(the file as it was: {done.backup_path})")
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------- main
 
 register_subcommand("compare", "run the stages and SDPA peers on one problem and print one table",
@@ -722,6 +885,8 @@ register_subcommand("inspect", "compiled-code facts per stage (PTX instruction m
                     _add_inspect_arguments, run_inspect)
 register_subcommand("device", "measure this GPU's roofline ceilings (copy GB/s, matmul TFLOP/s) into env.json",
                     _add_device_arguments, run_device)
+register_subcommand("repair", "move the unparseable lines of a runs.csv (a row cut off by a crash) to runs.csv.bad",
+                    _add_repair_arguments, run_repair)
 register_subcommand("_ncu_child", "internal: one warm + one profiled call, run under ncu by `profile`",
                     _add_child_arguments, run_child, hidden=True)
 
@@ -752,12 +917,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args._run(args) or 0)
+        with warnings.catch_warnings():
+            # Triton's interpreter runs kernels in numpy, which warns about every NaN it makes, also in
+            # lanes that are masked off and never stored (exp(-inf - (-inf)) in a fully masked row):
+            # noise in a sweep's progress. Only that warning, and only from Triton's own modules.
+            warnings.filterwarnings("ignore", message="invalid value encountered", category=RuntimeWarning,
+                                    module=r"triton\.")
+            return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print("\ninterrupted: every row measured so far is already in the results file", file=sys.stderr)
         return 130
     except ResultsError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a file the command writes or reads: one line naming it, no traceback
+        print(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e}", file=sys.stderr)
         return 1
 
 

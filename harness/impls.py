@@ -30,6 +30,10 @@ class Impl:
     workspace_bytes: Callable[[Problem], int] | None
     kernel_names: tuple[str, ...] = ()
     variant_kwargs: dict = field(default_factory=dict)
+    #: the backward's models (None: none given): bytes the backward requests given a saved forward,
+    #: and the extra memory at the peak of a training step besides q, k, v, o, dO, dq, dk, dv
+    bwd_hbm_bytes: Callable[[Problem], HbmTraffic] | None = None
+    train_workspace_bytes: Callable[[Problem], int] | None = None
 
     @property
     def label(self) -> str:
@@ -66,9 +70,13 @@ def stage_impl(name: str, variant: str = "") -> Impl:
     # A variant's traffic model takes the variant's switches (stage contract): C with B's tiles
     # requests B's bytes.
     hbm = functools.partial(stage.hbm_bytes, **kwargs) if kwargs else stage.hbm_bytes
+    bwd_hbm = stage.bwd_hbm_bytes
+    if bwd_hbm is not None and kwargs:
+        bwd_hbm = functools.partial(bwd_hbm, **kwargs)
     return Impl(name=name, kind="ablation" if variant else "stage", variant=variant, attention=fn,
                 hbm_bytes=hbm, workspace_bytes=stage.workspace_bytes,
-                kernel_names=tuple(stage.kernel_names), variant_kwargs=kwargs)
+                kernel_names=tuple(stage.kernel_names), variant_kwargs=kwargs,
+                bwd_hbm_bytes=bwd_hbm, train_workspace_bytes=stage.train_workspace_bytes)
 
 
 def ablation_impls(name: str) -> list[Impl]:
@@ -80,7 +88,9 @@ def ablation_impls(name: str) -> list[Impl]:
 def peer_impl(name: str) -> Impl:
     return Impl(name=name, kind="peer", variant="", attention=peers.peer_attention(name),
                 hbm_bytes=functools.partial(peers.peer_hbm_bytes, name),
-                workspace_bytes=functools.partial(peers.peer_workspace_bytes, name))
+                workspace_bytes=functools.partial(peers.peer_workspace_bytes, name),
+                bwd_hbm_bytes=functools.partial(peers.peer_bwd_hbm_bytes, name),
+                train_workspace_bytes=functools.partial(peers.peer_train_workspace_bytes, name))
 
 
 def build_impls(stage_names: list[str], peer_names: list[str], ablation: bool = False) -> list[Impl]:

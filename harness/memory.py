@@ -7,6 +7,10 @@ back (cuDNN workspaces via its own allocator, for example) is not seen.
 
 Model: the stage's ``workspace_bytes(problem)`` plus the output's bytes.
 
+For the backward rows (``pass`` bwd and fwd_bwd) the measured call is one training step, forward
+then backward, with q, k, v and dO allocated before it; its model is the stage's
+``train_workspace_bytes(problem)`` plus o, dq, dk and dv.
+
 On a CPU nothing is measured (there is no device allocator to ask).
 """
 
@@ -26,6 +30,16 @@ def output_bytes(problem: Problem) -> int:
 def peak_mem_model(workspace_bytes: int | None, problem: Problem) -> int | None:
     """Modelled extra bytes of one call: workspace + output (None when there is no workspace model)."""
     return None if workspace_bytes is None else int(workspace_bytes) + output_bytes(problem)
+
+
+def train_peak_mem_model(train_workspace_bytes: int | None, problem: Problem) -> int | None:
+    """Modelled extra bytes of one training step (forward + backward) beyond q, k, v and dO: the
+    stage's training workspace (A: its saved P) + the output o + the gradients dq, dk, dv
+    (None when there is no model)."""
+    if train_workspace_bytes is None:
+        return None
+    grads = problem.q_bytes + 2 * problem.kv_bytes
+    return int(train_workspace_bytes) + output_bytes(problem) + grads
 
 
 def measure_peak_extra_bytes(fn: Callable[[], torch.Tensor]) -> int | None:

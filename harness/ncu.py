@@ -87,25 +87,40 @@ PIPE_AND_STALL_METRICS: tuple[str, ...] = (
 ) + tuple(f"smsp__average_warps_issue_stalled_{reason}_per_issue_active.ratio" for reason in (
     "barrier", "wait", "long_scoreboard", "short_scoreboard", "no_instruction", "math_pipe_throttle",
     "mio_throttle", "dispatch_stall", "not_selected", "gmma"))
+#: Also collected with the sections: the two counters of the seed article's profiler table that no
+#: section shows as a number (``harness.profiler_table`` reads them). Shared-memory bank conflicts,
+#: loads and stores apart (LSU accesses only: TMA writes and wgmma operand reads are not counted),
+#: and the 32-byte sectors the SMs read from L2: every global load, ``cp.async`` or TMA copy arrives
+#: there first, so this counts "global load transactions" whatever instruction asked, and it counts
+#: re-reads that L2 then serves (DRAM bytes count only what L2 missed). ``lts__t_sectors_op_read``
+#: (L2 reads from any source) is kept beside it as a cross-check.
+PROFILER_TABLE_METRICS: tuple[str, ...] = (
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum",
+    "lts__t_sectors_srcunit_tex_op_read.sum",
+    "lts__t_sectors_op_read.sum",
+)
+#: Every raw counter ``--sections`` asks ncu for, beside the sections.
+SECTION_RAW_METRICS: tuple[str, ...] = PIPE_AND_STALL_METRICS + PROFILER_TABLE_METRICS
 #: What ``sections_summary.csv`` keeps per kernel: a few section metrics (ncu's display names) and
-#: :data:`PIPE_AND_STALL_METRICS` (raw names).
+#: :data:`SECTION_RAW_METRICS` (raw names). ``Duration`` is in ns (``--print-units base``).
 SECTION_SUMMARY: tuple[str, ...] = (
     "Duration", "Compute (SM) Throughput", "Memory Throughput", "DRAM Throughput", "Executed Ipc Active",
     "Issue Slots Busy", "No Eligible", "Warp Cycles Per Issued Instruction", "Achieved Occupancy",
-    "Registers Per Thread", "Block Size", "Grid Size", "Dynamic Shared Memory Per Block") + PIPE_AND_STALL_METRICS
+    "Registers Per Thread", "Block Size", "Grid Size", "Dynamic Shared Memory Per Block") + SECTION_RAW_METRICS
 
 
 def ncu_command(ncu: str, impl_name: str, variant: str, problem: Problem, seed: int = 0,
                 sections: tuple[str, ...] = ()) -> list[str]:
     """The full command line: ncu options, then the child process (see the module docstring).
-    With ``sections`` ncu collects those analysis sections and :data:`PIPE_AND_STALL_METRICS` instead
+    With ``sections`` ncu collects those analysis sections and :data:`SECTION_RAW_METRICS` instead
     of :data:`METRICS`."""
     # "--variant=-tma", not "--variant -tma": argparse would take "-tma" for an option.
     child = [sys.executable, "-m", "harness", "_ncu_child", "--impl", impl_name, f"--variant={variant}",
              "--B", str(problem.B), "--H", str(problem.H), "--N", str(problem.N), "--D", str(problem.D),
              "--dtype", problem.dtype, "--seed", str(seed)] + (["--causal"] if problem.causal else [])
     if sections:
-        what = [arg for s in sections for arg in ("--section", s)] + ["--metrics", ",".join(PIPE_AND_STALL_METRICS)]
+        what = [arg for s in sections for arg in ("--section", s)] + ["--metrics", ",".join(SECTION_RAW_METRICS)]
     else:
         what = ["--metrics", ",".join(METRICS)]
     return [ncu, "--clock-control", "none", "--profile-from-start", "off", "--cache-control", "all",

@@ -33,7 +33,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from . import views
-from .results import ResultsError
+from .results import ResultsError, ensure_writable_dir
 from .views import HINTS, dram_bytes, flops, is_ok, is_oom, label, select
 
 DPI = 100          # 11-12 inch figures come out ~1100-1200 px wide; README shows them at ~900 px
@@ -599,7 +599,9 @@ def plot_energy(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") ->
     fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False)
     powers = [r["power_w"] for r in picked.values() if r["power_w"]]
     watts = f"; average power {min(powers):.0f}–{max(powers):.0f} W" if powers else ""
-    fig.suptitle(f"Energy at N={N}, {dtype} forward (NVML energy counter over a ≥ 2 s loop{watts})", fontsize=12)
+    runs = views.energy_runs(list(picked.values()))
+    fig.suptitle(f"Energy at N={N}, {dtype} forward (NVML energy counter over a ≥ 2 s loop{watts})\n"
+                 f"energy from run{'s' if len(runs) > 1 else ''} {', '.join(runs)}", fontsize=11)
     return _save(fig, Path(out_dir), name, env, rows)
 
 
@@ -610,6 +612,8 @@ def plot_all(results_dir, *, cell: dict | None = None, dtype: str = "fp16", out_
     returns the paths written. Raises :class:`ResultsError` for a missing or malformed runs.csv."""
     rows, env = views.load(results_dir)
     out = Path(out_dir) if out_dir is not None else Path(results_dir) / "figures"
+    # a folder that cannot be written fails here, naming itself, before any figure is drawn
+    ensure_writable_dir(out, "plot: output folder" if out_dir is None else "--out")
     cell = {"dtype": dtype, **(cell or {})}
     written = [
         plot_waterfall(rows, env, out, cell=cell),
@@ -642,6 +646,9 @@ def run(args) -> int:
         paths = plot_all(args.results_dir, cell=cell, dtype=args.dtype, out_dir=args.out)
     except (ResultsError, ValueError) as e:
         print(f"plot: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # writing a figure failed after all (disk full, ...): one line naming the file
+        print(f"plot: error: {e.filename}: {e.strerror}" if e.filename else f"plot: error: {e}", file=sys.stderr)
         return 2
     for p in paths:
         print(f"wrote {p}")

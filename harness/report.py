@@ -81,6 +81,31 @@ def _measured_model(measured, model) -> str:
     return f"{fmt_bytes(measured)} ({fmt_bytes(model)})"
 
 
+def _row_label(row: dict) -> str:
+    """The impl's label; on a CPU, PyTorch's FLASH backend is its own CPU kernel, not FlashAttention-2."""
+    if row["impl"] == "sdpa_flash" and row.get("device") == "interpreter":
+        return "SDPA FLASH (CPU kernel)"
+    return label(row["impl"])
+
+
+def _measured_on(env: dict, rows: list[dict]) -> str:
+    """Where the rows were measured: the GPU's name, or the CPU when every row ran interpreted."""
+    if env.get("gpu_name"):
+        return env["gpu_name"]
+    if rows and all(r.get("device") == "interpreter" for r in rows):
+        return "a CPU (Triton interpreter)"
+    return "an unknown GPU"
+
+
+def forward_grid(rows: list[dict]) -> list[dict]:
+    """The rows these tables are about: forward passes of multi-head self-attention (Hkv = H,
+    Nk = N), not a suite's named cells. A results folder may also hold backward rows and GQA or
+    cross-length cells (``sweep --pass bwd``, ``--Hkv``, ``--Nk``); tables keyed by (N, D, causal)
+    would otherwise mix them into one cell. Rows of older files mean exactly these."""
+    return [r for r in rows if r.get("pass", "fwd") == "fwd" and r.get("Hkv", r["H"]) == r["H"]
+            and r.get("Nk", r["N"]) == r["N"] and not r.get("cell")]
+
+
 def cell_table(rows: list[dict], *, N: int, D: int, dtype: str, causal: int) -> str:
     """One headline cell as a Markdown table (heading included); '' when the cell has no rows."""
     at = views.plain(views.cell_rows(rows, N=N, D=D, dtype=dtype, causal=causal))
@@ -95,7 +120,7 @@ def cell_table(rows: list[dict], *, N: int, D: int, dtype: str, causal: int) -> 
     for r in at:
         ok = is_ok(r)
         lines.append("| " + " | ".join([
-            _md(label(r["impl"])),
+            _md(_row_label(r)),
             fmt_num(r["ms_median"], ".3g") if ok else "—",
             fmt_num(r["tflops"], ".0f") if ok else "—",
             _speedup(r, base),
@@ -189,7 +214,7 @@ def _format_ratio_table(pairs: dict[tuple[int, int, int], tuple[dict, dict]], *,
 
 def render_table(rows: list[dict], env: dict, *, dtype: str = "fp16", all_rows: list[dict] | None = None) -> str:
     """The README's results tables (Markdown) from de-duplicated rows and ``env.json``'s contents."""
-    gpu = env.get("gpu_name") or "an unknown GPU"
+    gpu = _measured_on(env, rows)
     date = str(env.get("date") or "")[:10] or "undated"
     versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "triton", "driver", "cuda_runtime") if env.get(k))
     parts = [f"Measured on **{_md(gpu)}**, {date}" + (f" ({_md(versions)})" if versions else "") + ". "
@@ -229,7 +254,7 @@ def render_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> str:
     other figures present in ``<results_dir>/figures``."""
     results_dir, readme_dir = Path(results_dir), Path(readme_dir)
     rows, env = views.load(results_dir)
-    all_rows = load_rows(results_dir)
+    rows, all_rows = forward_grid(rows), forward_grid(load_rows(results_dir))
     rel = _posix_rel(results_dir, readme_dir)
     parts = [_generated_note(rel), render_table(rows, env, dtype=dtype, all_rows=all_rows).rstrip("\n")]
     reading = render_reading(rows, dtype=dtype, all_rows=all_rows)
@@ -351,7 +376,7 @@ def run_history_table(rows: list[dict], commits: dict[str, str] | None = None, *
 def render_ratio_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> str:
     """Stage C against SDPA CUDNN over the whole sweep, fp16 and bf16, with min/median/max, then the
     same ratio over the latest runs (:func:`run_history_table`)."""
-    rows = load_rows(results_dir)  # all runs: ratios pair the two impls within one run
+    rows = forward_grid(load_rows(results_dir))  # all runs: ratios pair the two impls within one run
     parts = [_generated_note(_posix_rel(Path(results_dir), Path(readme_dir)))]
     for dt in ("fp16", "bf16"):
         pairs = paired_rows(rows, dtype=dt)  # once per dtype: the table and the summary line share it
@@ -408,6 +433,7 @@ def ablation_table(rows: list[dict], *, N: int, D: int, dtype: str, causal: int,
 
 def render_ablation_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> str:
     rows, _env = views.load(results_dir)
+    rows = forward_grid(rows)
     parts = [_generated_note(_posix_rel(Path(results_dir), Path(readme_dir))),
              "Shares are of the logarithm of the B → C speedup, so they add up to 100% along the cumulative "
              "steps; a negative share is a step that slowed the kernel down *at that point of the walk* "
@@ -427,6 +453,7 @@ def render_twins_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> s
     """The Triton stages beside their CUDA C++ twins at the headline N, and the bank-conflict model
     against Nsight Compute for each shared-memory layout."""
     rows, _env = views.load(results_dir)
+    rows = forward_grid(rows)
     parts = [_generated_note(_posix_rel(Path(results_dir), Path(readme_dir)))]
     impls = ("b", "b_cuda", "c", "c_cuda")
     lines = ["| D | causal | N | " + " | ".join(f"{label(i)} TFLOPS" for i in impls) + " |",
@@ -569,6 +596,10 @@ def run(args) -> int:
         return 0
     except (ResultsError, ReadmeError) as e:
         print(f"report: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a README that cannot be read or written: one line naming it
+        print(f"report: error: {e.filename}: {e.strerror}" if e.filename else f"report: error: {e}",
+              file=sys.stderr)
         return 2
 
 

@@ -10,6 +10,11 @@ pool the samples of several turns (``measure.run_cells`` times a cell's implemen
 
 On a CPU the stages run in the Triton interpreter: each call is timed with ``time.perf_counter``
 and the result is labelled ``interpreter``: it says how slow the interpreter is, nothing about a GPU.
+
+Beside the eager call (what a user's program sees: the host path of validation, launches and
+PyTorch's dispatch, plus the GPU's work), ``samples_graph`` times the same call replayed from a
+CUDA graph: the GPU's work alone. When the GPU work is shorter than the host path, the eager time
+is the host's; the gap between the two is the launch overhead.
 """
 
 from __future__ import annotations
@@ -45,6 +50,37 @@ def samples_cpu(fn: Callable[[], object], calls: int = 3) -> list[float]:
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return times
+
+
+def samples_graph(make_call: Callable[[], Callable[[], object]], warmup_ms: int = 100,
+                  rep_ms: int = 100) -> list[float]:
+    """Every repetition's time (ms) of the call replayed from a CUDA graph: the GPU's time alone.
+
+    ``make_call()`` returns the call to capture; it runs on the side stream the graph is captured
+    on, so anything it sets up there (the saved forward a backward call needs: autograd runs each
+    backward op on its forward op's stream) is on the capturing stream too. The call runs once
+    before the capture, on that stream, as PyTorch asks (lazy initialization, such as a library
+    creating its handle or workspace, must not happen inside a capture). Replays are timed with
+    do_bench like the eager call, so the two columns differ by the host path only. A call that
+    cannot be captured (it synchronizes, or reads a result on the host) raises; the caller leaves
+    the column empty and says why.
+    """
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call = make_call()
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, stream=stream):
+            out = call()  # noqa: F841  (held until the replays end: the graph writes into it)
+        return samples_gpu(graph.replay, warmup_ms, rep_ms)
+    finally:
+        del graph
+        torch.cuda.synchronize()
 
 
 def samples(fn: Callable[[], object], on_gpu: bool, cpu_calls: int = 3) -> list[float]:

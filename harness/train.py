@@ -1,0 +1,659 @@
+"""Train a small GPT with each stage's attention: ``python -m harness train --stages a,b,c,sdpa``.
+
+The end-to-end check of the backward passes: a decoder-only transformer (nanoGPT's shape: token and
+position embeddings, pre-LayerNorm blocks of causal self-attention and an MLP, an LM head tied to the
+token embedding) learns a small generated language, once per attention implementation, from the same
+initial weights and the same batches. If a stage's forward or backward is wrong the model notices:
+a leak of future tokens drives the loss far below the others, a wrong gradient makes it learn slower.
+So the loss curves of A, B, C and SDPA must agree, within a tolerance that only rounding explains
+(:data:`LOSS_TOLERANCE`), and the run records what each costs per step: time, tokens/s, peak memory.
+
+Every attention call goes through ``attention(q, k, v, causal=True)`` of the chosen stage with q
+``[B, Hq, N, D]`` and k, v ``[B, Hkv, N, D]`` as strided views of the projections (no copies), and
+with fewer key/value heads than query heads by default (grouped-query attention, as Llama and Mistral
+use), so the GQA backward (dK, dV summed over each head group) does real work.
+
+Output, per run: ``<out>/train/losses.csv`` (run_id, stage, dtype, step, loss, step_ms),
+``<out>/train/summary.csv`` (one row per stage: the config, median step time in ms, tokens/s, peak
+memory in bytes, final loss, largest loss gap to the reference stage), ``<out>/train/env.json``
+(provenance) and ``<out>/figures/train_loss.png``. ``<out>`` defaults to ``results/<gpu>/`` on a GPU
+and to a fresh temporary directory on a CPU, where the stages run in the Triton interpreter with a
+tiny model (seconds per stage) and the times are interpreter times, not GPU times.
+
+``python -m harness train --plot results/h200`` redraws the figure from the CSV without training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+#: the reference implementation every stage's loss curve is compared with
+REFERENCE = "sdpa"
+
+#: How far (in nats) a stage's loss may stray from the reference's at any step, by the attention's dtype.
+#: Same weights, same batches: only rounding separates two correct implementations. In fp32 the stages
+#: and SDPA sum in different orders (relative differences ~1e-6 per call), which a few dozen AdamW steps
+#: amplify to ~1e-5 nats at most; 1e-3 leaves room and still catches any real bug (a causal leak or a
+#: wrong gradient moves the loss by tenths of a nat within a few steps). In bf16 each attention output
+#: is rounded to 8 significant bits, so two correct kernels already differ by ~0.4 % per call and the
+#: training trajectories drift apart slowly: 0.1 nats over a few hundred steps (measured on a CPU
+#: between two bf16 attention implementations, see tests/test_train.py's tolerance test).
+LOSS_TOLERANCE: dict[str, float] = {"fp32": 1e-3, "bf16": 0.1}
+
+LOSSES_CSV = "losses.csv"
+SUMMARY_CSV = "summary.csv"
+LOSS_FIELDS = ("run_id", "stage", "dtype", "step", "loss", "step_ms")
+SUMMARY_FIELDS = ("run_id", "stage", "device", "dtype", "steps", "seed", "n_layer", "n_head", "n_kv_head",
+                  "head_dim", "context", "batch", "lr", "step_ms_median", "tokens_per_s", "peak_memory_bytes",
+                  "first_loss", "final_loss", "reference", "max_loss_gap", "tolerance", "status")
+
+
+# ------------------------------------------------------------------------------------------- the data
+
+#: The alphabet of the generated language: a fixed vocabulary, whatever sample is drawn.
+ALPHABET = "\n .+=0123456789abcdefghijklmnopqrstuvwxyz"
+
+_ADJECTIVES = ("red", "small", "old", "quick", "quiet", "green", "tall", "lazy")
+_NOUNS = ("cat", "dog", "fox", "bird", "girl", "boy", "king", "frog", "tree", "ship")
+_VERBS = ("sees", "likes", "finds", "chases", "helps", "paints", "hears", "follows")
+
+
+def make_corpus(n_chars: int, seed: int = 0) -> str:
+    """A deterministic character-level text of about ``n_chars`` characters from a tiny language.
+
+    Two kinds of lines: sentences from a small grammar ("the quick fox sees a red ship.") that a
+    model learns from local statistics, and sums ("27+58=85.") whose answer digits can only be
+    predicted by attending back to the operands, so attention has real work to do. Generated rather
+    than downloaded: the lab has no network dependency and the text is the same on every machine.
+    """
+    if not isinstance(n_chars, int) or n_chars < 1:
+        raise ValueError(f"n_chars must be a positive integer, got {n_chars!r}")
+    rng = random.Random(seed)
+    lines, length = [], 0
+    while length < n_chars:
+        if rng.random() < 0.3:
+            a, b = rng.randrange(100), rng.randrange(100)
+            line = f"{a}+{b}={a + b}."
+        else:
+            words = []
+            for role in ("subject", "object"):
+                words.append(rng.choice(("the", "a")))
+                if rng.random() < 0.5:
+                    words.append(rng.choice(_ADJECTIVES))
+                words.append(rng.choice(_NOUNS))
+                if role == "subject":
+                    words.append(rng.choice(_VERBS))
+            line = " ".join(words) + "."
+        lines.append(line)
+        length += len(line) + 1
+    return "\n".join(lines)[:n_chars]
+
+
+def encode(text: str) -> torch.Tensor:
+    """Characters -> int64 token ids (indices into :data:`ALPHABET`)."""
+    index = {c: i for i, c in enumerate(ALPHABET)}
+    try:
+        return torch.tensor([index[c] for c in text], dtype=torch.long)
+    except KeyError as e:
+        raise ValueError(f"text has a character outside the alphabet {ALPHABET!r}: {e.args[0]!r}") from None
+
+
+def decode(ids) -> str:
+    return "".join(ALPHABET[int(i)] for i in ids)
+
+
+# ------------------------------------------------------------------------------------------- the model
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A small GPT. The model width is ``n_head * head_dim`` (nanoGPT's convention)."""
+
+    n_layer: int = 4
+    n_head: int = 8
+    n_kv_head: int = 2      # < n_head: grouped-query attention (n_head // n_kv_head query heads per K/V head)
+    head_dim: int = 64
+    context: int = 1024     # tokens per sequence = the attention's N
+    vocab_size: int = len(ALPHABET)
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_head", "n_kv_head", "head_dim", "context", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head must be a multiple of n_kv_head, got n_head={self.n_head}, "
+                             f"n_kv_head={self.n_kv_head}")
+
+    @property
+    def width(self) -> int:
+        return self.n_head * self.head_dim
+
+
+#: ``attention(q, k, v, causal=True) -> o``: a stage's ``attention`` or SDPA
+AttentionFn = Callable[..., torch.Tensor]
+
+
+class NoBackwardError(RuntimeError):
+    """The attention function returned an output autograd cannot differentiate through."""
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention: AttentionFn, attn_dtype: torch.dtype):
+        super().__init__()
+        self.cfg, self.attention, self.attn_dtype = cfg, attention, attn_dtype
+        self.q_proj = nn.Linear(cfg.width, cfg.n_head * cfg.head_dim, bias=False)
+        self.kv_proj = nn.Linear(cfg.width, 2 * cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.out_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, _ = x.shape
+        H, Hkv, D = self.cfg.n_head, self.cfg.n_kv_head, self.cfg.head_dim
+        # [B, N, H, D] -> [B, H, N, D] as views: the kernels read the projections' memory in place
+        # (strided inputs are part of the contract), as a real model would hand them over.
+        q = self.q_proj(x).view(B, N, H, D).transpose(1, 2)
+        k, v = (t.transpose(1, 2) for t in self.kv_proj(x).view(B, N, 2, Hkv, D).unbind(2))
+        # The kernel gets exactly the dtype asked for, outside autocast: what is compared between
+        # stages is the attention alone, not autocast's choices around it.
+        with _no_autocast(x.device):
+            q, k, v = (t.to(self.attn_dtype) for t in (q, k, v))
+            o = self.attention(q, k, v, causal=True)
+        if torch.is_grad_enabled() and q.requires_grad and o.grad_fn is None:
+            raise NoBackwardError("the attention output has no grad_fn: this attention has no backward pass "
+                                  "(autograd cannot reach q, k, v through it)")
+        return self.out_proj(o.transpose(1, 2).reshape(B, N, H * D).to(x.dtype))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention: AttentionFn, attn_dtype: torch.dtype):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.width)
+        self.attn = CausalSelfAttention(cfg, attention, attn_dtype)
+        self.ln2 = nn.LayerNorm(cfg.width)
+        self.mlp = nn.Sequential(nn.Linear(cfg.width, 4 * cfg.width), nn.GELU(), nn.Linear(4 * cfg.width, cfg.width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, ``n_layer`` pre-LN blocks, a final LayerNorm, a tied LM head."""
+
+    def __init__(self, cfg: ModelConfig, attention: AttentionFn, attn_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.width)
+        self.pos_emb = nn.Embedding(cfg.context, cfg.width)
+        self.blocks = nn.ModuleList(Block(cfg, attention, attn_dtype) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.width)
+        self.apply(self._init_weights)
+        # GPT-2's scaled init of the layers that write into the residual stream: its variance then
+        # does not grow with depth.
+        for block in self.blocks:
+            for layer in (block.attn.out_proj, block.mlp[2]):
+                nn.init.normal_(layer.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[B, N]`` -> logits ``[B, N, vocab_size]``."""
+        N = idx.shape[1]
+        if N > self.cfg.context:
+            raise ValueError(f"idx has {N} tokens per sequence, more than the context of {self.cfg.context}")
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(N, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x) @ self.tok_emb.weight.T  # the LM head shares the embedding matrix
+
+
+def _no_autocast(device: torch.device):
+    if device.type in ("cuda", "cpu"):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+# ------------------------------------------------------------------------------------ attention choices
+
+def sdpa_attention(q, k, v, *, causal=False, sm_scale=None):
+    """PyTorch's fused attention (it picks its backend) with GQA; the reference of the loss curves.
+    For Nq = Nk, as here, its top-left causal mask is the contract's bottom-right one."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def trainable_stage_names() -> list[str]:
+    """The names ``--stage`` accepts: a, b, c, any other registered stage with a backward model
+    that this machine can run, and ``sdpa``."""
+    import stages
+
+    names = [n for n in ("a", "b", "c") if n in stages.STAGES]
+    for name, stage in stages.STAGES.items():
+        has_backward = stage.bwd_hbm_bytes is not None or stage.train_workspace_bytes is not None
+        if name not in names and has_backward and (torch.cuda.is_available() or not stage.requires_cuda):
+            names.append(name)
+    return names + [REFERENCE]
+
+
+def attention_for(name: str) -> AttentionFn:
+    """The attention function of stage ``name`` (or SDPA for ``'sdpa'``)."""
+    if name == REFERENCE:
+        return sdpa_attention
+    import stages
+
+    choices = trainable_stage_names()
+    if name not in choices:
+        raise ValueError(f"stage must be one of {', '.join(choices)}, got {name!r}")
+    return stages.STAGES[name].attention
+
+
+# --------------------------------------------------------------------------------------------- training
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train: steps, batch (sequences per step), AdamW's learning rate, seed, attention dtype."""
+
+    steps: int = 200
+    batch: int = 16
+    lr: float = 1e-3
+    seed: int = 0
+    dtype: str = "bf16"     # the attention's inputs; the rest of the model runs under autocast in it
+    warmup: int = 10        # steps of linear learning-rate warm-up
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in LOSS_TOLERANCE:
+            raise ValueError(f"dtype must be one of {', '.join(LOSS_TOLERANCE)}, got {self.dtype!r}")
+        for name in ("steps", "batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a finite positive float, got {self.lr!r}")
+
+
+#: sizes for a GPU (attention at N = 1024 is a real share of the step) and for the CPU interpreter
+GPU_MODEL = ModelConfig()
+GPU_TRAIN = TrainConfig()
+TINY_MODEL = ModelConfig(n_layer=2, n_head=2, n_kv_head=1, head_dim=16, context=32)
+TINY_TRAIN = TrainConfig(steps=15, batch=4, lr=1e-2, dtype="fp32", warmup=2)
+
+
+@dataclass
+class TrainRun:
+    """One stage's training run: per-step losses and times (ms), peak memory (bytes, GPU only)."""
+
+    stage: str
+    losses: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    tokens_per_step: int = 0
+    peak_memory_bytes: int | None = None
+    status: str = "ok"
+
+    @property
+    def step_ms_median(self) -> float | None:
+        """Median step time, leaving out the first steps (kernel compilation and autotuning)."""
+        times = self.step_ms[max(1, len(self.step_ms) // 10):] or self.step_ms
+        return statistics.median(times) if times else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        ms = self.step_ms_median
+        return self.tokens_per_step / (ms / 1e3) if ms else None
+
+
+def batch_starts(n_tokens: int, context: int, batch: int, steps: int, seed: int) -> torch.Tensor:
+    """``[steps, batch]`` start offsets of the training sequences: drawn once, the same for every stage."""
+    if n_tokens < context + 2:
+        raise ValueError(f"the text has {n_tokens} tokens, too few for a context of {context}")
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, n_tokens - context - 1, (steps, batch), generator=gen)
+
+
+def train(attention: AttentionFn, model_cfg: ModelConfig, cfg: TrainConfig, *, device: str | torch.device = "cpu",
+          stage: str = "", log: Callable[[str], None] | None = None, log_every: int = 0) -> TrainRun:
+    """Train a fresh :class:`GPT` with ``attention`` for ``cfg.steps`` steps; return the losses and times.
+
+    The initial weights and the batches depend only on ``cfg.seed``, so two calls with different
+    attention functions train the same model on the same data: their loss curves differ only by
+    what the attention computes. Raises :class:`NoBackwardError` if ``attention`` is not differentiable.
+    """
+    device = torch.device(device)
+    on_gpu = device.type == "cuda"
+    attn_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
+    torch.manual_seed(cfg.seed)
+    model = GPT(model_cfg, attention, attn_dtype).to(device)
+    decay = [p for p in model.parameters() if p.dim() >= 2]        # matrices decay; gains and biases do not
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    tokens = encode(make_corpus(max(20_000, 40 * model_cfg.context * cfg.batch), seed=cfg.seed)).to(device)
+    starts = batch_starts(len(tokens), model_cfg.context, cfg.batch, cfg.steps, cfg.seed + 1)
+    offsets = torch.arange(model_cfg.context + 1)
+    # bf16 needs no loss scaling (it has fp32's exponent range), so plain autocast is the whole recipe.
+    amp = torch.autocast(device_type=device.type, dtype=torch.bfloat16) if cfg.dtype == "bf16" \
+        else contextlib.nullcontext()
+    run = TrainRun(stage=stage, tokens_per_step=cfg.batch * model_cfg.context)
+    if on_gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(cfg.steps):
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup))
+        seq = tokens[(starts[step][:, None] + offsets).to(device)]
+        x, y = seq[:, :-1], seq[:, 1:]
+        t0 = time.perf_counter()
+        with amp:
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        loss_value = loss.item()  # waits for the GPU: the step is done when its loss is known
+        if on_gpu:
+            torch.cuda.synchronize()
+        run.step_ms.append((time.perf_counter() - t0) * 1e3)
+        run.losses.append(loss_value)
+        if not math.isfinite(loss_value):
+            run.status = f"error: loss is {loss_value} at step {step}"
+            break
+        if log and log_every and ((step + 1) % log_every == 0 or step == 0 or step + 1 == cfg.steps):
+            tps = run.tokens_per_step / (run.step_ms[-1] / 1e3)
+            log(f"  {stage:>6}  step {step + 1:>4}/{cfg.steps}  loss {loss_value:.4f}  "
+                f"{run.step_ms[-1]:8.1f} ms  {tps:>10,.0f} tok/s")
+    if on_gpu:
+        run.peak_memory_bytes = torch.cuda.max_memory_allocated()
+    return run
+
+
+def max_loss_gap(losses: list[float], reference: list[float]) -> float:
+    """The largest |loss - reference loss| over the steps both curves have (inf if they share none)."""
+    pairs = list(zip(losses, reference))
+    if not pairs or len(losses) != len(reference):
+        return math.inf
+    return max(abs(a - b) for a, b in pairs)
+
+
+# ------------------------------------------------------------------------------------------ result files
+
+def _append_rows(path: Path, fields: tuple[str, ...], rows: list[dict]) -> None:
+    from .results import ResultsError
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    if not new:
+        with path.open(newline="") as f:
+            header = next(csv.reader(f), [])
+        if tuple(header) != fields:
+            raise ResultsError(f"{path}: its columns {header} are not this version's {list(fields)}; "
+                               f"write to another --out")
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        if new:
+            writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _fmt(row.get(k)) for k in fields})
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}" if math.isfinite(value) else str(value)
+    return str(value)
+
+
+def write_run(out_dir: Path, run_id: str, run: TrainRun, model_cfg: ModelConfig, cfg: TrainConfig, *,
+              device: str, reference_losses: list[float] | None) -> dict:
+    """Append one stage's losses and its summary row under ``out_dir/train/``; return the summary row."""
+    train_dir = Path(out_dir) / "train"
+    _append_rows(train_dir / LOSSES_CSV, LOSS_FIELDS,
+                 [{"run_id": run_id, "stage": run.stage, "dtype": cfg.dtype, "step": i + 1, "loss": loss, "step_ms": ms}
+                  for i, (loss, ms) in enumerate(zip(run.losses, run.step_ms))])
+    gap = None if reference_losses is None else max_loss_gap(run.losses, reference_losses)
+    row = {"run_id": run_id, "stage": run.stage, "device": device, **asdict(model_cfg), **asdict(cfg),
+           "step_ms_median": run.step_ms_median, "tokens_per_s": run.tokens_per_s,
+           "peak_memory_bytes": run.peak_memory_bytes,
+           "first_loss": run.losses[0] if run.losses else None,
+           "final_loss": run.losses[-1] if run.losses else None,
+           "reference": REFERENCE if reference_losses is not None else "", "max_loss_gap": gap,
+           "tolerance": LOSS_TOLERANCE[cfg.dtype], "status": run.status}
+    _append_rows(train_dir / SUMMARY_CSV, SUMMARY_FIELDS, [row])
+    return row
+
+
+def load_losses(results_dir) -> dict[str, dict]:
+    """The latest run of each stage in ``results_dir/train/losses.csv``:
+    ``{stage: {"run_id", "dtype", "steps": [...], "losses": [...]}}`` (empty without the file)."""
+    path = Path(results_dir) / "train" / LOSSES_CSV
+    if not path.exists():
+        return {}
+    by_run: dict[tuple[str, str], dict] = {}
+    latest: dict[str, str] = {}
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            key = (row["stage"], row["run_id"])
+            entry = by_run.setdefault(key, {"run_id": row["run_id"], "dtype": row["dtype"], "steps": [], "losses": []})
+            entry["steps"].append(int(row["step"]))
+            entry["losses"].append(float(row["loss"]))
+            latest[row["stage"]] = row["run_id"]  # rows are appended in time order: the last one wins
+    return {stage: by_run[(stage, run_id)] for stage, run_id in latest.items()}
+
+
+# ---------------------------------------------------------------------------------------------- figure
+
+_COLORS = {"a": "#d62728", "b": "#ff7f0e", "c": "#2ca02c", "sdpa": "#1f77b4"}
+
+
+def plot_train_losses(results_dir, out_dir=None) -> Path | None:
+    """Draw the loss curves of the latest run of each stage, and each one's gap to SDPA's with the
+    tolerance, from ``results_dir/train/losses.csv`` into ``<out_dir or results_dir>/figures/train_loss.png``.
+    Returns the PNG's path, or None (with a printed reason) when there is nothing to draw."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    curves = load_losses(results_dir)
+    if not curves:
+        print(f"train plot: no {Path(results_dir) / 'train' / LOSSES_CSV}; run `python -m harness train` first")
+        return None
+    ref = curves.get(REFERENCE)
+    fig = Figure(figsize=(12, 4.2), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_loss, ax_gap = fig.subplots(1, 2)
+    for stage, curve in curves.items():
+        color = _COLORS.get(stage)
+        style = "--" if stage == REFERENCE else "-"
+        ax_loss.plot(curve["steps"], curve["losses"], style, color=color, lw=1.5, label=stage)
+        if ref is not None and stage != REFERENCE and len(curve["losses"]) == len(ref["losses"]):
+            gaps = [max(abs(a - b), 1e-9) for a, b in zip(curve["losses"], ref["losses"])]
+            ax_gap.plot(curve["steps"], gaps, color=color, lw=1.2, label=stage)
+    ax_loss.set(xlabel="step", ylabel="training loss (nats per character)", title="loss curves, same init and batches")
+    ax_loss.legend()
+    if ref is not None:
+        tol = LOSS_TOLERANCE.get(ref["dtype"])
+        if tol:
+            ax_gap.axhline(tol, color="0.3", ls=":", label=f"tolerance ({ref['dtype']}): {tol:g}")
+        ax_gap.set_yscale("log")
+        ax_gap.legend()
+    else:
+        ax_gap.text(0.5, 0.5, "no sdpa run to compare with", ha="center", va="center", transform=ax_gap.transAxes)
+    ax_gap.set(xlabel="step", ylabel="|loss - loss of sdpa| (nats)", title="gap to PyTorch SDPA")
+    for ax in (ax_loss, ax_gap):
+        ax.grid(alpha=0.3)
+    figures = Path(out_dir or results_dir) / "figures"
+    figures.mkdir(parents=True, exist_ok=True)
+    path = figures / "train_loss.png"
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    return path
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .cli import _names, _positive_int
+
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--stage", default=None, metavar="NAME",
+                       help="one attention to train with: a, b, c, sdpa or another registered stage with a backward")
+    which.add_argument("--stages", type=_names, default=None, metavar="a,b,c,sdpa",
+                       help="several, one after the other from the same init and batches (default: a,b,c,sdpa)")
+    p.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (GPU 200, CPU tiny 15)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, the text and the batches (default 0)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results directory; files go to OUT/train/ (default results/<gpu>/ on a GPU, "
+                        "a temporary directory on a CPU)")
+    p.add_argument("--tiny", action=argparse.BooleanOptionalAction, default=None,
+                   help="the tiny CPU configuration (2 layers, 2 heads, head dim 16, context 32, batch 4); "
+                        "default: on without a GPU")
+    p.add_argument("--layers", type=_positive_int, default=None, help="transformer blocks (GPU default 4)")
+    p.add_argument("--heads", type=_positive_int, default=None, help="query heads (GPU default 8)")
+    p.add_argument("--kv-heads", type=_positive_int, default=None,
+                   help="key/value heads; fewer than --heads is grouped-query attention (GPU default 2)")
+    p.add_argument("--head-dim", type=_positive_int, default=None, help="head dim (GPU default 64)")
+    p.add_argument("--context", type=_positive_int, default=None, help="tokens per sequence (GPU default 1024)")
+    p.add_argument("--batch", type=_positive_int, default=None, help="sequences per step (GPU default 16)")
+    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (GPU default 1e-3)")
+    p.add_argument("--dtype", choices=list(LOSS_TOLERANCE), default=None,
+                   help="the attention's dtype (default bf16 on a GPU, fp32 on a CPU)")
+    p.add_argument("--log-every", type=_positive_int, default=None, help="print every this many steps")
+    p.add_argument("--plot", type=Path, default=None, metavar="DIR",
+                   help="only draw DIR/figures/train_loss.png from DIR/train/losses.csv, no training")
+
+
+def _configs(args, on_gpu: bool) -> tuple[ModelConfig, TrainConfig]:
+    from stages.contract import HEAD_DIMS
+
+    parser = args._parser
+    tiny = (not on_gpu) if args.tiny is None else args.tiny
+    model0, train0 = (TINY_MODEL, TINY_TRAIN) if tiny else (GPU_MODEL, GPU_TRAIN)
+    if not on_gpu and args.dtype == "bf16":
+        train0 = TrainConfig(**{**asdict(train0), "dtype": "bf16"})
+    heads = args.heads or model0.n_head
+    kv_heads = args.kv_heads or (min(model0.n_kv_head, heads) if heads % model0.n_kv_head == 0 else heads)
+    if heads % kv_heads:
+        parser.error(f"argument --kv-heads: --heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
+    head_dim = args.head_dim or model0.head_dim
+    if head_dim not in HEAD_DIMS:
+        parser.error(f"argument --head-dim: must be a multiple of 8 from 8 to 256, got {head_dim}")
+    model = ModelConfig(n_layer=args.layers or model0.n_layer, n_head=heads, n_kv_head=kv_heads, head_dim=head_dim,
+                        context=args.context or model0.context)
+    lr = train0.lr if args.lr is None else args.lr
+    if not (lr > 0 and math.isfinite(lr)):
+        parser.error(f"argument --lr: must be a finite positive number, got {lr}")
+    cfg = TrainConfig(steps=args.steps or train0.steps, batch=args.batch or train0.batch, lr=lr, seed=args.seed,
+                      dtype=args.dtype or ("bf16" if on_gpu else "fp32"), warmup=train0.warmup)
+    return model, cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    from .cli import _console, _environment, default_out_dir
+    from .results import run_id_now, write_env
+
+    parser = args._parser
+    if args.plot is not None:
+        path = plot_train_losses(args.plot)
+        if path:
+            print(f"figure written to {path}")
+        return 0 if path else 1
+    choices = trainable_stage_names()
+    names = [args.stage] if args.stage is not None else (args.stages or ["a", "b", "c", REFERENCE])
+    flag = "--stage" if args.stage is not None else "--stages"
+    for name in names:
+        if name not in choices:
+            parser.error(f"argument {flag}: unknown stage {name!r}; choose from {', '.join(choices)}")
+    on_gpu = torch.cuda.is_available()
+    model_cfg, cfg = _configs(args, on_gpu)
+    device = "cuda" if on_gpu else "cpu"
+    out = args.out or default_out_dir()
+    run_id = run_id_now()
+    write_env(Path(out) / "train", _environment(run_id))
+    console = _console()
+    where = f"GPU {torch.cuda.get_device_name()}" if on_gpu else "CPU (Triton interpreter: times are not GPU times)"
+    console.print(f"[bold]train[/bold] a {model_cfg.n_layer}-layer GPT, {model_cfg.n_head} heads "
+                  f"({model_cfg.n_kv_head} K/V), head dim {model_cfg.head_dim}, context {model_cfg.context}, "
+                  f"batch {cfg.batch}, {cfg.steps} steps, {cfg.dtype} attention, seed {cfg.seed}, on {where}")
+    log_every = args.log_every or max(1, cfg.steps // 10)
+    # The reference runs first, so each stage's gap to it can be printed as soon as the stage ends.
+    order = ([REFERENCE] if REFERENCE in names else []) + [n for n in names if n != REFERENCE]
+    ref_losses = None
+    rows = []
+    for name in order:
+        try:
+            result = train(attention_for(name), model_cfg, cfg, device=device, stage=name,
+                           log=lambda line: console.print(line, markup=False), log_every=log_every)
+        except Exception as e:  # a stage without a backward, an OOM, a kernel error: record it, go on
+            first = (str(e).splitlines() or [""])[0]
+            result = TrainRun(stage=name, status=f"error: {type(e).__name__}: {first}"[:400])
+            console.print(f"  {name:>6}  {result.status}", style="red", markup=False)
+        if name == REFERENCE and result.status == "ok":
+            ref_losses = result.losses
+        rows.append(write_run(out, run_id, result, model_cfg, cfg, device=device,
+                              reference_losses=None if name == REFERENCE else ref_losses))
+    return _report(console, rows, cfg, out)
+
+
+def _report(console, rows: list[dict], cfg: TrainConfig, out) -> int:
+    from rich.table import Table
+
+    from .views import fmt_bytes
+
+    tol = LOSS_TOLERANCE[cfg.dtype]
+    table = Table(title=f"training, {cfg.steps} steps, {cfg.dtype} attention", header_style="bold")
+    for col in ("stage", "first loss", "final loss", "ms/step (median)", "tokens/s", "peak memory",
+                f"max |Δloss| vs {REFERENCE}", "agrees", "status"):
+        table.add_column(col, justify="left" if col in ("stage", "status") else "right")
+    failed = False
+    for r in rows:
+        gap = r["max_loss_gap"]
+        agrees = "" if gap is None else ("yes" if gap <= tol else "NO")
+        failed |= r["status"] != "ok" or agrees == "NO"
+        table.add_row(r["stage"], _num(r["first_loss"], ".4f"), _num(r["final_loss"], ".4f"),
+                      _num(r["step_ms_median"], ".1f"), _num(r["tokens_per_s"], ",.0f"),
+                      "" if r["peak_memory_bytes"] is None else fmt_bytes(r["peak_memory_bytes"]),
+                      _num(gap, ".2e"), agrees, r["status"][:60])
+    console.print(table)
+    console.print(f"Agreement: every step's loss within {tol:g} nats of {REFERENCE}'s ({cfg.dtype}: only rounding "
+                  f"separates correct kernels; see harness/train.py LOSS_TOLERANCE). Step time: median after the "
+                  f"first steps (compilation).")
+    path = plot_train_losses(out)
+    console.print(f"rows written to {Path(out) / 'train'}" + (f"; figure {path}" if path else ""))
+    return 1 if failed else 0
+
+
+def _num(value, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m harness.train ...`` works as well as ``python -m harness train ...``."""
+    import stages  # noqa: F401  (chooses the Triton interpreter before triton loads, without a GPU)
+
+    parser = argparse.ArgumentParser(prog="harness train", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    args._parser = parser
+    return run(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
