@@ -73,7 +73,9 @@ def check_gradients(attention, q, k, v, *, causal, dtype_name, sm_scale=None, fa
         assert g.shape == t.shape and g.dtype == t.dtype, f"{name}: shape/dtype {g.shape}/{g.dtype}"
         assert torch.isfinite(g).all(), f"{name} has NaN/inf"
         if not ref.any():
-            assert not g.any(), f"{name} should be all zeros"
+            # e.g. dq when every row sees one key (softmax of one score is 1 whatever the score):
+            # zero in exact arithmetic, rounding noise in a kernel that computes P·(dP - delta)
+            assert g.abs().max() <= ABS_FLOOR[dtype_name], f"{name} should be zero, max |{name}| = {g.abs().max()}"
             out[name] = (0.0, 0.0)
             continue
         err, torch_err = rel_err(g, ref), rel_err(tp, ref)

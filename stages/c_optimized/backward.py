@@ -1,0 +1,637 @@
+"""Stage C's backward pass: FlashAttention-2's algorithm, with the forward's optimizations.
+
+The math (per query head, rows i, keys j; x_ij = scale · q_i·k_j, P = softmax_j(x), O = P V)
+---------------------------------------------------------------------------------------------
+Given dO = ∂L/∂O, the chain rule through O = P V and the softmax gives
+
+    dV_j  = Σ_i P_ij dO_i                         (P^T dO)
+    dP_ij = dO_i · V_j                            (dO V^T)
+    dx_ij = P_ij (dP_ij − Δ_i),   Δ_i = Σ_j P_ij dP_ij     (the softmax's Jacobian)
+    dQ_i  = scale · Σ_j dx_ij K_j                 (dS K)
+    dK_j  = scale · Σ_i dx_ij Q_i                 (dS^T Q)
+
+Δ_i looks like it needs a whole row of P and dP, which a tiled kernel never holds. But
+Δ_i = Σ_j P_ij (dO_i·V_j) = dO_i · (Σ_j P_ij V_j) = dO_i · O_i: one dot product of two vectors
+the forward already left in memory. So a cheap pre-pass computes Δ = rowsum(dO ∘ O) for every row
+first, and the tiled kernels only ever need one tile of P at a time.
+
+Why recompute P instead of storing it: P is Nq×Nk per head (stage A stores it: 512 MiB per head
+at N = 16384 in fp16). The forward saves only the row log-sum-exp ``lse`` (4 bytes per row), and
+P_ij = 2^(x_ij·log2 e − lse_i) rebuilds any tile exactly, for one extra QK^T matmul per tile.
+That matmul is cheaper than reading a stored P tile would be, and the memory is O(N), not O(N²).
+
+The kernels
+-----------
+1. ``attention_bwd_delta_kernel``: Δ = rowsum(dO ∘ O) in fp32 (and, with atomic dQ, zeroes the fp32
+   dQ accumulator: one launch fewer than a separate memset).
+2. ``attention_bwd_dkdv_kernel``: one program per (K/V tile, batch, KV head). The K and V tiles stay
+   on chip; the program walks the Q tiles of *every query head of its group* (GQA: the sum of dK/dV
+   over the group happens in registers, no atomics), recomputes P^T, and accumulates dV += P^T dO
+   and dK += dS^T Q in fp32 registers; dK is multiplied by ``scale`` once at the end.
+3. dQ, two ways (``deterministic``):
+   * ``False`` (default): the dK/dV program also forms dS K for the Q tile it is visiting and adds it
+     into an fp32 dQ accumulator with ``tl.atomic_add`` (then a cast to the input dtype). Five
+     matmuls per (Q tile, K tile) pair, the 2.5× forward FLOPs of the convention. Costs: the fp32
+     accumulator (4·Nq·D bytes per head), and a read-modify-write of a BLOCK_M×D fp32 tile per
+     pair, done by the L2 cache's atomic units: the order of the additions depends on scheduling,
+     so the last bits of dQ vary from run to run.
+   * ``True``: ``attention_bwd_dq_kernel``, one program per (Q tile, batch, query head) looping over
+     K/V tiles, accumulates dQ in registers in a fixed order: bitwise reproducible. It recomputes
+     QK^T and dO V^T, so seven matmuls per pair instead of five (3.5× the forward's FLOPs instead of
+     2.5×, +40 %), and reads K and V once more per Q tile; no fp32 workspace, no atomics.
+
+The switches (each turns one optimization off for the ablation; all off = stage B's settings)
+-------------------------------------------------------------------------------------------
+``tuned_tiles``  per head dim / dtype / GPU tile shapes, warps and pipeline depth (``backward_config``),
+                 checked against the shared-memory budget; off: stage B's 64×64, 4 warps.
+``pipelining``   ``num_stages`` > 1: Triton software-pipelines the Q-tile loop (dK/dV) and the K/V-tile
+                 loop (dQ) with ``cp.async`` on sm_80 and async copies on sm_90; off: 1 stage.
+``exp2``         P = 2^(q·k·(scale·log2 e) − lse) with log2 e folded into the scale (lse arrives in base 2
+                 already), one FMA and one ``ex2.approx`` per score; off: ``exp`` with the natural scale
+                 and lse·ln 2.
+``causal_skip``  causal problems visit only tile pairs with a visible score: a K/V tile starts at the
+                 first Q tile whose rows can see it, and only the diagonal tiles pay for the mask (the
+                 loop is split at compile time into a masked and a mask-free part, as in the forward);
+                 off: every tile is visited and masked, as in stage B.
+``tma``          accepted for the ablation's sake but a no-op here: the backward uses pointer loads
+                 (with ``cp.async`` pipelining) on every GPU. TMA descriptors for the five streamed
+                 tensors are future work.
+
+Masking: the causal mask (bottom-right: row i sees key j iff j ≤ i + Nk − Nq) and the ragged last
+K/V tile are applied to P *after* the exponential (``tl.where(valid, p, 0)``), so no −inf − (+inf)
+ever happens; query rows past Nq and rows that see no key load lse = +∞, which makes their P
+exactly 0 (2^(finite − ∞) = 0), so they contribute nothing and need no mask of their own.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_output, padded_head_dim, \
+    validate_inputs
+from ..launch import Launch, compiles_without_interpreter
+from .configs import SHARED_MEMORY_LIMIT, device_arch
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+DELTA_BLOCK = 64  # rows per program of the Δ pre-pass (a streaming kernel: any size near this is fine)
+
+
+# ------------------------------------------------------------------------------------------ configs
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Tiles of the backward kernels. ``block_n``: K/V rows a dK/dV program keeps on chip;
+    ``block_m``: Q rows per step of its loop. The deterministic dQ kernel uses them the other way
+    round (``block_n`` Q rows resident, ``block_m`` K/V rows per step): in both kernels the resident
+    tile is the big one, because it carries the two fp32 accumulators (dK, dV) or the one (dQ)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __str__(self) -> str:
+        return f"M{self.block_m}-N{self.block_n}-w{self.num_warps}-s{self.num_stages}"
+
+    @classmethod
+    def parse(cls, text: str) -> "BwdConfig":
+        m = re.fullmatch(r"M(\d+)-N(\d+)-w(\d+)-s(\d+)", text)
+        if not m:
+            raise ValueError(f"config must look like 'M64-N128-w8-s2', got {text!r}")
+        return cls(*(int(g) for g in m.groups()))
+
+
+#: Stage B's settings, what every switch off runs.
+BASELINE = BwdConfig(64, 64, 4, 1)
+
+#: Candidates per (arch, padded head dim), best guess first. The dK/dV kernel is register-bound:
+#: its two BLOCK_N×D fp32 accumulators (dK, dV), the resident K and V tiles (Triton keeps them in
+#: registers as matmul A operands) and four BLOCK_N×BLOCK_M score-shaped tiles (S^T, P^T, dP^T, dS^T)
+#: all live across the loop. At BLOCK_N = 128, D = 64 and 4 warps the first two alone are ~192 of the
+#: 255 registers a thread may have. So the K/V tile stays at 128 rows for the tensor cores' sake,
+#: the streamed Q tile is narrow (32 rows) and wide heads get 8 warps or 32-row K/V tiles. Checked with
+#: ptxas -v (sm_90a, fp16, causal, atomic dQ): 237 / 217 / 250 / 207 registers for D = 16 / 64 / 128 /
+#: 256 and no spills; 64-row Q tiles spilled at D >= 64, and 4 warps at BLOCK_N = 128 spilled from D = 64.
+_HALF_CONFIGS = {
+    90: {
+        16: [BwdConfig(32, 128, 4, 3)],
+        32: [BwdConfig(32, 128, 8, 3)],
+        64: [BwdConfig(32, 128, 8, 3), BwdConfig(32, 64, 4, 2)],
+        128: [BwdConfig(32, 128, 8, 2), BwdConfig(16, 64, 4, 2)],
+        256: [BwdConfig(16, 32, 8, 2), BwdConfig(16, 32, 4, 1)],
+    },
+    # sm_80's mma.sync fragments cost more registers than wgmma's: 64-row K/V tiles (128 rows and
+    # 8 warps spilled at D = 64). ptxas: no spills at D = 16, 128 and 256 (251 / 249 / 243 registers);
+    # 20-24 bytes of spill stores remain at D = 32 and 64 with every config tried (64 rows with 4 or
+    # 8 warps, 2 or 3 stages): a tuning item for a GPU run.
+    80: {
+        16: [BwdConfig(32, 64, 4, 3)],
+        32: [BwdConfig(32, 64, 4, 3)],
+        64: [BwdConfig(32, 64, 8, 2)],
+        128: [BwdConfig(32, 64, 8, 2), BwdConfig(16, 32, 4, 2)],
+        256: [BwdConfig(16, 32, 8, 2), BwdConfig(16, 32, 4, 1)],
+    },
+}
+#: fp32 ("ieee" products on the FMA units, operands twice as wide): small tiles on every GPU. No
+#: spills at D <= 64; at D = 128 and 256 ptxas reports 16-44 bytes of spill stores (fp32 training
+#: is a correctness path here, not a speed target).
+_FP32_CONFIGS = {
+    16: [BwdConfig(16, 64, 4, 2)], 32: [BwdConfig(16, 64, 4, 2)], 64: [BwdConfig(16, 64, 8, 2)],
+    128: [BwdConfig(16, 32, 8, 2)], 256: [BwdConfig(16, 16, 8, 1)],
+}
+
+
+def shared_memory_bytes(config: BwdConfig, D_pad: int, element_bytes: int) -> int:
+    """Estimated shared memory of one dK/dV program, bytes: the resident K and V tiles, ``num_stages``
+    buffers of the streamed Q and dO tiles *per pipelined loop* (Triton gives each loop its own, and
+    the causal split has two: diagonal and mask-free), and one BLOCK_N×BLOCK_M tile (P^T or dS^T on
+    its way from the accumulator layout to a matmul operand). Compiled sm_90 fp16 causal kernels
+    allocate within ~1 KB of this at D = 64 and 128 (82 432 B and 139 520 B)."""
+    resident = 2 * config.block_n * D_pad * element_bytes
+    streamed = 2 * max(config.num_stages, 1) * 2 * config.block_m * D_pad * element_bytes
+    staging = config.block_m * config.block_n * element_bytes
+    return resident + streamed + staging
+
+
+def fits(config: BwdConfig, D_pad: int, element_bytes: int, arch: int) -> bool:
+    limit = SHARED_MEMORY_LIMIT.get(arch, 99 * 1024)
+    return shared_memory_bytes(config, D_pad, element_bytes) + 1024 <= limit
+
+
+def backward_config(D: int, dtype: torch.dtype, arch: int, tuned_tiles: bool = True,
+                    pipelining: bool = True) -> BwdConfig:
+    """The tile config of the backward kernels: the first fitting candidate for this head dim and
+    dtype (``tuned_tiles``), else stage B's; one stage when ``pipelining`` is off."""
+    config = BASELINE
+    if tuned_tiles:
+        table = _FP32_CONFIGS if dtype == torch.float32 else _HALF_CONFIGS[90 if arch >= 90 else 80]
+        e = torch.empty((), dtype=dtype).element_size()
+        D_pad = padded_head_dim(D)
+        config = next((c for c in table[D_pad] if fits(c, D_pad, e, arch)), table[D_pad][-1])
+    if not pipelining:
+        config = replace(config, num_stages=1)
+    return config
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+@triton.jit
+def attention_bwd_delta_kernel(
+    O, DO, DELTA, DQ_ACC,
+    stride_ob, stride_oh, stride_on,
+    stride_dob, stride_doh, stride_don,
+    H, N,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Δ_i = Σ_d dO_id·O_id in fp32, one program per BLOCK rows of one (batch, query head). With a
+    DQ_ACC (atomic dQ) it also zeroes those rows of the fp32 dQ accumulator."""
+    pid, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows = pid * BLOCK + tl.arange(0, BLOCK)
+    ds = tl.arange(0, D_PAD)
+    mask = (rows[:, None] < N) & (ds[None, :] < D)
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None] * stride_on
+                + ds[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + rows[:, None] * stride_don
+                 + ds[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + bh.to(tl.int64) * N + rows, delta, mask=rows < N)
+    if DQ_ACC is not None:
+        # The accumulator is contiguous [B, H, N, D] fp32.
+        tl.store(DQ_ACC + bh.to(tl.int64) * N * D + rows[:, None] * D + ds[None, :],
+                 tl.zeros((BLOCK, D_PAD), tl.float32), mask=mask)
+
+
+@triton.jit
+def _load_tile(ptrs, rows, n, ds, D: tl.constexpr, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
+    """Load a [rows, D_PAD] tile, masking rows ≥ n and head-dim columns ≥ D only where needed (the
+    masks are compile-time, so an even tile of a power-of-two head dim loads without any)."""
+    if MASK_ROWS and MASK_COLS:
+        return tl.load(ptrs, mask=(rows[:, None] < n) & (ds[None, :] < D), other=0.0)
+    elif MASK_ROWS:
+        return tl.load(ptrs, mask=rows[:, None] < n, other=0.0)
+    elif MASK_COLS:
+        return tl.load(ptrs, mask=ds[None, :] < D, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _dkdv_visit_q_tiles(
+    dk, dv, k, v, cols,
+    Q_h, DO_h, LSE_h, DELTA_h, DQ_h,
+    stride_qn, stride_don,
+    lo, hi, Nq, Nk, causal_offset, qk_scale, dq_scale,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    MASK_CAUSAL: tl.constexpr, MASK_NK: tl.constexpr, MASK_NQ: tl.constexpr,
+    EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold Q tiles [lo, hi) of one query head into dK, dV (transposed formulation: every tile here
+    is [BLOCK_N keys, BLOCK_M queries], so the resident K/V rows are the matmuls' M dimension)."""
+    ds = tl.arange(0, D_PAD)
+    MASK_D: tl.constexpr = D != D_PAD
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        q = _load_tile(Q_h + rows[:, None] * stride_qn + ds[None, :], rows, Nq, ds, D, MASK_NQ, MASK_D)
+        do = _load_tile(DO_h + rows[:, None] * stride_don + ds[None, :], rows, Nq, ds, D, MASK_NQ, MASK_D)
+        if MASK_NQ:
+            # Rows past Nq get lse = +inf: their P is exactly 0, so they add nothing anywhere.
+            lse = tl.load(LSE_h + rows, mask=rows < Nq, other=float("inf"))
+            delta = tl.load(DELTA_h + rows, mask=rows < Nq, other=0.0)
+        else:
+            lse = tl.load(LSE_h + rows)
+            delta = tl.load(DELTA_h + rows)
+
+        # P^T = 2^(K Q^T · scale·log2e − lse): recomputed, never stored (see the module docstring).
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        if EXP2:
+            p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
+        else:
+            p_t = tl.exp(qk_t * qk_scale - lse[None, :] * 0.6931471805599453)  # lse arrives in base 2
+        if MASK_CAUSAL or MASK_NK:
+            # After the exponential: a masked score never enters an arithmetic, so no inf − inf.
+            valid = cols[:, None] < Nk
+            if MASK_CAUSAL:
+                valid = valid & (cols[:, None] <= rows[None, :] + causal_offset)
+            p_t = tl.where(valid, p_t, 0.0)
+
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        if DQ_h is not None:
+            # Atomic dQ: this tile's share dS K, already scaled, added by the L2's atomic units.
+            # "relaxed": no ordering with other memory operations is needed, only the sum.
+            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION) * dq_scale
+            dq_ptrs = DQ_h + rows[:, None] * D + ds[None, :]
+            if MASK_NQ or MASK_D:
+                tl.atomic_add(dq_ptrs, dq, mask=(rows[:, None] < Nq) & (ds[None, :] < D), sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def attention_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC, qk_scale, sm_scale,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    Hq, Hkv, Nq, Nk,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, CAUSAL_SKIP: tl.constexpr,
+    EVEN_NQ: tl.constexpr, EVEN_NK: tl.constexpr, EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_n, bh = tl.program_id(0), tl.program_id(1)
+    b, h_kv = bh // Hkv, bh % Hkv
+    start_n = pid_n * BLOCK_N
+    cols = start_n + tl.arange(0, BLOCK_N)
+    ds = tl.arange(0, D_PAD)
+    MASK_D: tl.constexpr = D != D_PAD
+    k = _load_tile(K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh + cols[:, None] * stride_kn
+                   + ds[None, :], cols, Nk, ds, D, not EVEN_NK, MASK_D)
+    v = _load_tile(V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh + cols[:, None] * stride_vn
+                   + ds[None, :], cols, Nk, ds, D, not EVEN_NK, MASK_D)
+    dk = tl.zeros((BLOCK_N, D_PAD), tl.float32)
+    dv = tl.zeros((BLOCK_N, D_PAD), tl.float32)
+    causal_offset = Nk - Nq
+
+    # GQA: the query heads h_kv·GROUP ... h_kv·GROUP + GROUP − 1 all read this K/V head; their
+    # contributions are summed here, in registers, in a fixed order.
+    for g in range(GROUP):
+        h = h_kv * GROUP + g
+        bh_q = b.to(tl.int64) * Hq + h
+        Q_h = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        DO_h = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+        LSE_h = LSE + bh_q * Nq
+        DELTA_h = DELTA + bh_q * Nq
+        DQ_h = DQ_ACC + bh_q * Nq * D if DQ_ACC is not None else None
+        if CAUSAL and CAUSAL_SKIP:
+            # Row i sees key j iff j ≤ i + offset: the first row that sees this tile's first key is
+            # start_n − offset. Tiles before its tile are skipped; tiles until the one whose first row
+            # sees the tile's last key (start_n + BLOCK_N − 1) are diagonal and masked; the rest
+            # see every key of the tile and run mask-free.
+            first = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
+            unmasked = tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0)
+            unmasked = tl.maximum(first, (unmasked + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
+            dk, dv = _dkdv_visit_q_tiles(dk, dv, k, v, cols, Q_h, DO_h, LSE_h, DELTA_h, DQ_h,
+                                         stride_qn, stride_don, first, tl.minimum(unmasked, Nq), Nq, Nk,
+                                         causal_offset, qk_scale, sm_scale, D, D_PAD, BLOCK_M,
+                                         True, not EVEN_NK, not EVEN_NQ, EXP2, DOT_PRECISION)
+            dk, dv = _dkdv_visit_q_tiles(dk, dv, k, v, cols, Q_h, DO_h, LSE_h, DELTA_h, DQ_h,
+                                         stride_qn, stride_don, unmasked, Nq, Nq, Nk,
+                                         causal_offset, qk_scale, sm_scale, D, D_PAD, BLOCK_M,
+                                         False, not EVEN_NK, not EVEN_NQ, EXP2, DOT_PRECISION)
+        else:
+            # Every Q tile, masked like stage B when causal.
+            dk, dv = _dkdv_visit_q_tiles(dk, dv, k, v, cols, Q_h, DO_h, LSE_h, DELTA_h, DQ_h,
+                                         stride_qn, stride_don, 0, Nq, Nq, Nk,
+                                         causal_offset, qk_scale, sm_scale, D, D_PAD, BLOCK_M,
+                                         CAUSAL, not EVEN_NK, not EVEN_NQ, EXP2, DOT_PRECISION)
+
+    dk = dk * sm_scale  # dK = scale · dS^T Q: the scale once per element, not once per tile pair
+    dk_ptrs = DK + b.to(tl.int64) * stride_dkb + h_kv.to(tl.int64) * stride_dkh + cols[:, None] * stride_dkn + ds[None, :]
+    dv_ptrs = DV + b.to(tl.int64) * stride_dvb + h_kv.to(tl.int64) * stride_dvh + cols[:, None] * stride_dvn + ds[None, :]
+    if EVEN_NK and not MASK_D:
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty))
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
+    else:
+        mask = (cols[:, None] < Nk) & (ds[None, :] < D)
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=mask)
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dq_visit_kv_tiles(
+    dq, q, do, lse, delta, rows,
+    K_h, V_h, stride_kn, stride_vn,
+    lo, hi, Nk, causal_offset, qk_scale,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_CAUSAL: tl.constexpr, MASK_NK: tl.constexpr, EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold K/V tiles [lo, hi) into dQ (unscaled): dQ += dS K, with P and dP recomputed."""
+    ds = tl.arange(0, D_PAD)
+    MASK_D: tl.constexpr = D != D_PAD
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = _load_tile(K_h + cols[:, None] * stride_kn + ds[None, :], cols, Nk, ds, D, MASK_NK, MASK_D)
+        v = _load_tile(V_h + cols[:, None] * stride_vn + ds[None, :], cols, Nk, ds, D, MASK_NK, MASK_D)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if EXP2:
+            p = tl.math.exp2(qk * qk_scale - lse[:, None])
+        else:
+            p = tl.exp(qk * qk_scale - lse[:, None] * 0.6931471805599453)
+        if MASK_CAUSAL or MASK_NK:
+            valid = cols[None, :] < Nk
+            if MASK_CAUSAL:
+                valid = valid & (cols[None, :] <= rows[:, None] + causal_offset)
+            p = tl.where(valid, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds_ = p * (dp - delta[:, None])
+        dq = tl.dot(ds_.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def attention_bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE, DELTA, qk_scale, sm_scale,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don,
+    stride_dqb, stride_dqh, stride_dqn,
+    Hq, Nq, Nk,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, CAUSAL_SKIP: tl.constexpr,
+    EVEN_NQ: tl.constexpr, EVEN_NK: tl.constexpr, EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Deterministic dQ: one program per (Q tile of BLOCK_M rows, batch·query head), K/V tiles of
+    BLOCK_N rows visited in a fixed order."""
+    bh = tl.program_id(1)
+    if CAUSAL and CAUSAL_SKIP:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # most work first, as in the forward
+    else:
+        pid_m = tl.program_id(0)
+    b, h = bh // Hq, bh % Hq
+    h_kv = h // GROUP
+    start_m = pid_m * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    ds = tl.arange(0, D_PAD)
+    MASK_D: tl.constexpr = D != D_PAD
+    q = _load_tile(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + rows[:, None] * stride_qn
+                   + ds[None, :], rows, Nq, ds, D, not EVEN_NQ, MASK_D)
+    do = _load_tile(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + rows[:, None] * stride_don
+                    + ds[None, :], rows, Nq, ds, D, not EVEN_NQ, MASK_D)
+    lse = tl.load(LSE + bh.to(tl.int64) * Nq + rows, mask=rows < Nq, other=float("inf"))
+    delta = tl.load(DELTA + bh.to(tl.int64) * Nq + rows, mask=rows < Nq, other=0.0)
+    K_h = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
+    V_h = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
+    dq = tl.zeros((BLOCK_M, D_PAD), tl.float32)
+    causal_offset = Nk - Nq
+    n_full = Nk // BLOCK_N * BLOCK_N  # whole K/V tiles; the ragged rest needs the Nk mask
+    if CAUSAL and CAUSAL_SKIP:
+        # Every row of the tile sees keys j ≤ start_m + offset: whole tiles below that run mask-free;
+        # tiles up to the last row's last key (start_m + BLOCK_M − 1 + offset) are masked.
+        unmasked = tl.minimum(tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N * BLOCK_N, n_full)
+        dq = _dq_visit_kv_tiles(dq, q, do, lse, delta, rows, K_h, V_h, stride_kn, stride_vn,
+                                0, unmasked, Nk, causal_offset, qk_scale, D, D_PAD, BLOCK_N,
+                                False, False, EXP2, DOT_PRECISION)
+        dq = _dq_visit_kv_tiles(dq, q, do, lse, delta, rows, K_h, V_h, stride_kn, stride_vn,
+                                unmasked, tl.minimum(start_m + BLOCK_M + causal_offset, Nk), Nk, causal_offset,
+                                qk_scale, D, D_PAD, BLOCK_N, True, not EVEN_NK, EXP2, DOT_PRECISION)
+    else:
+        dq = _dq_visit_kv_tiles(dq, q, do, lse, delta, rows, K_h, V_h, stride_kn, stride_vn,
+                                0, n_full, Nk, causal_offset, qk_scale, D, D_PAD, BLOCK_N,
+                                CAUSAL, False, EXP2, DOT_PRECISION)
+        if not EVEN_NK:
+            dq = _dq_visit_kv_tiles(dq, q, do, lse, delta, rows, K_h, V_h, stride_kn, stride_vn,
+                                    n_full, Nk, Nk, causal_offset, qk_scale, D, D_PAD, BLOCK_N,
+                                    CAUSAL, True, EXP2, DOT_PRECISION)
+    dq = dq * sm_scale
+    dq_ptrs = DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + rows[:, None] * stride_dqn + ds[None, :]
+    if EVEN_NQ and not MASK_D:
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
+    else:
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(rows[:, None] < Nq) & (ds[None, :] < D))
+
+
+# ------------------------------------------------------------------------------------------ host side
+
+def _check_backward_inputs(do, q, k, v, o, lse, scale) -> None:
+    validate_inputs(q, k, v, sm_scale=scale)
+    for name, t in (("do", do), ("o", o)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor shaped like q, got {type(t).__name__}")
+        if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must match q's shape, dtype and device {tuple(q.shape)}/{q.dtype}/{q.device}, "
+                             f"got {tuple(t.shape)}/{t.dtype}/{t.device}")
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            raise ValueError(f"{name} must be contiguous in its last (head) dim, got stride(-1)={t.stride(-1)}")
+    if not isinstance(lse, torch.Tensor):
+        raise TypeError(f"lse must be a torch.Tensor, got {type(lse).__name__}")
+    if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or not lse.is_contiguous() or lse.device != q.device:
+        raise ValueError(f"lse must be a contiguous float32 tensor of shape {tuple(q.shape[:3])} on {q.device}, "
+                         f"got {tuple(lse.shape)}, {lse.dtype}, contiguous={lse.is_contiguous()}, {lse.device}")
+
+
+def _new_gradient(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous gradient buffer shaped like ``t`` (NaN-filled when the tests poison outputs)."""
+    return new_output(t)
+
+
+def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: bool, scale: float, arch: int,
+                  deterministic: bool = False, tuned_tiles: bool = True, pipelining: bool = True,
+                  exp2: bool = True, causal_skip: bool = True, tma: bool = True,
+                  config: BwdConfig | None = None) -> list[Launch]:
+    """The backward's launches in order: Δ pre-pass, dK/dV (+ atomic dQ into ``dq_acc``), and with
+    ``deterministic`` the dQ kernel writing ``dq``. ``dq_acc`` is None in deterministic mode. ``tma``
+    is accepted and ignored (pointer loads everywhere, see the module docstring). ``config`` forces a
+    tile configuration (tests, tuning)."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    D_pad = padded_head_dim(D)
+    if config is None:
+        config = backward_config(D, q.dtype, arch, tuned_tiles=tuned_tiles, pipelining=pipelining)
+    BM, BN = config.block_m, config.block_n
+    qk_scale = scale * LOG2E if exp2 else scale
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    common = dict(D=D, D_PAD=D_pad, GROUP=Hq // Hkv, CAUSAL=causal, CAUSAL_SKIP=causal_skip, EXP2=exp2,
+                  DOT_PRECISION=precision)
+    launches = [Launch(
+        attention_bwd_delta_kernel, (cdiv(Nq, DELTA_BLOCK), B * Hq),
+        dict(O=o, DO=do, DELTA=delta, DQ_ACC=dq_acc,
+             stride_ob=o.stride(0), stride_oh=o.stride(1), stride_on=o.stride(2),
+             stride_dob=do.stride(0), stride_doh=do.stride(1), stride_don=do.stride(2),
+             H=Hq, N=Nq, D=D, D_PAD=D_pad, BLOCK=DELTA_BLOCK),
+        num_warps=4, num_stages=1)]
+    launches.append(Launch(
+        attention_bwd_dkdv_kernel, (cdiv(Nk, BN), B * Hkv),
+        dict(Q=q, K=k, V=v, DO=do, DK=dk, DV=dv, LSE=lse, DELTA=delta, DQ_ACC=dq_acc,
+             qk_scale=qk_scale, sm_scale=scale,
+             stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qn=q.stride(2),
+             stride_kb=k.stride(0), stride_kh=k.stride(1), stride_kn=k.stride(2),
+             stride_vb=v.stride(0), stride_vh=v.stride(1), stride_vn=v.stride(2),
+             stride_dob=do.stride(0), stride_doh=do.stride(1), stride_don=do.stride(2),
+             stride_dkb=dk.stride(0), stride_dkh=dk.stride(1), stride_dkn=dk.stride(2),
+             stride_dvb=dv.stride(0), stride_dvh=dv.stride(1), stride_dvn=dv.stride(2),
+             Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, BLOCK_M=BM, BLOCK_N=BN,
+             EVEN_NQ=Nq % BM == 0, EVEN_NK=Nk % BN == 0, **common),
+        num_warps=config.num_warps, num_stages=config.num_stages))
+    if deterministic:
+        # The resident tile is the big one here too: block_n Q rows, block_m K/V rows per step.
+        launches.append(Launch(
+            attention_bwd_dq_kernel, (cdiv(Nq, BN), B * Hq),
+            dict(Q=q, K=k, V=v, DO=do, DQ=dq, LSE=lse, DELTA=delta, qk_scale=qk_scale, sm_scale=scale,
+                 stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qn=q.stride(2),
+                 stride_kb=k.stride(0), stride_kh=k.stride(1), stride_kn=k.stride(2),
+                 stride_vb=v.stride(0), stride_vh=v.stride(1), stride_vn=v.stride(2),
+                 stride_dob=do.stride(0), stride_doh=do.stride(1), stride_don=do.stride(2),
+                 stride_dqb=dq.stride(0), stride_dqh=dq.stride(1), stride_dqn=dq.stride(2),
+                 Hq=Hq, Nq=Nq, Nk=Nk, BLOCK_M=BN, BLOCK_N=BM,
+                 EVEN_NQ=Nq % BN == 0, EVEN_NK=Nk % BM == 0, **common),
+            num_warps=config.num_warps, num_stages=config.num_stages))
+    return launches
+
+
+def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                       lse: torch.Tensor, *, causal: bool, scale: float, deterministic: bool = False,
+                       tuned_tiles: bool = True, pipelining: bool = True, exp2: bool = True,
+                       causal_skip: bool = True, tma: bool = True, config: BwdConfig | None = None):
+    """Gradients (dq, dk, dv) of attention, in the input dtypes, shaped like q, k, v (contiguous).
+
+    ``o`` is the forward's output and ``lse`` its fp32 ``[B, Hq, Nq]`` row log-sum-exp in base 2 of
+    the scaled scores (+inf for a row that sees no key). ``deterministic=True`` computes dQ without
+    atomics (bitwise reproducible, ~40 % more FLOPs); the other switches are the ablation's (module
+    docstring).
+    """
+    _check_backward_inputs(do, q, k, v, o, lse, scale)
+    B, Hq, Nq, D = q.shape
+    delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+    dk, dv = _new_gradient(k), _new_gradient(v)
+    if deterministic:
+        dq, dq_acc = _new_gradient(q), None
+    else:
+        # fp32 inputs accumulate straight into dq; the pre-pass zeroes it.
+        dq_acc = torch.empty((B, Hq, Nq, D), dtype=torch.float32, device=q.device)
+        dq = dq_acc if q.dtype == torch.float32 else None
+    for launch in plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, causal=causal, scale=scale,
+                                arch=device_arch(q.device), deterministic=deterministic,
+                                tuned_tiles=tuned_tiles, pipelining=pipelining, exp2=exp2,
+                                causal_skip=causal_skip, tma=tma, config=config):
+        launch.run()
+    if dq is None:
+        dq = dq_acc.to(q.dtype)
+    return dq, dk, dv
+
+
+@compiles_without_interpreter
+def compile_backward(problem: Problem, arch: int, **switches) -> list[CompiledKernel]:
+    """Compile the backward kernels for ``problem`` on an sm_``arch`` GPU without one (storage-free
+    ``meta`` tensors); ``switches`` as for ``attention_backward`` (``deterministic`` included)."""
+    dtype = DTYPES[problem.dtype]
+
+    def meta(*shape, dt=dtype):
+        return torch.empty(shape, dtype=dt, device="meta")
+
+    B, Hq, Nq, D, Hkv, Nk = problem.B, problem.H, problem.N, problem.D, problem.Hkv, problem.Nk
+    q, o, do, dq = (meta(B, Hq, Nq, D) for _ in range(4))
+    k, v, dk, dv = (meta(B, Hkv, Nk, D) for _ in range(4))
+    lse, delta = meta(B, Hq, Nq, dt=torch.float32), meta(B, Hq, Nq, dt=torch.float32)
+    deterministic = switches.get("deterministic", False)
+    dq_acc = None if deterministic else meta(B, Hq, Nq, D, dt=torch.float32)
+    launches = plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, causal=problem.causal,
+                             scale=D ** -0.5, arch=arch, **switches)
+    return [launch.compile(arch) for launch in launches]
+
+
+# ------------------------------------------------------------------------------------------ models
+
+def bwd_hbm_bytes(p: Problem, deterministic: bool = False, tuned_tiles: bool = True, pipelining: bool = True,
+                  causal_skip: bool = True, config: BwdConfig | None = None, **_other) -> HbmTraffic:
+    """Bytes the backward kernels request from device memory (no cache assumed), given the saved
+    O and lse. e = element bytes, rows of D elements:
+
+    * Δ pre-pass: reads O and dO, writes Δ (4 B/row); atomic dQ: also writes the zeroed fp32 accumulator.
+    * dK/dV: reads K and V once, writes dK and dV; for every (K/V tile, visited Q tile) pair reads the
+      Q and dO rows plus lse and Δ (8 B/row). With causal skipping a K/V tile starting at key n visits
+      query rows from the tile holding row n − (Nk − Nq) on; without, all Nq rows. Atomic dQ: every
+      visited Q row is a read-modify-write of 4·D bytes, then the cast reads the accumulator
+      (4·D/row) and writes dQ (skipped for fp32, which accumulates in place).
+    * deterministic dQ: reads Q, dO, lse, Δ once, K and V rows for every visited K/V tile, writes dQ.
+    """
+    if config is None:
+        config = backward_config(p.D, DTYPES[p.dtype], device_arch(None), tuned_tiles=tuned_tiles,
+                                 pipelining=pipelining)
+    e, D = p.element_bytes, p.D
+    row = D * e
+    BM, BN = config.block_m, config.block_n
+    skip = p.causal and causal_skip
+    offset = p.Nk - p.N
+
+    # Q rows visited per K/V tile (per query head).
+    q_rows = 0
+    for start_n in range(0, p.Nk, BN):
+        first = max(start_n - offset, 0) // BM * BM if skip else 0
+        q_rows += max(0, p.N - first)
+    q_rows_all = p.B * p.H * q_rows
+
+    read = 2 * p.q_bytes                                   # pre-pass: O, dO
+    write = p.heads * p.N * 4                              # Δ
+    read += 2 * p.kv_bytes + q_rows_all * (2 * row + 8)    # dK/dV: K, V once; Q, dO, lse, Δ per visit
+    write += 2 * p.kv_bytes                                # dK, dV
+    if deterministic:
+        kv_rows = 0
+        for start_m in range(0, p.N, BN):
+            kv_rows += min(p.Nk, max(0, start_m + BN + offset)) if skip else p.Nk
+        read += p.q_bytes * 2 + p.heads * p.N * 8 + p.heads * kv_rows * 2 * row
+        write += p.q_bytes
+    else:
+        write += p.heads * p.N * D * 4                     # zeroing the accumulator
+        read += q_rows_all * D * 4                         # atomic read-modify-write
+        write += q_rows_all * D * 4
+        if p.dtype != "fp32":
+            read += p.heads * p.N * D * 4                  # cast to the input dtype
+            write += p.q_bytes
+    return HbmTraffic(read=read, write=write)
+
+
+def train_workspace_bytes(p: Problem, deterministic: bool = False) -> int:
+    """Extra device memory of one training step besides q, k, v, o, dO and the three gradients, bytes:
+    the saved lse and the pre-pass's Δ (4 B per query row each) and, with atomic dQ and a 16-bit
+    dtype, the fp32 dQ accumulator (4·D B per query row; fp32 inputs accumulate in dq itself)."""
+    rows = p.heads * p.N
+    extra = 0 if deterministic or p.dtype == "fp32" else rows * p.D * 4
+    return 2 * rows * 4 + extra
+
+
+__all__ = ["BwdConfig", "BASELINE", "attention_backward", "backward_config", "bwd_hbm_bytes", "compile_backward",
+           "plan_backward", "shared_memory_bytes", "train_workspace_bytes"]

@@ -1,0 +1,193 @@
+"""Stage C's backward kernels (stages/c_optimized/backward.py) against float64 autograd.
+
+The forward here is float64 torch (o and the base-2 lse the forward kernel would save), so these
+tests check the backward alone; the stage's own autograd (forward kernel + this backward) is tested
+with the other stages. Interpreter-sized problems: a few dozen rows, one or two heads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from stages.c_optimized import backward as bwd
+from stages.contract import Problem
+
+from harness.reference import reference_gradients
+
+from .helpers import ABS_FLOOR, DTYPES, check_gradients, make_qkv
+
+
+def saved_forward(q, k, v, causal, scale):
+    """(o, lse) as the forward kernel saves them: o in q's dtype, lse fp32 [B, Hq, Nq] in base 2 of
+    the scaled scores, +inf for a row that sees no key. Computed in float64."""
+    group = q.shape[1] // k.shape[1]
+    q64 = q.double()
+    k64 = k.double().repeat_interleave(group, dim=1)
+    v64 = v.double().repeat_interleave(group, dim=1)
+    s = (q64 @ k64.transpose(-2, -1)) * scale
+    Nq, Nk = q.shape[2], k.shape[2]
+    if causal:
+        i = torch.arange(Nq)[:, None]
+        j = torch.arange(Nk)[None, :]
+        s = s.masked_fill(j > i + (Nk - Nq), float("-inf"))
+    lse_e = torch.logsumexp(s, dim=-1)                   # -inf for a row with no visible key
+    p = torch.exp(s - lse_e[..., None]).nan_to_num(0.0)  # such a row: all zeros
+    o = (p @ v64).to(q.dtype)
+    lse = torch.where(torch.isinf(lse_e), torch.inf, lse_e / math.log(2.0)).float().contiguous()
+    return o, lse
+
+
+class _Float64ForwardOurBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, switches):
+        o, lse = saved_forward(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale, ctx.switches = causal, scale, switches
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = bwd.attention_backward(do, q, k, v, o, lse, causal=ctx.causal, scale=ctx.scale,
+                                            **ctx.switches)
+        return dq, dk, dv, None, None, None
+
+
+def attention(q, k, v, *, causal=False, sm_scale=None, **switches):
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    return _Float64ForwardOurBackward.apply(q, k, v, causal, scale, switches)
+
+
+# (B, Hq, Hkv, Nq, Nk, D): one row, ragged, Nq < Nk, Nq > Nk (causal: rows that see no key), GQA, MQA.
+SHAPES = [
+    (1, 2, 2, 1, 3, 16),      # one query row
+    (2, 2, 1, 37, 37, 64),    # GQA, ragged N
+    (1, 3, 1, 20, 45, 80),    # MQA, Nq < Nk, D padded 80 -> 128
+    (1, 4, 2, 45, 20, 8),     # GQA, Nq > Nk: causal rows 0..24 see no key; D = 8 padded to 16
+    (1, 2, 1, 150, 290, 16),  # several tiles each way: causal skipping's first / diagonal / mask-free split
+    (1, 2, 2, 290, 150, 16),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}-D{}".format(*s))
+def test_gradients_match_float64(shape, causal, device):
+    B, Hq, Hkv, Nq, Nk, D = shape
+    q, k, v = make_qkv(B, Hq, Nq, D, torch.float16, device, Hkv=Hkv, Nk=Nk, seed=0)
+    check_gradients(attention, q, k, v, causal=causal, dtype_name="fp16")
+
+
+def test_one_row_one_key(device):
+    """N = Nk = 1: P = 1, so dq is mathematically 0; the kernel's Δ (from the stored O) and dP (a
+    dot with V) round differently, so allow rounding noise there (check_gradients demands an exact
+    zero wherever the float64 reference is all zeros)."""
+    q, k, v = make_qkv(2, 2, 1, 16, torch.float16, device, seed=8)
+    o, lse = saved_forward(q, k, v, False, 0.25)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(9)).to(q.dtype)
+    ref = reference_gradients(q, k, v, do, sm_scale=0.25)
+    for deterministic in (False, True):
+        grads = bwd.attention_backward(do, q, k, v, o, lse, causal=False, scale=0.25, deterministic=deterministic)
+        for g, r in zip(grads, ref):
+            assert (g.double() - r).abs().max() <= ABS_FLOOR["fp16"]
+        assert torch.equal(grads[2], do)  # dV = P^T dO with P = 1
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_other_dtypes(dtype, device):
+    q, k, v = make_qkv(1, 2, 33, 32, DTYPES[dtype], device, Hkv=1, Nk=50, seed=1)
+    check_gradients(attention, q, k, v, causal=True, dtype_name=dtype)
+
+
+def test_strided_inputs_and_custom_scale(device):
+    q, k, v = make_qkv(1, 4, 30, 64, torch.float16, device, Hkv=2, layout="bnhd", seed=2)
+    assert not q.is_contiguous()
+    check_gradients(attention, q, k, v, causal=True, dtype_name="fp16", sm_scale=0.3)
+
+
+@pytest.mark.parametrize("switch", ["tuned_tiles", "pipelining", "exp2", "causal_skip", "tma", "all",
+                                    "all+deterministic"])
+def test_every_switch_off_is_still_correct(switch, device):
+    switches = ({s: False for s in ("tuned_tiles", "pipelining", "exp2", "causal_skip", "tma")}
+                if switch.startswith("all") else {switch: False})
+    if switch.endswith("deterministic"):
+        switches["deterministic"] = True
+    q, k, v = make_qkv(1, 2, 70, 24, torch.float16, device, Hkv=1, Nk=90, seed=3)
+    check_gradients(attention, q, k, v, causal=True, dtype_name="fp16", **switches)
+
+
+@pytest.mark.parametrize("dtype,Nq,Nk", [("fp16", 290, 150), ("fp32", 45, 30)])
+def test_deterministic_dq_is_correct_and_bitwise_reproducible(dtype, Nq, Nk, device):
+    q, k, v = make_qkv(1, 4, Nq, 40, DTYPES[dtype], device, Hkv=2, Nk=Nk, seed=4)
+    check_gradients(attention, q, k, v, causal=True, dtype_name=dtype, deterministic=True)
+    if dtype == "fp16":  # several tiles the other way round (Nq < Nk); fp32 is slow in the interpreter
+        q, k, v = make_qkv(1, 2, 150, 40, DTYPES[dtype], device, Hkv=1, Nk=290, seed=4)
+        check_gradients(attention, q, k, v, causal=True, dtype_name=dtype, deterministic=True)
+    scale = 40 ** -0.5
+    o, lse = saved_forward(q, k, v, True, scale)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(5)).to(q.dtype).to(device)
+    first = bwd.attention_backward(do, q, k, v, o, lse, causal=True, scale=scale, deterministic=True)
+    second = bwd.attention_backward(do, q, k, v, o, lse, causal=True, scale=scale, deterministic=True)
+    for a, b in zip(first, second):
+        assert torch.equal(_bits(a), _bits(b))
+
+
+def _bits(t):
+    """The raw bits of a tensor (torch.equal on floats would call -0.0 == 0.0 and NaN != NaN)."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def test_rows_that_see_no_key_get_zero_gradients(device):
+    """Causal with Nq > Nk: the first Nq − Nk rows see nothing (lse = +inf); their dq must be exactly
+    0, and they must not leak NaN into dk, dv."""
+    q, k, v = make_qkv(1, 2, 40, 16, torch.float16, device, Nk=10, seed=6)
+    o, lse = saved_forward(q, k, v, True, 0.25)
+    assert torch.isinf(lse[:, :, :30]).all()
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(7)).to(q.dtype)
+    for deterministic in (False, True):
+        dq, dk, dv = bwd.attention_backward(do, q, k, v, o, lse, causal=True, scale=0.25,
+                                            deterministic=deterministic)
+        assert (dq[:, :, :30] == 0).all()
+        assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
+
+
+def test_bad_arguments_name_themselves(device):
+    q, k, v = make_qkv(1, 2, 8, 16, torch.float16, device)
+    o, lse = saved_forward(q, k, v, False, 0.25)
+    with pytest.raises(ValueError, match="lse"):
+        bwd.attention_backward(o, q, k, v, o, lse.double(), causal=False, scale=0.25)
+    with pytest.raises(ValueError, match="do"):
+        bwd.attention_backward(o[:, :1], q, k, v, o, lse, causal=False, scale=0.25)
+    with pytest.raises(ValueError, match="sm_scale"):
+        bwd.attention_backward(o, q, k, v, o, lse, causal=False, scale=float("nan"))
+
+
+def test_models():
+    """The traffic and workspace models follow from their definitions: causal skipping reads less,
+    the deterministic dQ needs no fp32 accumulator, fp32 accumulates in place."""
+    p = Problem(2, 8, 1024, 64, "fp16", True, Hkv=2)
+    full = bwd.bwd_hbm_bytes(p, causal_skip=False)
+    skip = bwd.bwd_hbm_bytes(p)
+    assert skip.read < full.read and skip.write < full.write
+    rows = p.heads * p.N
+    assert bwd.train_workspace_bytes(p) == 2 * rows * 4 + rows * p.D * 4
+    assert bwd.train_workspace_bytes(p, deterministic=True) == 2 * rows * 4
+    assert bwd.train_workspace_bytes(Problem(2, 8, 1024, 64, "fp32")) == 2 * rows * 4
+
+
+def test_configs_fit_shared_memory():
+    for arch in (80, 90):
+        for D in (8, 64, 128, 200, 256):
+            for dtype in DTYPES.values():
+                config = bwd.backward_config(D, dtype, arch)
+                e = torch.empty((), dtype=dtype).element_size()
+                assert bwd.fits(config, bwd.padded_head_dim(D), e, arch), (arch, D, dtype, config)
+
+
+def test_compiles_for_sm90():
+    kernels = bwd.compile_backward(Problem(1, 4, 200, 80, "fp16", True, Hkv=2, Nk=300), 90)
+    assert [k.name for k in kernels] == ["attention_bwd_delta_kernel", "attention_bwd_dkdv_kernel"]
+    ptx = kernels[1].asm["ptx"]
+    assert "red.global" in ptx or "atom.global" in ptx  # the atomic dQ
