@@ -211,15 +211,15 @@ def _fmt(key: str, value) -> str:
 
 
 def render_markdown(rows: list[dict], *, cell: dict | None = None,
-                    expected: tuple[str, ...] = EXPECTED_IMPLS) -> str:
+                    expected: tuple[str, ...] = EXPECTED_IMPLS, out: str = "results/h200/profile") -> str:
     """The table as Markdown: a heading naming the cell, one line per impl, the impls that are
-    missing (with the command that adds them), then the one-line reading guide."""
+    missing (with the command that adds them, writing to ``out``), then the one-line reading guide."""
     cell = {**HEADLINE_CELL, **(cell or {})}
     where = (f"N = {cell['N']}, D = {cell['D']}, {cell['dtype']}, "
              f"{'causal' if cell['causal'] else 'non-causal'}")
     lines = [f"**Nsight Compute, one call per impl** ({where})", ""]
     if not rows:
-        lines.append(f"No profiler data yet at this cell: run `{profile_command(cell)}` on a GPU.")
+        lines.append(f"No profiler data yet at this cell: run `{profile_command(cell, out)}` on a GPU.")
         return "\n".join(lines) + "\n"
     headings = ["impl", "B×H", "kernels", "time (ms)"] + [h for _, h in COLUMNS] + ["transactions ÷ minimum"]
     lines += ["| " + " | ".join(headings) + " |", "|" + "---|" + "---:|" * (len(headings) - 1)]
@@ -233,13 +233,43 @@ def render_markdown(rows: list[dict], *, cell: dict | None = None,
     absent = missing_impls(rows, expected)
     if absent:
         lines.append(f"Not profiled at this cell yet: {', '.join(label(i) for i in absent)} "
-                     f"(`{profile_command(cell)}` on a GPU adds them).")
+                     f"(`{profile_command(cell, out)}` on a GPU adds them).")
     if any(r[key] is None for r in rows for key, _ in COLUMNS):
         lines.append("–: not collected by that run (runs before the bank-conflict and L2-sector counters "
                      "were added to `--sections`).")
     lines += ["Percentages are of each unit's peak, averaged over the call's kernels weighted by their time; "
               "counts are summed over them. Minimum: Q, K and V loaded once.", "", READING_GUIDE]
     return "\n".join(lines) + "\n"
+
+
+def fallback_cell(profile_dir) -> dict | None:
+    """The profiled cell with the most impls (then the longest N), or None: what to show while the
+    headline cell has not been profiled yet."""
+    cells = profiled_cells(profile_dir)
+    if not cells:
+        return None
+    best = max(cells, key=lambda c: (len(c["impls"]), c["N"], c["D"] == HEADLINE_CELL["D"]))
+    return {k: best[k] for k in ("N", "D", "dtype", "causal")}
+
+
+def table_for_reading(profile_dir, *, out: str = "results/h200/profile") -> tuple[list[dict], dict, str]:
+    """``(rows, cell, markdown)`` for the notebooks. The headline cell when it was profiled; else the
+    profiled cell with the most impls, the markdown saying so; with no summary at all, no rows and a
+    "no profiler data yet: run ..." line (``out``: the ``--out`` folder that command should name)."""
+    cell = dict(HEADLINE_CELL)
+    try:
+        rows = profiler_table(profile_dir, **cell)
+    except NoProfilerData:
+        return [], cell, f"no profiler data yet: run `{profile_command(cell, out)}` on a GPU with Nsight Compute.\n"
+    if rows:
+        return rows, cell, render_markdown(rows, cell=cell, out=out)
+    text = render_markdown([], cell=cell, out=out)
+    other = fallback_cell(profile_dir)
+    if other is None:
+        return [], cell, text
+    rows = profiler_table(profile_dir, **other)
+    return rows, other, text + "\nMeanwhile, the profiled cell with the most impls:\n\n" + \
+        render_markdown(rows, cell=other, out=out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(render_markdown(rows, cell=cell))
     if not rows:
-        others = [c for c in profiled_cells(args.profile_dir)]
+        others = profiled_cells(args.profile_dir)
         if others:
             print("Cells with profiler data in this folder:")
             for c in others:

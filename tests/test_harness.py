@@ -558,7 +558,7 @@ def test_ncu_sections_command_and_summary(tmp_path):
     replaces its summary rows."""
     cmd = ncu.ncu_command("/x/ncu", "c", "", Problem(1, 2, 64, 16, "fp16", False), sections=ncu.SECTIONS)
     assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--section"] == list(ncu.SECTIONS)
-    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--metrics"] == [",".join(ncu.PIPE_AND_STALL_METRICS)]
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--metrics"] == [",".join(ncu.SECTION_RAW_METRICS)]
     assert not set(ncu.METRICS) & set(ncu.PIPE_AND_STALL_METRICS)
     assert set(ncu.PIPE_AND_STALL_METRICS) <= set(ncu.SECTION_SUMMARY)
     text = NCU_CSV.replace("dram__bytes_read.sum", "Duration")
