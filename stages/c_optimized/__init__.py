@@ -4,7 +4,12 @@ warp specialization (see README.md)."""
 from .. import register
 from ..contract import Stage
 from .configs import Config, candidate_configs, choose_config
-from .kernels import attention, compile, hbm_bytes, workspace_bytes
+from .kernels import attention, attention_with_lse, compile, hbm_bytes, workspace_bytes
+
+try:  # the backward kernels (backward.py); the stage registers without their models until it exists
+    from . import backward as _backward
+except ImportError:
+    _backward = None
 
 #: The ablation. "+name": cumulative steps from stage B's settings (every switch off), adding one
 #: optimization at a time in this order; "-name": all on but one. The stage with no keyword
@@ -30,12 +35,16 @@ STAGE = register(Stage(
     attention=attention,
     hbm_bytes=hbm_bytes,
     workspace_bytes=workspace_bytes,
-    kernel_names=("optimized_attention_kernel", "ws_attention_kernel"),
+    kernel_names=("optimized_attention_kernel", "ws_attention_kernel", "split_kv_attention_kernel",
+                  "merge_splits_kernel"),
     variants=VARIANTS,
     compile=compile,
+    bwd_hbm_bytes=getattr(_backward, "bwd_hbm_bytes", None),
+    train_workspace_bytes=getattr(_backward, "train_workspace_bytes", None),
 ))
 
-__all__ = ["STAGE", "SWITCHES", "VARIANTS", "Config", "attention", "candidate_configs", "choose_config",
+__all__ = ["STAGE", "SWITCHES", "VARIANTS", "Config", "attention", "attention_with_lse", "candidate_configs",
+           "choose_config",
            "compile", "hbm_bytes", "workspace_bytes"]
 
 from . import cuda_twin  # noqa: E402,F401  (registers the CUDA C++ twin; compiles on first use)

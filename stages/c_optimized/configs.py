@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..contract import slugify
+from ..contract import cdiv, padded_head_dim, slugify
 from . import hopper_ws
 
 TUNED_DIR = Path(__file__).with_name("tuned")
@@ -99,13 +99,18 @@ def shared_memory_bytes(config: Config, D: int, element_bytes: int) -> int:
 
 
 def fits(config: Config, D: int, element_bytes: int, arch: int) -> bool:
+    """Whether ``config`` fits the shared memory of an sm_``arch`` block at head dim ``D`` (padded to
+    the kernel's power-of-two tile width first: the tiles hold the padded columns)."""
     limit = SHARED_MEMORY_LIMIT.get(arch, 99 * 1024)
-    return shared_memory_bytes(config, D, element_bytes) + 1024 <= limit  # 1 KB for barriers and scratch
+    return shared_memory_bytes(config, padded_head_dim(D), element_bytes) + 1024 <= limit  # 1 KB for barriers
 
 
 def candidate_configs(D: int, dtype: torch.dtype, arch: int, warp_specialization: bool = True) -> list[Config]:
     """The configurations worth trying for this head dim and GPU, best guess first; only those that
-    fit. On Hopper (fp16/bf16, D 64/128) the warp-specialized kernel's configs come first."""
+    fit. On Hopper (fp16/bf16, D 64/128) the warp-specialized kernel's configs come first. A head dim
+    that is not a power of two (72, 200, ...) takes the configs of its padded tile width."""
+    ws_D = D
+    D = padded_head_dim(D)
     if dtype == torch.float32:
         # fp32 products run on the FMA units ("ieee"), registers are the limit: small tiles.
         shapes = [Config(64, 32, 4, 2), Config(32, 32, 4, 2)]
@@ -118,8 +123,8 @@ def candidate_configs(D: int, dtype: torch.dtype, arch: int, warp_specialization
             128: [Config(128, 128, 8, 3), Config(128, 64, 8, 3), Config(128, 64, 4, 3), Config(64, 64, 4, 3)],
             256: [Config(64, 64, 4, 2), Config(64, 32, 4, 2), Config(128, 32, 8, 2)],
         }[D]
-        if warp_specialization and arch == 90 and D in WS_SHAPES:
-            shapes = WS_SHAPES[D] + shapes
+        if warp_specialization and arch == 90 and ws_D in WS_SHAPES:
+            shapes = WS_SHAPES[ws_D] + shapes
     else:
         shapes = {
             16: [Config(128, 64, 4, 3), Config(64, 64, 4, 3)],
@@ -179,6 +184,19 @@ def num_sms(device: torch.device) -> int:
     return _cuda_sms(_cuda_index(device))
 
 
+#: The SM count assumed where there is no GPU to ask (the CPU interpreter, ``compile`` for a target,
+#: the traffic models): the H200 this lab is tuned on has 132.
+DEFAULT_SMS = 132
+
+
+def sm_count(device: torch.device | None) -> int:
+    """SMs of ``device`` when it is a CUDA GPU, else ``DEFAULT_SMS``: the number the shape-aware
+    choice (``shape_aware_config``) and the split-KV path size their grids by."""
+    if device is not None and device.type == "cuda":
+        return num_sms(device)
+    return DEFAULT_SMS
+
+
 @lru_cache(maxsize=None)
 def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -220,3 +238,46 @@ def choose_config(D: int, dtype: torch.dtype, causal: bool, arch: int, N: int,
             if fits(config, D, e, arch) and (warp_specialization or not config.ws):
                 return config
     return candidate_configs(D, dtype, arch, warp_specialization)[0]
+
+
+def work_items(B: int, Hq: int, Nq: int, block_m: int) -> int:
+    """Programs of a one-pass kernel: one per (batch, query head, BLOCK_M query rows)."""
+    return B * Hq * cdiv(Nq, block_m)
+
+
+@lru_cache(maxsize=4096)
+def shape_aware_config(config: Config, B: int, Hq: int, Nq: int, D: int, dtype: torch.dtype, arch: int,
+                       sms: int) -> Config:
+    """Adjust the (tuned) ``config`` to the work the GPU will really see. The tuned table was measured
+    on the FlashAttention-paper grid, where B·Hq·⌈Nq/BLOCK_M⌉ is thousands of programs; it knows
+    nothing of a problem that cannot fill the GPU. The rule, from the number of programs
+    ``items = B·Hq·⌈Nq/BLOCK_M⌉`` against the ``sms`` streaming multiprocessors:
+
+    1. ``items >= sms`` (at least one full wave) and Nq longer than half a tile: keep the tuned
+       config. Bigger tiles re-read K and V less and every SM has work; this is every cell of the
+       tuned grid.
+    2. Short queries, ``Nq <= BLOCK_M / 2``: halve BLOCK_M, down to 64 (the smallest tile a Hopper
+       warpgroup's wgmma takes; on other GPUs too), so no program computes a tile that is half
+       padding.
+    3. Fewer programs than SMs: halve the rows per program (down to 64) while that leaves SMs
+       idle, so more SMs share the problem. The warp-specialized kernel swaps to its 128-row
+       (two-consumer) config, one program per item (a persistent grid has nothing to walk).
+    4. Fewer programs than SMs *and* a long key sequence is the split-KV path's case (``decode.py``,
+       chosen before this function by ``decode.choose_splits``): it splits the keys instead.
+    """
+    e = torch.tensor([], dtype=dtype).element_size()
+    if config.ws:
+        if work_items(B, Hq, Nq, config.block_m) >= sms:
+            return config
+        small = [c for c in WS_SHAPES.get(D, []) if c.block_m == 128]
+        if small and (config.block_m > 128 or config.persistent):
+            return replace(small[0], persistent=False)
+        return config
+    block_m = config.block_m
+    while block_m > 64 and (Nq <= block_m // 2 or work_items(B, Hq, Nq, block_m) < sms):
+        block_m //= 2
+    if block_m == config.block_m:
+        return config
+    # Half the rows: half the accumulator per warp as well, so half the warps (not below 4).
+    smaller = replace(config, block_m=block_m, num_warps=max(4, config.num_warps * block_m // config.block_m))
+    return smaller if fits(smaller, D, e, arch) else config

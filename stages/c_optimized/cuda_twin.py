@@ -42,6 +42,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     """
     scale = validate_inputs(q, k, v, causal=causal, sm_scale=sm_scale, head_dims=(64, 128),
                             dtypes=(torch.float16, torch.bfloat16))
+    # flash_c.cu predates the extended contract: one K/V head per query head, Nq = Nk, D 64/128.
+    # Say so here, before nvcc or the GPU is involved (validate_inputs already named the head dim).
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"c_cuda needs Hq == Hkv (no grouped-query attention), got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}; use stage 'c' for GQA/MQA")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"c_cuda needs Nq == Nk, got q {tuple(q.shape)}, k {tuple(k.shape)}; use stage 'c' "
+                         f"for queries and keys of different lengths")
     for name, value in (("smem_pad", smem_pad), ("swizzle", swizzle)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")

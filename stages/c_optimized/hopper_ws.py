@@ -141,18 +141,20 @@ def _kv_range(start_m, N, ROWS_PER_PROGRAM: gl.constexpr, BLOCK_N: gl.constexpr,
 
 @gluon.jit
 def _producer(k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM: gl.constexpr, BLOCK_N: gl.constexpr,
-              CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
+              CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, GROUP: gl.constexpr):
     """One warp: keep the K/V ring full. Waits until every consumer released a buffer, then asks the
     copy engine for the next K or V tile; each copy signals its ``ready`` barrier on arrival. K and V
     slots are released separately (K once its ``Q·Kᵀ`` is done, V a tile later, once its ``P·V`` is
     done), so the next K tile can start on its way half a tile earlier. The producer runs ahead into
-    the next work item while the consumers finish the current one."""
+    the next work item while the consumers finish the current one. Grouped-query attention: query
+    head h reads K/V head h // GROUP (the descriptors span K and V's own Hkv heads)."""
     k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
     STAGES: gl.constexpr = k_bufs.shape[0]
     it = 0
     t = _first_item(ZIGZAG)
     while t < total:
         b, h, start_m = _tile_coords(t, n_m, H, ROWS_PER_PROGRAM, CAUSAL, ZIGZAG)
+        kv_h = h // GROUP
         n_tiles, n_unmasked = _kv_range(start_m, N, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL)
         for j in range(n_tiles):
             s = it % STAGES
@@ -160,10 +162,10 @@ def _producer(k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM: gl.const
             lap = ((it // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(s), lap)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, h, j * BLOCK_N, 0], k_ready.index(s), k_bufs.index(s))
+            tma.async_copy_global_to_shared(k_desc, [b, kv_h, j * BLOCK_N, 0], k_ready.index(s), k_bufs.index(s))
             mbarrier.wait(v_empty.index(s), lap)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b, h, j * BLOCK_N, 0], v_ready.index(s), v_bufs.index(s))
+            tma.async_copy_global_to_shared(v_desc, [b, kv_h, j * BLOCK_N, 0], v_ready.index(s), v_bufs.index(s))
             it += 1
         t = _next_item(t, total, ZIGZAG)
 
@@ -551,9 +553,11 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, Q, stride_qb, stride_qh,
                         ISSUE_TURNS: gl.constexpr, EXP_TURNS: gl.constexpr, CAUSAL: gl.constexpr,
                         EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr, Q_BUFS: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, PREFETCH_L2: gl.constexpr = True,
-                        LAZY_RESCALE: gl.constexpr = True):
+                        LAZY_RESCALE: gl.constexpr = True, GROUP: gl.constexpr = 1):
     """Grid: one program per SM (persistent, ``Q_BUFS`` = 2) or per work item (``Q_BUFS`` = 1); work
-    item t covers ``CONSUMERS × 64`` query rows of one (batch, head). See the module docstring."""
+    item t covers ``CONSUMERS × 64`` query rows of one (batch, query head); ``GROUP`` query heads
+    share a K/V head. Nq = Nk only (the causal mask and the tile ranges assume the square). See the
+    module docstring."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     ROWS_PER_PROGRAM: gl.constexpr = ROWS * CONSUMERS
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
@@ -583,7 +587,7 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, Q, stride_qb, stride_qh,
 
     # The same consumer function runs in the default partition (WG 0) and in worker partitions.
     args = (q_desc, o_desc, Q, stride_qb, stride_qh, stride_qn, q_bufs, q_bars, ring, H, N, n_m, total, qk_scale)
-    producer_args = (k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, ZIGZAG)
+    producer_args = (k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, ZIGZAG, GROUP)
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (args, (turn0, turn1), 0, 2, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
@@ -611,17 +615,24 @@ def _smem_layout(block: tuple, dtype: str) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for(list(block), {"fp16": gl.float16, "bf16": gl.bfloat16}[dtype])
 
 
+def smem_layout(block: tuple, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a ``block`` tile of fp16/bf16 (cached per tile shape)."""
+    return _smem_layout(tuple(block), {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype])
+
+
+def descriptor(t, block: tuple) -> GluonTensorDescriptor:
+    """A 4-D TMA descriptor over ``t`` ([B, H, N, D], its own strides) with tile ``block``; the N
+    bound is per head, so a ragged last tile reads zeros instead of the next head."""
+    dtype = {torch.float16: "fp16", torch.bfloat16: "bf16"}[t.dtype]
+    return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _smem_layout(tuple(block), dtype))
+
+
 def descriptors(q, k, v, o, block_n: int):
-    """4-D TMA descriptors over [B, H, N, D] with the tensors' own strides (the N bound is per head,
-    so a ragged last tile reads zeros instead of the next head)."""
+    """The four descriptors of one call: Q and O in 64-row tiles (one consumer's), K and V in
+    ``block_n``-row tiles over their own [B, Hkv, Nk, D] shape."""
     D = q.shape[-1]
-    dtype = {torch.float16: "fp16", torch.bfloat16: "bf16"}[q.dtype]
-
-    def desc(t, rows):
-        block = (1, 1, rows, D)
-        return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _smem_layout(block, dtype))
-
-    return desc(q, ROWS_PER_CONSUMER), desc(k, block_n), desc(v, block_n), desc(o, ROWS_PER_CONSUMER)
+    return (descriptor(q, (1, 1, ROWS_PER_CONSUMER, D)), descriptor(k, (1, 1, block_n, D)),
+            descriptor(v, (1, 1, block_n, D)), descriptor(o, (1, 1, ROWS_PER_CONSUMER, D)))
 
 
 def q_buffers(persistent: bool) -> int:
@@ -631,8 +642,35 @@ def q_buffers(persistent: bool) -> int:
 
 
 def supported(dtype: torch.dtype, D: int, arch: int) -> bool:
-    """The warp-specialized path covers Hopper, fp16/bf16 and D in {64, 128}."""
+    """The warp-specialized path covers Hopper, fp16/bf16 and D in {64, 128} (and Nq = Nk: the
+    caller checks that, it is not a property of the dtype or head dim)."""
     return arch == 90 and dtype in (torch.float16, torch.bfloat16) and D in (64, 128)
+
+
+def static_plan(B: int, H: int, N: int, D: int, q_stride: tuple, *, causal: bool, block_n: int, stages: int,
+                consumers: int = 2, pingpong: bool = True, persistent: bool = True, num_sms: int = 132,
+                prefetch_l2: bool = True, lazy_rescale: bool = True, group: int = 1) -> tuple[tuple, dict, dict]:
+    """The parts of the launch that depend on shapes only: (grid, every argument but the tensors and
+    descriptors, launch options). Stage C caches them per shape (``kernels._recipe``)."""
+    n_m = -(-N // (ROWS_PER_CONSUMER * consumers))
+    total = n_m * B * H
+    zigzag = causal and persistent
+    # A persistent program walks items round-robin; causal ones in pairs (see _tile_coords), so a
+    # pair is the unit of work a program is dealt.
+    units = -(-total // 2) if zigzag else total
+    grid = (min(units, num_sms) if persistent else total,)
+    args = dict(stride_qb=q_stride[0], stride_qh=q_stride[1], stride_qn=q_stride[2], H=H, N=N, n_m=n_m,
+                total=total, BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, CAUSAL=causal,
+                EVEN_N=(N % block_n == 0), ZIGZAG=zigzag, Q_BUFS=q_buffers(persistent),
+                CONSUMER_REGS=240 if consumers == 2 else 160,
+                ISSUE_TURNS=pingpong and consumers != 2,
+                EXP_TURNS=pingpong and consumers == 2, PREFETCH_L2=prefetch_l2, LAZY_RESCALE=lazy_rescale,
+                GROUP=group)
+    # 4 warps run the default partition (consumer 0); the workers add 4 per further consumer and 1
+    # producer warp, rounded up to whole warpgroups. maxnreg sets the register pool they share:
+    # 65536 registers over all the threads.
+    threads = 128 * (consumers + 1)
+    return grid, args, {"maxnreg": (65536 // threads) // 8 * 8}
 
 
 def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int, consumers: int = 2,
@@ -643,6 +681,8 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
     This runs on every call, on the host, before the GPU sees the kernel, so it is kept short: when
     it takes longer than the work queued ahead of it on the stream, the GPU idles and a small problem
     measures the host instead of the kernel (``do_bench`` times from the event before the call).
+    Stage C's own path goes further: it caches ``static_plan`` per shape and builds only the
+    descriptors per call.
 
     ``pingpong``: the consumers take turns, two at the exponentials (named barriers), three at
     wgmma issue (mbarriers); see the module docstring.
@@ -653,26 +693,15 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
     and leaving it out measured 0.955–1.023×, median 1.005×: item 28).
 
     ``lazy_rescale``: O is rescaled only when some row of a warp raised its maximum by more than
-    2^8 (``_rescale_if_needed``); else on every tile (the ``-E`` configs; NOTES.md, item 35)."""
+    2^8 (``_rescale_if_needed``); else on every tile (the ``-E`` configs; NOTES.md, item 35).
+
+    Grouped-query attention (k, v with fewer heads than q) works; Nq must equal Nk."""
     B, H, N, D = q.shape
+    if k.shape[2] != N:
+        raise ValueError(f"the warp-specialized kernel needs Nq == Nk, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    grid, args, extra = static_plan(B, H, N, D, q.stride(), causal=causal, block_n=block_n, stages=stages,
+                                    consumers=consumers, pingpong=pingpong, persistent=persistent, num_sms=num_sms,
+                                    prefetch_l2=prefetch_l2, lazy_rescale=lazy_rescale, group=H // k.shape[1])
     q_desc, k_desc, v_desc, o_desc = descriptors(q, k, v, o, block_n)
-    n_m = -(-N // (ROWS_PER_CONSUMER * consumers))
-    total = n_m * B * H
-    zigzag = causal and persistent
-    # A persistent program walks items round-robin; causal ones in pairs (see _tile_coords), so a
-    # pair is the unit of work a program is dealt.
-    units = -(-total // 2) if zigzag else total
-    grid = (min(units, num_sms) if persistent else total,)
-    args = dict(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=o_desc, Q=q, stride_qb=q.stride(0),
-                stride_qh=q.stride(1), stride_qn=q.stride(2), qk_scale=qk_scale, H=H, N=N, n_m=n_m, total=total,
-                BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, CAUSAL=causal,
-                EVEN_N=(N % block_n == 0), ZIGZAG=zigzag, Q_BUFS=q_buffers(persistent),
-                CONSUMER_REGS=240 if consumers == 2 else 160,
-                ISSUE_TURNS=pingpong and consumers != 2,
-                EXP_TURNS=pingpong and consumers == 2, PREFETCH_L2=prefetch_l2, LAZY_RESCALE=lazy_rescale)
-    # 4 warps run the default partition (consumer 0); the workers add 4 per further consumer and 1
-    # producer warp, rounded up to whole warpgroups. maxnreg sets the register pool they share:
-    # 65536 registers over all the threads.
-    threads = 128 * (consumers + 1)
-    return Launch(ws_attention_kernel, grid, args, num_warps=4, num_stages=1,
-                  extra={"maxnreg": (65536 // threads) // 8 * 8})
+    args.update(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=o_desc, Q=q, qk_scale=qk_scale)
+    return Launch(ws_attention_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)

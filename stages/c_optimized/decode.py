@@ -1,0 +1,218 @@
+"""Stage C's split-KV path (flash-decoding): attention when there are too few queries to fill the GPU.
+
+The one-pass kernel gives each program BLOCK_M query rows of one head and walks *all* the keys.
+Its parallelism is the number of such row blocks, B·Hq·⌈Nq/BLOCK_M⌉. In decoding (Nq = 1, a long
+cache of Nk keys), or with one head of a long sequence, that is a handful of programs on a GPU
+with 132 SMs: most SMs idle while a few walk the whole key sequence one tile at a time.
+
+The fix is to parallelize over the keys as well. Softmax is not a sum, but it can be merged:
+
+**Split.** The keys are cut into ``splits`` chunks of ``chunk`` keys (a multiple of BLOCK_N, at
+least ``MIN_TILES_PER_SPLIT`` tiles long, so each program has a loop worth pipelining). Program
+(s, b, kv head, row block) runs the ordinary online softmax over chunk s only and writes, per
+query row, its chunk's *normalized* partial output and the chunk's log-sum-exp, in base 2:
+
+    O_s = Σ_{j in s} 2^(x_j − L_s) v_j,     L_s = log2 Σ_{j in s} 2^(x_j),    x_j = q·k_j · scale · log2 e
+
+(L_s = −inf for a chunk in which the row sees no key: a causal row, or a chunk past its diagonal.)
+
+**Merge.** The row's full log-sum-exp is the log-sum-exp of the chunks' ones, and its output the
+chunks' outputs weighted by their share of the total mass:
+
+    L = log2 Σ_s 2^(L_s),      O = Σ_s 2^(L_s − L) · O_s
+
+which the second, small kernel computes with the same running-maximum trick as the main loop
+(subtract max_s L_s before exponentiating, so nothing overflows). A row with no key anywhere has
+every L_s = −inf; it gets O = 0 and L = +inf (the backward's convention: P = 2^(x − L) = 0).
+
+**Grouped-query attention.** One program takes *all* the query heads that share its KV head (and
+all their Nq rows) as the rows of one tile: row r is query head ``kv_head·group + r // Nq``, query
+row ``r % Nq``. Each K/V tile is then read once per KV head, not once per query head, and the
+tensor cores get ``group·Nq`` rows instead of Nq (with Nq = 1 and no grouping the tile is mostly
+padding, which costs nothing here: decoding is limited by reading K and V, not by the products).
+
+**Causal.** Bottom-right aligned: row i sees keys j <= i + Nk − Nq, so with few query rows the
+last rows see (nearly) every key. The mask is applied per row on every tile; a program stops at
+the last key any of its rows sees.
+
+The traffic: K and V once per (batch, KV head, row block), Q once, and the partials written in fp32
+and read back once by the merge: ``splits·B·Hq·Nq·(D + 1)·4`` bytes each way, small beside K and V
+when Nk is long (the only case this path is chosen for).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..contract import cdiv, padded_head_dim
+
+#: Each split walks at least this many K/V tiles: fewer would spend more on the merge and the
+#: program's start-up than the split saves.
+MIN_TILES_PER_SPLIT = 4
+#: At most this many splits (partials grow with the count; beyond this the GPU is full anyway).
+MAX_SPLITS = 256
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    """Tiles of the split kernel: ``block_m`` query rows (of the flattened group·Nq rows) by
+    ``block_n`` keys, ``splits`` chunks of ``chunk`` keys each."""
+
+    block_m: int
+    block_n: int
+    splits: int
+    chunk: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def tiles_for(group: int, Nq: int, D: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the split kernel: BLOCK_M covers the group's rows (16: ``tl.dot``'s
+    smallest tile, up to 64), BLOCK_N 64 keys (32 at the widest head dims, to fit shared memory)."""
+    rows = group * Nq
+    block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+    block_n = 64 if padded_head_dim(D) <= 128 else 32
+    return block_m, block_n
+
+
+def choose_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: int) -> SplitConfig | None:
+    """The split-KV configuration for this problem, or None when splitting does not pay.
+
+    Programs without splitting: ``items = B·Hkv·⌈group·Nq/BLOCK_M⌉``. When that is at most half the
+    SMs, ``splits = sms // items`` chunks fill about one wave (never more than the K/V tiles allow
+    at ``MIN_TILES_PER_SPLIT`` tiles per chunk); with more items than that, a second wave of split
+    programs would take as long as the unsplit ones, so the one-pass kernel runs instead."""
+    block_m, block_n = tiles_for(group, Nq, D)
+    items = B * Hkv * cdiv(group * Nq, block_m)
+    tiles = cdiv(Nk, block_n)
+    splits = min(sms // items, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS)
+    if splits < 2:
+        return None
+    return forced_splits(group, Nq, Nk, D, splits)
+
+
+def forced_splits(group: int, Nq: int, Nk: int, D: int, splits: int) -> SplitConfig:
+    """``splits`` chunks (``attention(..., split_kv=splits)``), each a whole number of K/V tiles: the
+    count is rounded to what equal chunks of whole tiles give (never more than one chunk per tile)."""
+    block_m, block_n = tiles_for(group, Nq, D)
+    tiles = cdiv(Nk, block_n)
+    chunk_tiles = cdiv(tiles, max(1, min(splits, tiles)))
+    return SplitConfig(block_m, block_n, cdiv(tiles, chunk_tiles), chunk_tiles * block_n)
+
+
+@triton.jit
+def split_kv_attention_kernel(
+    Q, K, V, O_PART, LSE_PART, qk_scale,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    Hq, Hkv, N_Q, N_K, CAUSAL_OFFSET, CHUNK, ROWS_TOTAL,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (split, b·Hkv + kv head, row block): the online softmax of its rows over one chunk of
+    keys; writes the chunk's normalized O (fp32) and base-2 log-sum-exp per row (module docstring)."""
+    split = tl.program_id(0)
+    b = tl.program_id(1) // Hkv
+    kv_h = tl.program_id(1) % Hkv
+    r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows of the group, flattened (head, row)
+    row_ok = r < GROUP * N_Q
+    h = kv_h * GROUP + r // N_Q
+    i = r % N_Q
+    ds = tl.arange(0, BLOCK_D)
+    d_ok = ds < D
+
+    q_ptrs = (Q + b.to(tl.int64) * stride_qb + h.to(tl.int64)[:, None] * stride_qh
+              + i.to(tl.int64)[:, None] * stride_qn + ds[None, :])
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    K_bh = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh
+    V_bh = V + b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh
+
+    lo = split * CHUNK
+    hi = tl.minimum(lo + CHUNK, N_K)
+    if CAUSAL:
+        # No row of this program sees a key past its last row's diagonal: stop there.
+        hi = tl.minimum(hi, tl.max(tl.where(row_ok, i, -1)) + CAUSAL_OFFSET + 1)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = (cols[:, None] < N_K) & d_ok[None, :]
+        k = tl.load(K_bh + cols[:, None] * stride_kn + ds[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V_bh + cols[:, None] * stride_vn + ds[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        valid = cols[None, :] < hi
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= i[:, None] + CAUSAL_OFFSET)
+        qk = tl.where(valid, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+        # A row that has seen no key yet keeps m = -inf; subtract 0 instead (-inf - -inf is NaN).
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    # Partials: [splits, B·Hq·Nq rows, D] and [splits, B·Hq·Nq], rows in (b, h, i) order.
+    row = (b * Hq + h).to(tl.int64) * N_Q + i
+    part = split.to(tl.int64) * ROWS_TOTAL + row
+    tl.store(O_PART + part[:, None] * D + ds[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LSE_PART + part, lse, mask=row_ok)
+
+
+@triton.jit
+def merge_splits_kernel(
+    O_PART, LSE_PART, O, LSE, ROWS_TOTAL, SPLITS,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, STORE_LSE: tl.constexpr,
+):
+    """O = Σ_s 2^(L_s − L)·O_s with L = log2 Σ_s 2^(L_s), for BLOCK_R rows (module docstring), folded
+    in split by split with a running maximum, exactly like the main loop's online softmax."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < ROWS_TOTAL
+    ds = tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None] & (ds[None, :] < D)
+    m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    den = tl.zeros((BLOCK_R,), tl.float32)
+    acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+    for s in range(SPLITS):
+        part = s * ROWS_TOTAL + rows.to(tl.int64)
+        lse_s = tl.load(LSE_PART + part, mask=row_ok, other=float("-inf"))
+        o_s = tl.load(O_PART + part[:, None] * D + ds[None, :], mask=mask, other=0.0)
+        m_new = tl.maximum(m, lse_s)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w_old = tl.math.exp2(m - m_use)
+        w = tl.math.exp2(lse_s - m_use)
+        den = den * w_old + w
+        acc = acc * w_old[:, None] + w[:, None] * o_s
+        m = m_new
+    seen = den > 0.0
+    out = acc / tl.where(seen, den, 1.0)[:, None]
+    tl.store(O + rows.to(tl.int64)[:, None] * D + ds[None, :], out.to(O.dtype.element_ty), mask=mask)
+    if STORE_LSE:
+        lse = tl.where(seen, m + tl.math.log2(tl.where(seen, den, 1.0)), float("inf"))
+        tl.store(LSE + rows, lse, mask=row_ok)
+
+
+#: Rows per program of the merge kernel.
+MERGE_ROWS = 16
+
+
+def workspace_shapes(B: int, Hq: int, Nq: int, D: int, splits: int) -> tuple[tuple, tuple]:
+    """Shapes of the fp32 partials: O ``[splits, B·Hq·Nq, D]`` and the log-sum-exps ``[splits, B·Hq·Nq]``."""
+    rows = B * Hq * Nq
+    return (splits, rows, D), (splits, rows)
+
+
+def workspace_bytes(B: int, Hq: int, Nq: int, D: int, splits: int) -> int:
+    """Bytes of the partials one split-KV call allocates (fp32 O and log-sum-exp per split and row)."""
+    return 4 * splits * B * Hq * Nq * (D + 1)

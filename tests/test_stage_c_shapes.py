@@ -1,0 +1,307 @@
+"""Stage C on the extended contract: grouped-query attention, Nq != Nk with bottom-right causal masks,
+every head dim (padded inside the kernel), the split-KV path, the row log-sum-exp the backward
+needs, the lean cached host path and the shape-aware choice. Small shapes, Triton interpreter;
+GPU-only checks are marked ``gpu``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from stages import STAGES, contract
+from stages.c_optimized import configs, decode, hopper_ws
+from stages.c_optimized import kernels as c_kernels
+from stages.contract import Problem
+
+from .helpers import DTYPES, check_against_reference, make_qkv
+
+attention = STAGES["c"].attention
+
+
+def _reference_lse(q, k, *, causal, sm_scale=None):
+    """log2 Σ_j 2^(q·k_j · scale · log2 e) per row in float64 (+inf for a row that sees no key)."""
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    group = q.shape[1] // k.shape[1]
+    kk = k.double().repeat_interleave(group, dim=1)
+    s = (q.double() @ kk.transpose(-1, -2)) * scale
+    Nq, Nk = q.shape[2], k.shape[2]
+    if causal:
+        i = torch.arange(Nq)[:, None]
+        j = torch.arange(Nk)[None, :]
+        s = s.masked_fill(j > i + (Nk - Nq), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1) / math.log(2)
+    return torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)
+
+
+def _check_lse(lse, q, k, *, causal):
+    ref = _reference_lse(q.cpu(), k.cpu(), causal=causal)
+    lse = lse.cpu().double()
+    assert lse.shape == q.shape[:3] and lse.dtype == torch.float64
+    empty = torch.isinf(ref)
+    assert torch.equal(torch.isinf(lse), empty) and (lse[empty] > 0).all(), "rows with no key need lse = +inf"
+    # fp32 sums of exponentials of (dtype-rounded) scores: a few ulps of the log2 sum
+    assert (lse[~empty] - ref[~empty]).abs().max() < 1e-3 * max(1.0, ref[~empty].abs().max().item())
+
+
+# ------------------------------------------------------------------------------- forward shapes
+
+SHAPES = [
+    # B, Hq, Hkv, Nq, Nk: GQA, MQA, Nq < Nk (decode-like), Nq > Nk (rows with no key when causal)
+    (2, 4, 2, 37, 37),
+    (1, 4, 1, 20, 90),
+    (1, 2, 2, 90, 20),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}".format(*s))
+def test_gqa_and_unequal_lengths(shape, causal, device):
+    B, Hq, Hkv, Nq, Nk = shape
+    q, k, v = make_qkv(B, Hq, Nq, 64, torch.float16, device, Hkv=Hkv, Nk=Nk)
+    o = attention(q, k, v, causal=causal)
+    check_against_reference(o, q, k, v, causal=causal, dtype_name="fp16")
+
+
+def test_rows_that_see_no_key_are_exactly_zero(device):
+    """Nq > Nk, causal: the first Nq - Nk rows see no key and output exactly 0, on the TMA
+    (arch 90) and pointer (arch 80) paths, with and without causal skipping."""
+    q, k, v = make_qkv(1, 2, 70, 16, torch.float16, device, Nk=30)
+    for arch in (80, 90):
+        for causal_skip in (True, False):
+            o = contract.new_output(q)
+            lse = torch.full(q.shape[:3], float("nan"), device=device)
+            for launch in c_kernels.plan(q, k, v, o, causal=True, scale=0.25, arch=arch, lse=lse, split_kv=1,
+                                         causal_skip=causal_skip):
+                launch.run()
+            assert not o[:, :, :40].any() and torch.isinf(lse[:, :, :40]).all()
+            check_against_reference(o, q, k, v, causal=True, dtype_name="fp16", sm_scale=0.25)
+
+
+@pytest.mark.parametrize("D", [8, 72, 80, 96, 112, 200])
+def test_head_dims_padded_inside_the_kernel(D, device):
+    """Head dims that are not powers of two: padded to ``padded_head_dim(D)`` with masks (pointer
+    path, arch 80) or the copy engine's zero fill (TMA path, arch 90), never a copy of the inputs."""
+    dtype = {8: "fp32", 72: "fp16", 80: "bf16", 96: "fp16", 112: "fp32", 200: "fp16"}[D]
+    q, k, v = make_qkv(1, 2, 40, D, DTYPES[dtype], device, Hkv=1, Nk=50)
+    for arch in (80, 90):
+        o = contract.new_output(q)
+        (launch,) = c_kernels.plan(q, k, v, o, causal=True, scale=D ** -0.5, arch=arch, split_kv=1)
+        assert launch.args["BLOCK_D"] == contract.padded_head_dim(D) and launch.args["USE_TMA"] == (arch == 90)
+        launch.run()
+        check_against_reference(o, q, k, v, causal=True, dtype_name=dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_strided_gqa_inputs(dtype, device):
+    q, k, v = make_qkv(2, 4, 45, 48, DTYPES[dtype], device, layout="bnhd", Hkv=2, Nk=60)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    o = attention(q, k, v, causal=True)
+    check_against_reference(o, q, k, v, causal=True, dtype_name=dtype)
+
+
+# ------------------------------------------------------------------------------- split-KV
+
+@pytest.mark.parametrize("dtype,causal", [("fp16", True), ("bf16", False), ("fp32", True)])
+def test_split_kv_decode(dtype, causal, device):
+    """Nq = 1 (and 3) against a longer Nk through the split-KV path, all query heads of a group in
+    one program; the keys split into chunks whose partials the merge kernel combines."""
+    for Hq, Hkv, Nq in ((4, 1, 1), (4, 2, 3)):
+        q, k, v = make_qkv(2, Hq, Nq, 40, DTYPES[dtype], device, Hkv=Hkv, Nk=333)
+        o, lse = c_kernels.attention_with_lse(q, k, v, causal=causal, split_kv=4)
+        check_against_reference(o, q, k, v, causal=causal, dtype_name=dtype)
+        _check_lse(lse, q, k, causal=causal)
+
+
+def test_split_kv_with_empty_rows_and_chunks(device):
+    """Causal, Nq > Nk: rows with no key at all (every partial's lse is -inf) get 0 and lse = +inf,
+    and chunks past a row's diagonal contribute nothing."""
+    q, k, v = make_qkv(1, 2, 40, 16, torch.float16, device, Nk=300)
+    q2, k2, v2 = make_qkv(1, 2, 320, 16, torch.float16, device, Nk=300)
+    for q_, k_, v_ in ((q, k, v), (q2, k2, v2)):
+        o, lse = c_kernels.attention_with_lse(q_, k_, v_, causal=True, split_kv=5)
+        check_against_reference(o, q_, k_, v_, causal=True, dtype_name="fp16")
+        _check_lse(lse, q_, k_, causal=True)
+
+
+def test_split_kv_is_chosen_from_the_work():
+    """Too few programs for the SMs and a long key sequence: split; enough programs, or short keys:
+    do not. The splits fill about one wave, each chunk whole tiles and at least a few of them."""
+    sms = 132
+    split = decode.choose_splits(B=1, Hkv=8, group=4, Nq=1, Nk=8192, D=128, sms=sms)
+    assert split is not None and split.splits >= 2
+    assert 1 * 8 * split.splits <= sms and split.chunk % split.block_n == 0
+    assert split.chunk >= decode.MIN_TILES_PER_SPLIT * split.block_n
+    assert split.splits * split.chunk >= 8192 > (split.splits - 1) * split.chunk
+    assert decode.choose_splits(B=1, Hkv=8, group=4, Nq=1, Nk=128, D=128, sms=sms) is None  # too short
+    assert decode.choose_splits(B=64, Hkv=8, group=4, Nq=1, Nk=8192, D=128, sms=sms) is None  # GPU full
+    p = dict(D=128, dtype=torch.float16, causal=True, arch=90, sms=sms)
+    assert c_kernels.select(1, 32, 8, 1, 8192, **p).path == "split"
+    assert c_kernels.select(16, 32, 8, 4096, 4096, **p).path == "ws"
+    assert c_kernels.select(1, 32, 8, 1, 8192, split_kv=1, **p).path == "tl"
+
+
+# ------------------------------------------------------------------------------- log-sum-exp
+
+@pytest.mark.parametrize("arch,dtype", [(80, "fp32"), (90, "fp16")])
+def test_lse_matches_logsumexp(arch, dtype, device):
+    """The training forward's row log-sum-exp (base 2) against torch.logsumexp in float64, on the
+    TMA and pointer paths, with the causal offset and empty rows; and with exp2 switched off (the
+    kernel then works in natural units and converts)."""
+    q, k, v = make_qkv(1, 4, 50, 24, DTYPES[dtype], device, Hkv=2, Nk=30)
+    for exp2 in (True, False):
+        o = contract.new_output(q)
+        lse = torch.full(q.shape[:3], float("nan"), device=device)
+        for launch in c_kernels.plan(q, k, v, o, causal=True, scale=24 ** -0.5, arch=arch, lse=lse, exp2=exp2):
+            launch.run()
+        check_against_reference(o, q, k, v, causal=True, dtype_name=dtype)
+        _check_lse(lse, q, k, causal=True)
+
+
+def test_gradient_path_saves_lse_and_calls_the_backward(device, monkeypatch):
+    """With inputs that require grad, the forward writes lse and the backward receives exactly
+    (do, q, k, v, o, lse) and the options; without, no autograd node is made."""
+    import sys
+    import types
+
+    seen = {}
+
+    def fake_backward(do, q, k, v, o, lse, *, causal, scale, deterministic=False):
+        seen.update(lse=lse, causal=causal, scale=scale, deterministic=deterministic, o=o)
+        return torch.ones_like(q), torch.ones_like(k), torch.ones_like(v)
+
+    monkeypatch.setitem(sys.modules, "stages.c_optimized.backward",
+                        types.SimpleNamespace(attention_backward=fake_backward))
+    q, k, v = make_qkv(1, 4, 20, 16, torch.float16, device, Hkv=2, Nk=24)
+    q.requires_grad_(True)
+    o = attention(q, k, v, causal=True, deterministic=True)
+    assert o.grad_fn is not None
+    o.backward(torch.ones_like(o))
+    assert seen["causal"] and seen["deterministic"] and seen["scale"] == 16 ** -0.5
+    _check_lse(seen["lse"], q.detach(), k, causal=True)
+    assert torch.equal(seen["o"], o.detach()) and torch.equal(q.grad, torch.ones_like(q))
+    assert attention(q.detach(), k, v).grad_fn is None
+
+
+# ------------------------------------------------------------------------------- host path, choice
+
+def test_plan_is_cached_per_shape():
+    """A second call with the same shapes, strides and switches reuses the recipe (no config choice,
+    no grid arithmetic); only tensors and descriptors are bound."""
+    q = torch.empty((2, 8, 256, 64), dtype=torch.float16)
+    k = torch.empty((2, 2, 256, 64), dtype=torch.float16)
+    o = torch.empty_like(q)
+    c_kernels._recipe.cache_clear()
+    first = c_kernels.plan(q, k, k, o, causal=True, scale=0.125, arch=90)
+    second = c_kernels.plan(q, k, k, o, causal=True, scale=0.125, arch=90)
+    info = c_kernels._recipe.cache_info()
+    assert info.misses == 1 and info.hits == 1
+    assert first[0].grid == second[0].grid and first[0].args["GROUP"] == 4
+
+
+def test_shape_aware_config_prefers_smaller_tiles_when_the_gpu_is_not_full():
+    big = configs.Config(128, 64, 8, 3)
+    assert configs.shape_aware_config(big, 16, 16, 4096, 128, torch.float16, 80, 132) == big
+    small = configs.shape_aware_config(big, 1, 2, 4096, 128, torch.float16, 80, 132)
+    assert small.block_m == 64 and small.num_warps == 4
+    assert configs.shape_aware_config(big, 64, 16, 40, 128, torch.float16, 80, 132).block_m == 64  # short Nq
+    ws = configs.WS_SHAPES[64][0]
+    assert ws.block_m == 192 and ws.persistent
+    few = configs.shape_aware_config(ws, 1, 4, 512, 64, torch.float16, 90, 132)
+    assert few.ws and few.block_m == 128 and not few.persistent
+
+
+def test_d256_has_a_sm90_config_of_its_own():
+    config = configs.candidate_configs(256, torch.float16, 90)[0]
+    assert configs.fits(config, 256, 2, 90) and config != configs.Config(32, 32, 4, 1)
+    assert configs.candidate_configs(200, torch.float16, 90)[0] == config  # padded to 256
+
+
+@pytest.mark.parametrize("args,kwargs,error,message", [
+    ((), {"split_kv": 0}, ValueError, r"split_kv must be >= 1"),
+    ((), {"split_kv": 2.0}, TypeError, r"split_kv must be None or an int"),
+    ((), {"deterministic": 1}, TypeError, r"deterministic must be a bool"),
+])
+def test_bad_options_are_named(args, kwargs, error, message):
+    q = torch.randn(1, 2, 8, 16).half()
+    with pytest.raises(error, match=message):
+        attention(q, q, q, **kwargs)
+
+
+def test_cuda_twin_refuses_the_extended_contract():
+    """The CUDA C++ twin covers Hq = Hkv, Nq = Nk, D 64/128 only: it says so before compiling."""
+    from stages.c_optimized import cuda_twin
+
+    q = torch.randn(1, 4, 16, 64).half()
+    kv = torch.randn(1, 2, 16, 64).half()
+    with pytest.raises(ValueError, match="Hq == Hkv"):
+        cuda_twin.attention(q, kv, kv)
+    kv = torch.randn(1, 4, 24, 64).half()
+    with pytest.raises(ValueError, match="Nq == Nk"):
+        cuda_twin.attention(q, kv, kv)
+    q = torch.randn(1, 4, 16, 80).half()
+    with pytest.raises(ValueError, match="head dim"):
+        cuda_twin.attention(q, q, q)
+
+
+# ------------------------------------------------------------------------------- compiled code
+
+@pytest.mark.slow
+@pytest.mark.parametrize("problem,switches", [
+    (Problem(2, 8, 300, 80, "fp16", True, Hkv=2, Nk=500), {}),
+    (Problem(2, 8, 300, 80, "fp16", True, Hkv=2, Nk=500), {"store_lse": True}),
+    (Problem(1, 32, 1, 128, "bf16", True, Hkv=8, Nk=8192), {}),
+    (Problem(2, 8, 1024, 64, "fp16", True, Hkv=2), {}),
+], ids=["gqa-d80", "gqa-d80-lse", "decode", "ws-gqa"])
+def test_extended_problems_compile_for_sm90(problem, switches):
+    kernels = STAGES["c"].compile(problem, 90, **switches)
+    names = [k.name for k in kernels]
+    expected = {"gqa-d80": ["optimized_attention_kernel"], "decode": ["split_kv_attention_kernel",
+                                                                     "merge_splits_kernel"]}
+    if problem.Nq == 1:
+        assert names == expected["decode"]
+    elif problem.D == 80:
+        assert names == expected["gqa-d80"]
+        assert "cp.async.bulk.tensor" in kernels[0].asm["ptx"]  # the padded head dim still goes through TMA
+    else:
+        assert names == ["ws_attention_kernel"]
+    for k in kernels:
+        assert 0 <= k.shared_bytes <= 227 * 1024
+
+
+# ------------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_warp_specialized_gqa(D):
+    if configs.device_arch(torch.device("cuda")) != 90:
+        pytest.skip("the warp-specialized kernel is for sm_90")
+    for config in configs.WS_SHAPES[D]:
+        for N, causal in ((1000, True), (1000, False)):
+            q, k, v = make_qkv(2, 8, N, D, torch.float16, "cuda", Hkv=2)
+            o = contract.new_output(q)
+            launch = hopper_ws.plan(q, k, v, o, causal=causal, qk_scale=D ** -0.5 * c_kernels.LOG2E,
+                                    **config.ws_options(), num_sms=7)
+            launch.run()
+            torch.cuda.synchronize()
+            check_against_reference(o, q, k, v, causal=causal, dtype_name="fp16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 72, 128, 200, 256])
+def test_gpu_extended_shapes(D):
+    """GQA, unequal lengths, padded head dims (TMA zero fill past D on sm_90), split-KV decode with
+    many splits, the training forward's lse: at GPU sizes against float64."""
+    cases = [dict(B=2, H=8, Hkv=2, N=1000, Nk=1000), dict(B=1, H=8, Hkv=8, N=500, Nk=1500),
+             dict(B=1, H=4, Hkv=4, N=1500, Nk=500), dict(B=1, H=32, Hkv=8, N=1, Nk=20000),
+             dict(B=2, H=16, Hkv=2, N=4, Nk=9000)]
+    for case in cases:
+        for causal in (False, True):
+            q, k, v = make_qkv(case["B"], case["H"], case["N"], D, torch.float16, "cuda", Hkv=case["Hkv"],
+                               Nk=case["Nk"])
+            o = attention(q, k, v, causal=causal)
+            check_against_reference(o, q, k, v, causal=causal, dtype_name="fp16")
+            o2, lse = c_kernels.attention_with_lse(q, k, v, causal=causal)
+            check_against_reference(o2, q, k, v, causal=causal, dtype_name="fp16")
+            _check_lse(lse, q, k, causal=causal)
