@@ -2,7 +2,7 @@
 
 from .. import register
 from ..contract import Stage
-from .kernels import attention, compile, hbm_bytes, workspace_bytes
+from .kernels import attention, bwd_hbm_bytes, compile, hbm_bytes, train_workspace_bytes, workspace_bytes
 
 STAGE = register(Stage(
     name="a",
@@ -13,6 +13,9 @@ STAGE = register(Stage(
     workspace_bytes=workspace_bytes,
     kernel_names=("naive_scores_kernel", "naive_softmax_kernel", "naive_pv_kernel"),
     compile=compile,
+    bwd_hbm_bytes=bwd_hbm_bytes,
+    train_workspace_bytes=train_workspace_bytes,
 ))
 
-__all__ = ["STAGE", "attention", "compile", "hbm_bytes", "workspace_bytes"]
+__all__ = ["STAGE", "attention", "bwd_hbm_bytes", "compile", "hbm_bytes", "train_workspace_bytes",
+           "workspace_bytes"]
