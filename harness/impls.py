@@ -76,7 +76,20 @@ def stage_impl(name: str, variant: str = "") -> Impl:
     return Impl(name=name, kind="ablation" if variant else "stage", variant=variant, attention=fn,
                 hbm_bytes=hbm, workspace_bytes=stage.workspace_bytes,
                 kernel_names=tuple(stage.kernel_names), variant_kwargs=kwargs,
-                bwd_hbm_bytes=bwd_hbm, train_workspace_bytes=stage.train_workspace_bytes)
+                bwd_hbm_bytes=bwd_hbm, train_workspace_bytes=_with_accepted(stage.train_workspace_bytes, kwargs))
+
+
+def _with_accepted(model, kwargs: dict):
+    """``model`` with the variant's switches that it takes (a training-memory model depends on a few
+    of them, e.g. stage B's ``dq_method``, and has no use for the rest)."""
+    import inspect
+
+    if model is None or not kwargs:
+        return model
+    params = inspect.signature(model).parameters
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    accepted = {k: v for k, v in kwargs.items() if takes_all or k in params}
+    return functools.partial(model, **accepted) if accepted else model
 
 
 def ablation_impls(name: str) -> list[Impl]:

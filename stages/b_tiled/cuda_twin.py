@@ -147,6 +147,23 @@ def require_cuda(q: torch.Tensor, stage_name: str) -> None:
                          f"got B*H = {q.shape[0] * q.shape[1]}")
 
 
+HEAD_DIMS = (64, 128)  # the head dims flash_b.cu is instantiated for
+
+
+def refuse_extended_shapes(q: torch.Tensor, k: torch.Tensor, stage_name: str) -> None:
+    """A ValueError naming the argument for the shapes of the extended contract that the twin's
+    kernels do not implement (checked before any build): grouped-query attention (Hq != Hkv) and
+    different query and key lengths (Nq != Nk). Its head dims are checked by ``validate_inputs``.
+    The twin teaches shared-memory staging; the Triton stage B handles these shapes."""
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"stage {stage_name} needs as many key/value heads as query heads (no grouped-query "
+                         f"attention): k and v have Hkv = {k.shape[1]} heads (dim 1), q has Hq = {q.shape[1]}; "
+                         f"use stage 'b' for Hq != Hkv")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"stage {stage_name} needs as many keys as queries: k and v have Nk = {k.shape[2]} rows "
+                         f"(dim 2), q has Nq = {q.shape[2]}; use stage 'b' for Nq != Nk")
+
+
 def aligned(t: torch.Tensor, elements: int) -> torch.Tensor:
     """``t`` itself when its pointer and B/H/N strides are multiples of ``elements`` elements,
     else a fresh contiguous copy (the kernels' vector accesses need that alignment).
@@ -183,14 +200,16 @@ def call_launcher(lib: ctypes.CDLL, entry: str, q, k, v, o, scale: float, causal
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               sm_scale: float | None = None, smem_pad: bool = False) -> torch.Tensor:
-    """softmax(q kᵀ · sm_scale [+ causal mask]) v with ``flash_b.cu``; ``[B, H, N, D]``, fp16/bf16, D ∈ {64, 128}.
+    """softmax(q kᵀ · sm_scale [+ causal mask]) v with ``flash_b.cu``; ``[B, H, N, D]``, fp16/bf16, D ∈ {64, 128}
+    (q, k and v of one shape: no grouped-query attention, Nq = Nk).
 
     ``smem_pad=True`` pads each shared-memory row by 2 elements (4 bytes, one bank), which removes
     the bank conflict of the column-wise K reads (32 lanes reading 32 K rows at one column; see
     flash_b.cu and ``stages/bank_model.py``). Strided inputs are read in place through their strides.
     """
-    scale = validate_inputs(q, k, v, causal=causal, sm_scale=sm_scale, head_dims=(64, 128),
+    scale = validate_inputs(q, k, v, causal=causal, sm_scale=sm_scale, head_dims=HEAD_DIMS,
                             dtypes=(torch.float16, torch.bfloat16))
+    refuse_extended_shapes(q, k, "b_cuda")
     if not isinstance(smem_pad, bool):
         raise TypeError(f"smem_pad must be a bool, got {type(smem_pad).__name__} {smem_pad!r}")
     require_cuda(q, "b_cuda")

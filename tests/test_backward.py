@@ -1,0 +1,81 @@
+"""Every Triton stage is differentiable through its own backward kernels: gradients against float64
+autograd of the textbook formula, on the shapes the forward tests use.
+
+Each gradient must be within 3× PyTorch's same-precision autograd error (or under the rounding
+floor). GQA: dK and dV of a KV head sum over its query heads. Rows that see no key (causal,
+Nq > Nk) get zero gradients.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stages import STAGES
+
+from .helpers import DTYPES, check_gradients, make_qkv
+
+TRITON_STAGES = ["a", "b", "c"]
+
+# (B, Hq, Hkv, Nq, Nk, D, dtype, causal)
+CASES = [
+    (2, 3, 3, 33, 33, 64, "fp16", True),     # ragged self-attention, B and H hold different data
+    (1, 4, 2, 17, 40, 32, "bf16", True),     # GQA, Nq < Nk (bottom-right causal)
+    (2, 2, 1, 30, 12, 16, "fp32", True),     # MQA, Nq > Nk: rows that see no key
+    (1, 2, 2, 1, 1, 16, "fp16", False),      # N = 1
+    (1, 2, 1, 20, 29, 80, "fp16", False),    # head dim 80 (padded), MQA
+    (1, 2, 2, 70, 70, 32, "fp32", False),    # more than one tile, fp32 (IEEE dots)
+]
+
+
+def _case_id(c):
+    B, Hq, Hkv, Nq, Nk, D, dtype, causal = c
+    return f"B{B}-Hq{Hq}-Hkv{Hkv}-Nq{Nq}-Nk{Nk}-D{D}-{dtype}-{'causal' if causal else 'full'}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("stage", TRITON_STAGES)
+def test_gradients_match_float64(stage, case, device):
+    B, Hq, Hkv, Nq, Nk, D, dtype, causal = case
+    q, k, v = make_qkv(B, Hq, Nq, D, DTYPES[dtype], device, Hkv=Hkv, Nk=Nk)
+    check_gradients(STAGES[stage].attention, q, k, v, causal=causal, dtype_name=dtype)
+
+
+@pytest.mark.parametrize("stage", TRITON_STAGES)
+def test_gradients_of_strided_inputs(stage, device):
+    q, k, v = make_qkv(1, 4, 24, 64, torch.float16, device, layout="bnhd", Hkv=2, Nk=24)
+    check_gradients(STAGES[stage].attention, q, k, v, causal=True, dtype_name="fp16")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+@pytest.mark.parametrize("stage", TRITON_STAGES)
+def test_gradients_with_large_logits(stage, dtype, device):
+    """Scores around 1e3: the backward recomputes P from the saved row statistics (B, C) or reads
+    the saved P (A); either way exp must not overflow.
+
+    In fp32 the saved row log-sum-exp of B and C is itself a number of about the largest logit
+    (~1e3 here), stored with fp32's spacing there, |lse|·2⁻²⁴; every recomputed P inherits that
+    rounding, which PyTorch's softmax (it subtracts the row maximum exactly) does not have. The
+    bound allows twice that spacing, relative, on top of 3× PyTorch's error; a wrong gradient is off
+    by orders of magnitude more."""
+    q, k, v = make_qkv(1, 2, 40, 32, DTYPES[dtype], device, scale=12.0)
+    scale = 32 ** -0.5
+    max_logit = float((q.double() @ k.double().transpose(-2, -1)).abs().max()) * scale
+    floor = None if dtype != "fp32" else max(2e-5, 2 * max_logit * 1.4427 * 2.0 ** -24)
+    check_gradients(STAGES[stage].attention, q, k, v, causal=True, dtype_name=dtype, abs_floor=floor)
+
+
+@pytest.mark.parametrize("stage", TRITON_STAGES)
+def test_backward_uses_the_stage_models(stage):
+    """A stage with a backward publishes its traffic and training-memory models."""
+    from stages.contract import Problem
+
+    s = STAGES[stage]
+    assert s.bwd_hbm_bytes is not None and s.train_workspace_bytes is not None
+    small, large = Problem(1, 4, 1024, 64, "fp16", True), Problem(1, 4, 4096, 64, "fp16", True)
+    assert s.bwd_hbm_bytes(small).total > 0
+    ratio = s.train_workspace_bytes(large) / max(1, s.train_workspace_bytes(small))
+    if stage == "a":
+        assert ratio > 10, "stage A saves P: its training memory grows as N²"
+    else:
+        assert ratio < 6, "stages B and C save O(N) row statistics only"
