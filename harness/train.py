@@ -1,9 +1,10 @@
-"""Train a small GPT with each stage's attention: ``python -m harness train --stages a,b,c,sdpa``.
+"""Train a small GPT with each stage's attention and check that the loss curves agree.
 
-The end-to-end check of the backward passes: a decoder-only transformer (nanoGPT's shape: token and
-position embeddings, pre-LayerNorm blocks of causal self-attention and an MLP, an LM head tied to the
-token embedding) learns a small generated language, once per attention implementation, from the same
-initial weights and the same batches. If a stage's forward or backward is wrong the model notices:
+``python -m harness train --stages a,b,c,sdpa`` (or ``--stage c``) is the end-to-end check of the
+backward passes. A decoder-only transformer (nanoGPT's shape: token and position embeddings,
+pre-LayerNorm blocks of causal self-attention and an MLP, an LM head tied to the token embedding)
+learns a small generated language, once per attention implementation, from the same initial weights
+and the same batches. If a stage's forward or backward is wrong the model notices:
 a leak of future tokens drives the loss far below the others, a wrong gradient makes it learn slower.
 So the loss curves of A, B, C and SDPA must agree, within a tolerance that only rounding explains
 (:data:`LOSS_TOLERANCE`), and the run records what each costs per step: time, tokens/s, peak memory.
@@ -18,7 +19,8 @@ Output, per run: ``<out>/train/losses.csv`` (run_id, stage, dtype, step, loss, s
 memory in bytes, final loss, largest loss gap to the reference stage), ``<out>/train/env.json``
 (provenance) and ``<out>/figures/train_loss.png``. ``<out>`` defaults to ``results/<gpu>/`` on a GPU
 and to a fresh temporary directory on a CPU, where the stages run in the Triton interpreter with a
-tiny model (seconds per stage) and the times are interpreter times, not GPU times.
+tiny model (seconds per stage for B and C, a minute or two for A, whose kernels the
+interpreter runs slowest) and the times are interpreter times, not GPU times.
 
 ``python -m harness train --plot results/h200`` redraws the figure from the CSV without training.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import gc
 import math
 import random
 import statistics
@@ -45,14 +48,14 @@ import torch.nn.functional as F
 REFERENCE = "sdpa"
 
 #: How far (in nats) a stage's loss may stray from the reference's at any step, by the attention's dtype.
-#: Same weights, same batches: only rounding separates two correct implementations. In fp32 the stages
-#: and SDPA sum in different orders (relative differences ~1e-6 per call), which a few dozen AdamW steps
-#: amplify to ~1e-5 nats at most; 1e-3 leaves room and still catches any real bug (a causal leak or a
-#: wrong gradient moves the loss by tenths of a nat within a few steps). In bf16 each attention output
-#: is rounded to 8 significant bits, so two correct kernels already differ by ~0.4 % per call and the
-#: training trajectories drift apart slowly: 0.1 nats over a few hundred steps (measured on a CPU
-#: between two bf16 attention implementations, see tests/test_train.py's tolerance test).
-LOSS_TOLERANCE: dict[str, float] = {"fp32": 1e-3, "bf16": 0.1}
+#: Same weights, same batches: only rounding separates two correct implementations, and training
+#: amplifies it step by step. Measured on a CPU with the tiny model at lr 1e-2, SDPA against a textbook
+#: softmax(QKᵀ)V written in torch ops: fp32, the largest gap over 100 steps was 2e-6 nats; bf16 (every
+#: attention output rounded to 8 significant bits), 0.13 nats over 200 steps (median gap 0.01). The
+#: tolerances leave room above those: 1e-3 in fp32, 0.25 in bf16. Bugs move the loss by more: a causal
+#: leak or a zeroed dV separates the curves by tenths of a nat within a few steps (tests/test_train.py
+#: checks that both are caught in fp32). bf16 is therefore the realistic run and fp32 the sharp check.
+LOSS_TOLERANCE: dict[str, float] = {"fp32": 1e-3, "bf16": 0.25}
 
 LOSSES_CSV = "losses.csv"
 SUMMARY_CSV = "summary.csv"
@@ -354,6 +357,9 @@ def train(attention: AttentionFn, model_cfg: ModelConfig, cfg: TrainConfig, *, d
         else contextlib.nullcontext()
     run = TrainRun(stage=stage, tokens_per_step=cfg.batch * model_cfg.context)
     if on_gpu:
+        # The previous stage's model and saved tensors must not count towards this one's peak.
+        gc.collect()
+        torch.cuda.empty_cache()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     for step in range(cfg.steps):
@@ -419,7 +425,8 @@ def _fmt(value) -> str:
     if value is None:
         return ""
     if isinstance(value, float):
-        return f"{value:.6g}" if math.isfinite(value) else str(value)
+        # 9 significant digits hold a float32 loss exactly: the gap between two stages can be 1e-7
+        return f"{value:.9g}" if math.isfinite(value) else str(value)
     return str(value)
 
 
@@ -463,6 +470,7 @@ def load_losses(results_dir) -> dict[str, dict]:
 # ---------------------------------------------------------------------------------------------- figure
 
 _COLORS = {"a": "#d62728", "b": "#ff7f0e", "c": "#2ca02c", "sdpa": "#1f77b4"}
+GAP_FLOOR = 1e-9  # a log axis cannot show 0: identical losses are drawn here
 
 
 def plot_train_losses(results_dir, out_dir=None) -> Path | None:
@@ -480,12 +488,13 @@ def plot_train_losses(results_dir, out_dir=None) -> Path | None:
     fig = Figure(figsize=(12, 4.2), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     ax_loss, ax_gap = fig.subplots(1, 2)
-    for stage, curve in curves.items():
+    # The reference last, dashed, so it stays visible on top of curves that coincide with it.
+    for stage, curve in sorted(curves.items(), key=lambda item: item[0] == REFERENCE):
         color = _COLORS.get(stage)
         style = "--" if stage == REFERENCE else "-"
         ax_loss.plot(curve["steps"], curve["losses"], style, color=color, lw=1.5, label=stage)
         if ref is not None and stage != REFERENCE and len(curve["losses"]) == len(ref["losses"]):
-            gaps = [max(abs(a - b), 1e-9) for a, b in zip(curve["losses"], ref["losses"])]
+            gaps = [max(abs(a - b), GAP_FLOOR) for a, b in zip(curve["losses"], ref["losses"])]
             ax_gap.plot(curve["steps"], gaps, color=color, lw=1.2, label=stage)
     ax_loss.set(xlabel="step", ylabel="training loss (nats per character)", title="loss curves, same init and batches")
     ax_loss.legend()
@@ -497,7 +506,8 @@ def plot_train_losses(results_dir, out_dir=None) -> Path | None:
         ax_gap.legend()
     else:
         ax_gap.text(0.5, 0.5, "no sdpa run to compare with", ha="center", va="center", transform=ax_gap.transAxes)
-    ax_gap.set(xlabel="step", ylabel="|loss - loss of sdpa| (nats)", title="gap to PyTorch SDPA")
+    ax_gap.set(xlabel="step", ylabel="|loss - loss of sdpa| (nats)",
+               title=f"gap to PyTorch SDPA (equal losses drawn at {GAP_FLOOR:g})")
     for ax in (ax_loss, ax_gap):
         ax.grid(alpha=0.3)
     figures = Path(out_dir or results_dir) / "figures"
@@ -546,8 +556,6 @@ def _configs(args, on_gpu: bool) -> tuple[ModelConfig, TrainConfig]:
     parser = args._parser
     tiny = (not on_gpu) if args.tiny is None else args.tiny
     model0, train0 = (TINY_MODEL, TINY_TRAIN) if tiny else (GPU_MODEL, GPU_TRAIN)
-    if not on_gpu and args.dtype == "bf16":
-        train0 = TrainConfig(**{**asdict(train0), "dtype": "bf16"})
     heads = args.heads or model0.n_head
     kv_heads = args.kv_heads or (min(model0.n_kv_head, heads) if heads % model0.n_kv_head == 0 else heads)
     if heads % kv_heads:

@@ -1,0 +1,180 @@
+"""The end-to-end check of the backward passes: a tiny GPT trains with each stage and with SDPA from
+the same weights and batches, and the loss curves agree (harness/train.py).
+
+CPU: the stages run in the Triton interpreter, so the model is as small as still learns something
+(one block, two query heads sharing one K/V head, head dim 16, 16 tokens, 2 sequences, 6 steps).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+import torch
+
+from harness import cli
+from harness import train as T
+
+MODEL = T.ModelConfig(n_layer=1, n_head=2, n_kv_head=1, head_dim=16, context=16)
+CONFIG = T.TrainConfig(steps=6, batch=2, lr=1e-2, dtype="fp32", warmup=1)
+TOLERANCE = T.LOSS_TOLERANCE["fp32"]
+
+
+@pytest.fixture(scope="module")
+def sdpa_run() -> T.TrainRun:
+    return T.train(T.sdpa_attention, MODEL, CONFIG, stage="sdpa")
+
+
+def _learned(run: T.TrainRun) -> bool:
+    """At init the logits are ~0, so the first loss is ~ln(vocab); learning the character frequencies
+    alone takes it well below that within a few steps. Batches of 32 tokens make single steps noisy,
+    so the second half's mean is compared (a model that does not learn stays within ~1 % of ln(vocab))."""
+    uniform = math.log(MODEL.vocab_size)
+    second_half = run.losses[len(run.losses) // 2:]
+    return abs(run.losses[0] - uniform) < 0.05 * uniform and sum(second_half) / len(second_half) < 0.93 * run.losses[0]
+
+
+def test_sdpa_reference_learns(sdpa_run):
+    assert sdpa_run.status == "ok" and len(sdpa_run.losses) == CONFIG.steps
+    assert _learned(sdpa_run), sdpa_run.losses
+
+
+def test_the_learning_check_can_fail():
+    frozen = T.train(T.sdpa_attention, MODEL, T.TrainConfig(**{**CONFIG.__dict__, "lr": 1e-7}))
+    assert not _learned(frozen), frozen.losses
+
+
+def test_same_seed_same_run(sdpa_run):
+    again = T.train(T.sdpa_attention, MODEL, CONFIG)
+    assert again.losses == sdpa_run.losses
+
+
+@pytest.mark.parametrize("stage", ["b", "c", "a"])
+def test_stage_trains_like_sdpa(stage, sdpa_run):
+    run = T.train(T.attention_for(stage), MODEL, CONFIG, stage=stage)
+    assert run.status == "ok", run.status
+    assert _learned(run), run.losses
+    gap = T.max_loss_gap(run.losses, sdpa_run.losses)
+    assert gap <= TOLERANCE, f"stage {stage}: loss differs from sdpa's by up to {gap:.2e} (tolerance {TOLERANCE})"
+
+
+def _textbook_attention(q, k, v, *, causal=False, sm_scale=None):
+    """softmax(QKᵀ/√D)·V from torch ops (autograd differentiates it): a correct second implementation."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        n = q.shape[2]
+        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    return s.softmax(-1) @ v
+
+
+class _ZeroValueGradient(torch.autograd.Function):
+    """Correct forward, wrong backward: dV comes back as zeros (a forgotten accumulation)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        with torch.enable_grad():
+            q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
+            o = _textbook_attention(q_, k_, v_, causal=True)
+        ctx.save_for_backward(q_, k_, v_, o)
+        return o.detach()
+
+    @staticmethod
+    def backward(ctx, do):
+        q_, k_, v_, o = ctx.saved_tensors
+        with torch.enable_grad():
+            dq, dk, dv = torch.autograd.grad(o, (q_, k_, v_), do)
+        return dq, dk, torch.zeros_like(dv)
+
+
+def test_a_second_correct_implementation_agrees(sdpa_run):
+    run = T.train(_textbook_attention, MODEL, CONFIG)
+    assert T.max_loss_gap(run.losses, sdpa_run.losses) <= TOLERANCE
+
+
+@pytest.mark.parametrize("broken", [
+    pytest.param(lambda q, k, v, causal: T.sdpa_attention(q, k, v, causal=False), id="future-leak"),
+    pytest.param(lambda q, k, v, causal: _ZeroValueGradient.apply(q, k, v), id="wrong-dV"),
+])
+def test_the_check_catches_a_broken_attention(broken, sdpa_run):
+    run = T.train(broken, MODEL, CONFIG)
+    assert T.max_loss_gap(run.losses, sdpa_run.losses) > TOLERANCE
+
+
+def test_attention_without_backward_is_an_error():
+    def detached(q, k, v, *, causal=False):
+        return T.sdpa_attention(q, k, v, causal=causal).detach()
+
+    with pytest.raises(T.NoBackwardError, match="no backward"):
+        T.train(detached, MODEL, CONFIG)
+
+
+def test_corpus_is_deterministic_and_in_the_alphabet():
+    text = T.make_corpus(5000, seed=3)
+    assert text == T.make_corpus(5000, seed=3) and text != T.make_corpus(5000, seed=4)
+    assert len(text) == 5000 and set(text) <= set(T.ALPHABET)
+    assert T.decode(T.encode(text)) == text
+    with pytest.raises(ValueError, match="n_chars"):
+        T.make_corpus(0)
+
+
+@pytest.mark.parametrize("kwargs, name", [(dict(n_head=3, n_kv_head=2), "n_head"), (dict(context=0), "context")])
+def test_model_config_rejects_bad_sizes(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        T.ModelConfig(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+def _run(argv, capsys) -> tuple[int, str, str]:
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_cli_rejects_an_unknown_stage(capsys):
+    code, _, err = _run(["train", "--stage", "zz"], capsys)
+    assert code == 2 and "Traceback" not in err
+    message = err.strip().splitlines()[-1]
+    assert "--stage" in message and "'zz'" in message
+    assert all(name in message for name in ("a", "b", "c", "sdpa"))
+
+
+def test_cli_rejects_heads_not_divisible_by_kv_heads(capsys):
+    code, _, err = _run(["train", "--stage", "sdpa", "--heads", "3", "--kv-heads", "2"], capsys)
+    assert code == 2 and "--kv-heads" in err and "Traceback" not in err
+
+
+def test_cli_writes_losses_summary_and_figure(tmp_path, capsys):
+    steps = 3
+    code, out, err = _run(["train", "--stages", "sdpa", "--steps", str(steps), "--context", "16", "--batch", "2",
+                           "--out", str(tmp_path)], capsys)
+    assert code == 0, out + err
+    with (tmp_path / "train" / T.LOSSES_CSV).open() as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(1, steps + 1)) and {r["stage"] for r in rows} == {"sdpa"}
+    with (tmp_path / "train" / T.SUMMARY_CSV).open() as f:
+        (summary,) = list(csv.DictReader(f))
+    assert summary["status"] == "ok" and float(summary["final_loss"]) == float(rows[-1]["loss"])
+    assert (tmp_path / "train" / "env.json").exists()
+    figure = tmp_path / "figures" / "train_loss.png"
+    assert figure.exists()
+    figure.unlink()
+    code, out, err = _run(["train", "--plot", str(tmp_path)], capsys)
+    assert code == 0 and figure.exists(), out + err
+
+
+@pytest.mark.slow
+def test_cli_default_tiny_run_all_stages_agree(tmp_path, capsys):
+    code, out, err = _run(["train", "--out", str(tmp_path)], capsys)
+    assert code == 0, out + err
+    with (tmp_path / "train" / T.SUMMARY_CSV).open() as f:
+        rows = list(csv.DictReader(f))
+    assert {r["stage"] for r in rows} == {"a", "b", "c", "sdpa"}
+    for r in rows:
+        assert r["status"] == "ok" and (r["stage"] == "sdpa" or float(r["max_loss_gap"]) <= float(r["tolerance"]))
