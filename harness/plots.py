@@ -12,7 +12,19 @@ writes every figure into ``<results_dir>/figures/``:
 ``peak_memory.png`` extra device memory of one call vs N, device memory line, OOM points
 ``roofline.png``    measured ceilings and each impl by arithmetic intensity and TFLOPS
 ``energy.png``      joules per call and TFLOP per joule (= TFLOPS/W)
+``backward_throughput.png``  the same as ``throughput.png`` for the backward pass (``pass = bwd`` rows)
+``backward_waterfall.png``   A → B → C's backward at the headline cell (time, DRAM, training-step memory)
+``models.png``      stage C over the fastest SDPA backend per model-suite cell, eager and GPU-only
 ==================  ==========================================================================
+
+The forward figures draw only forward rows of the self-attention grid (:func:`harness.views.forward_grid`:
+Hkv = H, Nk = N, no suite cell), the backward ones only its ``bwd`` rows, so new kinds of row in a
+results file never change a figure made for another.
+
+No label uses matplotlib's mathtext (``$...$``, or the ``10^k`` tick labels of its log formatters):
+mathtext loads the STIX and Computer Modern fonts even for the DejaVu font set, and where they are
+missing every figure printed ``findfont`` warnings. Log axes get plain-text tick labels, and
+:data:`RC` turns ``$`` parsing off while a figure is drawn.
 
 Matplotlib is used through ``Figure`` objects and the Agg canvas directly (no pyplot), so drawing
 here never changes the backend of a notebook that imports this module.
@@ -21,6 +33,7 @@ here never changes the backend of a notebook that imports this module.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 from pathlib import Path
@@ -30,7 +43,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+from matplotlib.ticker import FuncFormatter, LogFormatter, LogLocator, NullFormatter
 
 from . import views
 from .results import ResultsError, ensure_writable_dir
@@ -38,20 +51,30 @@ from .views import HINTS, dram_bytes, flops, is_ok, is_oom, label, select
 
 DPI = 100          # 11-12 inch figures come out ~1100-1200 px wide; README shows them at ~900 px
 WIDTH = 12.0       # inches
-STYLE = {"font.size": 12, "axes.titlesize": 13, "axes.labelsize": 12, "legend.fontsize": 10,
-         "xtick.labelsize": 11, "ytick.labelsize": 11, "axes.grid": True, "grid.alpha": 0.3,
-         "axes.spines.top": False, "axes.spines.right": False}
+#: matplotlib settings while a figure is drawn: no mathtext (see the module docstring)
+RC = {"text.parse_math": False, "mathtext.fontset": "dejavusans"}
 
 COLORS = {"a": "#d62728", "b": "#ff7f0e", "c": "#2ca02c", "b_cuda": "#8c564b", "c_cuda": "#17becf",
           "sdpa_flash": "#1f77b4", "sdpa_cudnn": "#9467bd", "sdpa_efficient": "#bcbd22",
           "sdpa_math": "#7f7f7f"}
 _EXTRA = ("#e377c2", "#393b79", "#637939", "#843c39")
-FIGURE_NAMES = ("waterfall.png", "throughput.png", "dram_bytes.png", "peak_memory.png",
-                "roofline.png", "energy.png")
+FORWARD_FIGURES = ("waterfall.png", "throughput.png", "dram_bytes.png", "peak_memory.png",
+                   "roofline.png", "energy.png")
+BACKWARD_FIGURES = ("backward_throughput.png", "backward_waterfall.png")
+FIGURE_NAMES = FORWARD_FIGURES + BACKWARD_FIGURES + ("models.png",)
 STAGE_IMPLS = ("a", "b", "c", "b_cuda", "c_cuda")
 
 
 # --------------------------------------------------------------------------------------- helpers
+
+def _drawn_with_rc(plot):
+    """Run a ``plot_*`` function under :data:`RC` (Text objects read ``text.parse_math`` when made)."""
+    @functools.wraps(plot)
+    def wrapper(*args, **kwargs):
+        with matplotlib.rc_context(RC):
+            return plot(*args, **kwargs)
+    return wrapper
+
 
 def color(impl: str) -> str:
     if impl in COLORS:
@@ -88,6 +111,26 @@ def _fmt_bytes_tick(x: float, _pos=None) -> str:
     return views.fmt_bytes(x).replace(".0 ", " ")
 
 
+class _PlainMinorLogFormatter(LogFormatter):
+    """Labels minor log ticks where matplotlib's default would (an axis spanning about a decade or
+    less), in plain text from ``text_of(value)`` instead of the default's mathtext."""
+
+    def __init__(self, text_of):
+        super().__init__(labelOnlyBase=False)
+        self._text_of = text_of
+
+    def _num_to_string(self, x, vmin, vmax):
+        return self._text_of(x)
+
+
+def _plain_log_labels(axis, text_of=None) -> None:
+    """Plain-text tick labels on a log ``axis`` (``ax.xaxis``/``ax.yaxis``), major and minor alike:
+    ``text_of(value)`` (default ``1``, ``10``, ``0.1``). The default labels are mathtext."""
+    text_of = text_of or (lambda v: f"{v:g}")
+    axis.set_major_formatter(FuncFormatter(lambda v, _pos: text_of(v)))
+    axis.set_minor_formatter(_PlainMinorLogFormatter(text_of))
+
+
 def _log2_n_axis(ax, ns) -> None:
     ax.set_xscale("log", base=2)
     ns = sorted(set(ns))
@@ -101,7 +144,7 @@ def _log2_n_axis(ax, ns) -> None:
 def _log_bytes_axis(ax) -> None:
     ax.set_yscale("log")
     ax.yaxis.set_major_locator(LogLocator(base=10))
-    ax.yaxis.set_major_formatter(FuncFormatter(_fmt_bytes_tick))
+    _plain_log_labels(ax.yaxis, _fmt_bytes_tick)
 
 
 def _panel_title(D: int, causal: int) -> str:
@@ -192,17 +235,44 @@ def waterfall_steps(rows: list[dict], cell: dict) -> list[tuple[str, str, dict]]
     return steps
 
 
+@_drawn_with_rc
 def plot_waterfall(rows: list[dict], env: dict, out_dir, *, cell: dict | None = None) -> Path | None:
     """Three panels, one bar per step from A to C: time (ms, p20–p80 whiskers, speedup over the
     step above), DRAM bytes (Nsight measured bars, model ◆), peak extra memory (measured, model ◆).
-    A step without a measurement shows its model as a hatched bar, and the legend says so."""
+    A step without a measurement shows its model as a hatched bar, and the legend says so.
+    Forward grid rows only (:func:`harness.views.forward_grid`)."""
     name = "waterfall.png"
+    rows = views.forward_grid(rows)
     cell = resolve_cell(rows, cell)
     steps = waterfall_steps(rows, cell)
     if len(steps) < 2:
         _skip(name, f"fewer than two of A, B, C at N={cell['N']}, D={cell['D']}, {cell['dtype']}, "
                     f"causal={cell['causal']}", HINTS["rows"], HINTS["ablation"])
         return None
+    return _draw_waterfall(steps, rows, env, Path(out_dir) / name, cell, pass_="fwd")
+
+
+@_drawn_with_rc
+def plot_backward_waterfall(rows: list[dict], env: dict, out_dir, *, cell: dict | None = None) -> Path | None:
+    """:func:`plot_waterfall` for the backward pass (``pass = bwd`` grid rows): A → B → C's backward
+    (and stage C's backward ablation steps where measured) at the headline cell; its memory panel is
+    the peak of a training step. Needs a backward row of each of A, B and C there."""
+    name = "backward_waterfall.png"
+    rows = views.grid_rows(rows, "bwd")
+    cell = resolve_cell(rows, cell)
+    steps = waterfall_steps(rows, cell)
+    have = {kind for _, kind, _ in steps}
+    if not {"a", "b", "c"} <= have:
+        missing = ", ".join(s.upper() for s in "abc" if s not in have)
+        _skip(name, f"no backward row of {missing} at N={cell['N']}, D={cell['D']}, {cell['dtype']}, "
+                    f"causal={cell['causal']}", HINTS["bwd"])
+        return None
+    return _draw_waterfall(steps, rows, env, Path(out_dir) / name, cell, pass_="bwd")
+
+
+def _draw_waterfall(steps: list[tuple[str, str, dict]], rows: list[dict], env: dict, path: Path, cell: dict, *,
+                    pass_: str) -> Path:
+    """The waterfall figure of ``steps`` (:func:`waterfall_steps`) at ``cell``, written to ``path``."""
     n_steps = sum(1 for _, kind, _ in steps if kind == "step")
     greens = matplotlib.colormaps["Greens"]
     colors, k = [], 0
@@ -268,14 +338,15 @@ def plot_waterfall(rows: list[dict], env: dict, out_dir, *, cell: dict | None = 
                 ax.text(0, i, f" {r['status']}", va="center", fontsize=10, color="0.3")
         ax.set_xscale("log")
         ax.set_xlim(floor, (top or 1) * 8)
-        ax.xaxis.set_major_formatter(FuncFormatter(_fmt_bytes_tick))
+        _plain_log_labels(ax.xaxis, _fmt_bytes_tick)
         ax.set_xlabel(xlabel + " (log scale)")
         ax.set_title(title, fontsize=12)
 
     bars(ax_d, lambda r: dram_bytes(r, "measured"), lambda r: dram_bytes(r, "model"),
          "DRAM traffic (read + write)", "bytes per call")
     bars(ax_m, lambda r: r["peak_mem_measured"], lambda r: r["peak_mem_model"],
-         "peak extra memory (beyond inputs)", "bytes per call")
+         "peak extra memory (beyond inputs)" if pass_ == "fwd" else "peak extra memory of a training step",
+         "bytes per call" if pass_ == "fwd" else "bytes per forward + backward")
     handles = []
     if legend["measured"]:
         handles.append(Patch(color="0.5", label="bar: measured (Nsight Compute; max_memory_allocated)"))
@@ -289,23 +360,47 @@ def plot_waterfall(rows: list[dict], env: dict, out_dir, *, cell: dict | None = 
     for ax in axes:
         ax.grid(axis="y", visible=False)
     r0 = steps[0][2]
-    fig.suptitle(f"A → B → C, one optimization at a time  —  N={cell['N']}, D={cell['D']}, "
-                 f"B={r0['B']}, H={r0['H']}, {cell['dtype']}, {'causal' if cell['causal'] else 'non-causal'}\n"
-                 "'+ x' rows: stage C's kernel from B's settings, each adding one optimization to the row above",
-                 fontsize=12)
-    return _save(fig, Path(out_dir), name, env, rows)
+    what = "A → B → C, one optimization at a time" if pass_ == "fwd" else "A → B → C, the backward pass"
+    title = (f"{what}  —  N={cell['N']}, D={cell['D']}, B={r0['B']}, H={r0['H']}, {cell['dtype']}, "
+             f"{'causal' if cell['causal'] else 'non-causal'}")
+    if any(kind == "step" for _, kind, _ in steps):
+        title += "\n'+ x' rows: stage C's kernel from B's settings, each adding one optimization to the row above"
+    elif pass_ == "bwd":
+        title += "\ntime of the backward alone, given a saved forward"
+    fig.suptitle(title, fontsize=12)
+    return _save(fig, path.parent, path.name, env, rows)
 
 
 # ------------------------------------------------------------------------------ 2. throughput
 
+@_drawn_with_rc
 def plot_throughput(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") -> Path | None:
-    """TFLOPS (4·B·H·N²·D FLOPs, half for causal, over the median time) vs N, one panel per
-    (D, causal); stages solid, SDPA peers dashed; the measured matmul ceiling dotted."""
+    """TFLOPS (the FLOPs of :data:`harness.views.FLOP_CONVENTION` over the median time) vs N, one
+    panel per (D, causal); stages solid, SDPA peers dashed; the measured matmul ceiling dotted.
+    Forward grid rows only."""
     name = "throughput.png"
-    data = [r for r in views.plain(rows) if r["dtype"] == dtype and is_ok(r) and r["tflops"] is not None]
+    data = [r for r in views.plain(views.forward_grid(rows)) if r["dtype"] == dtype and is_ok(r)
+            and r["tflops"] is not None]
     if not data:
         _skip(name, f"no timed {dtype} rows", HINTS["rows"])
         return None
+    return _draw_throughput(data, rows, env, Path(out_dir) / name, dtype=dtype, pass_="fwd")
+
+
+@_drawn_with_rc
+def plot_backward_throughput(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") -> Path | None:
+    """:func:`plot_throughput` of the backward pass (``pass = bwd`` grid rows; FLOPs 2.5× the forward's)."""
+    name = "backward_throughput.png"
+    data = [r for r in views.plain(views.grid_rows(rows, "bwd")) if r["dtype"] == dtype and is_ok(r)
+            and r["tflops"] is not None]
+    if not data:
+        _skip(name, f"no timed {dtype} backward rows", HINTS["bwd"])
+        return None
+    return _draw_throughput(data, rows, env, Path(out_dir) / name, dtype=dtype, pass_="bwd")
+
+
+def _draw_throughput(data: list[dict], rows: list[dict], env: dict, path: Path, *, dtype: str, pass_: str) -> Path:
+    """The throughput figure of ``data`` (timed rows of one pass and dtype), written to ``path``."""
     panels = _panels(data)
     nrows, ncols = _grid(panels)
     fig, axes = _new_figure(0.6 + 4.0 * nrows, nrows, ncols, sharey=True)
@@ -334,9 +429,14 @@ def plot_throughput(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16"
     ordered = sorted(handles, key=views.impl_sort_key)
     fig.legend([handles[i] for i in ordered], [label(i) for i in ordered], loc="outside lower center",
                ncol=min(5, len(ordered)), frameon=False)
-    fig.suptitle(f"Throughput vs sequence length, {dtype} forward  (FLOPs = 4·B·H·N²·D, half for causal; "
-                 "stages solid, SDPA dashed)", fontsize=12)
-    return _save(fig, Path(out_dir), name, env, rows)
+    if pass_ == "fwd":
+        title = (f"Throughput vs sequence length, {dtype} forward  (FLOPs = 4·B·H·N²·D, causal: the visible pairs; "
+                 "stages solid, SDPA dashed)")
+    else:
+        title = (f"Backward throughput vs sequence length, {dtype}, given a saved forward  (stages solid, SDPA dashed)"
+                 "\nFLOPs = 2.5 × the forward's 4·B·H·N²·D, causal: the visible pairs")
+    fig.suptitle(title, fontsize=12)
+    return _save(fig, path.parent, path.name, env, rows)
 
 
 # ------------------------------------------------------------------------------ 3. DRAM bytes
@@ -352,11 +452,13 @@ def _model_or_measured(ax, pts, impl: str, k: int, measured: bool) -> None:
         ax.plot(*zip(*pts), color=color(impl), linestyle=(4 * (k % 3), (4, 8)), linewidth=1.8)
 
 
+@_drawn_with_rc
 def plot_dram_bytes(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") -> Path | None:
     """DRAM bytes per (batch, head) vs N, log-log: each stage's traffic model dashed, Nsight Compute
     measurement solid (peers: measured only). Per head, so cells with different B·H compare; faint
     guides show the O(N²) and O(N) slopes."""
     name = "dram_bytes.png"
+    rows = views.forward_grid(rows)  # the forward grid only: see the module docstring
     data = [r for r in views.plain(rows) if r["dtype"] == dtype
             and (dram_bytes(r, "model") is not None or dram_bytes(r, "measured") is not None)]
     if not data:
@@ -407,10 +509,12 @@ def plot_dram_bytes(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16"
 
 # ------------------------------------------------------------------------------ 4. peak memory
 
+@_drawn_with_rc
 def plot_peak_memory(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") -> Path | None:
     """Extra device memory of one call (beyond inputs) vs N, one panel per D: measured solid, the
     stage's workspace model dashed, the device's memory as a horizontal line, OOM cells as ✕."""
     name = "peak_memory.png"
+    rows = views.forward_grid(rows)  # the forward grid only: see the module docstring
     data = [r for r in views.plain(rows) if r["dtype"] == dtype
             and (r["peak_mem_measured"] is not None or r["peak_mem_model"] is not None or is_oom(r))]
     if not data:
@@ -476,11 +580,13 @@ def plot_peak_memory(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16
 _CELL_MARKERS = {(0, 0): "o", (1, 0): "s", (0, 1): "^", (1, 1): "v"}  # (second D?, causal)
 
 
+@_drawn_with_rc
 def plot_roofline(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") -> Path | None:
     """Each impl at the headline cells (N=4096 or the largest N, D = 64/128, causal no/yes), placed
     by arithmetic intensity = FLOPs / DRAM bytes (measured: filled marker; model: hollow) and its
     achieved TFLOPS, under the device's measured ceilings (copy bandwidth, matmul rate)."""
     name = "roofline.png"
+    rows = views.forward_grid(rows)  # the forward grid only: see the module docstring
     points = []  # (impl, D, causal, intensity, tflops, measured?)
     unplaced = set()
     for D in sorted({r["D"] for r in rows if r["dtype"] == dtype}):
@@ -533,7 +639,7 @@ def plot_roofline(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") 
     ax.set_xscale("log")
     ax.set_yscale("log")
     for axis in (ax.xaxis, ax.yaxis):
-        axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+        _plain_log_labels(axis)
     ax.set_xlim(x_lo, x_hi)
     ys = [p[4] for p in points] + ([peak] if peak else [])
     ax.set_ylim(min(ys) / 3, max(ys) * 2.5)
@@ -551,7 +657,8 @@ def plot_roofline(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") 
     ax.add_artist(leg)
     ax.legend(handles=h2, loc="lower left", bbox_to_anchor=(1.01, 0.0), title="cell", frameon=False)
     Ns = sorted({views.headline_n(rows, D=D, dtype=dtype, causal=c) for D, c in cells})
-    title = f"Roofline at N={', '.join(map(str, Ns))}, {dtype} forward (FLOPs = 4·B·H·N²·D, half for causal)"
+    title = (f"Roofline at N={', '.join(map(str, Ns))}, {dtype} forward (FLOPs = 4·B·H·N²·D, causal: the visible "
+             "pairs)")
     if unplaced:
         title += (f"\nnot placed where DRAM bytes are missing: "
                   f"{', '.join(label(i) for i in sorted(unplaced, key=views.impl_sort_key))}")
@@ -561,10 +668,12 @@ def plot_roofline(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") 
 
 # ------------------------------------------------------------------------------ 6. energy
 
+@_drawn_with_rc
 def plot_energy(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") -> Path | None:
     """Joules per call and TFLOP per joule (FLOPs / energy; the same number as TFLOPS per watt)
     per impl at the headline N, one bar per (D, causal); from NVML's energy counter over a ≥ 2 s loop."""
     name = "energy.png"
+    rows = views.forward_grid(rows)  # the forward grid only: see the module docstring
     data = [r for r in views.plain(rows) if r["dtype"] == dtype and is_ok(r) and r["energy_j_per_call"]]
     if not data:
         _skip(name, f"no {dtype} rows with energy", HINTS["energy"])
@@ -594,6 +703,7 @@ def plot_energy(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") ->
         ax.set_ylabel(ylabel)
         ax.grid(axis="x", visible=False)
     axes[0].set_yscale("log")
+    _plain_log_labels(axes[0].yaxis)
     handles = [Patch(facecolor="0.5", alpha=shades[j % len(shades)], edgecolor="0.2", hatch="//" if c else None,
                      label=_panel_title(D, c)) for j, (D, c) in enumerate(cells)]
     fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False)
@@ -605,12 +715,68 @@ def plot_energy(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") ->
     return _save(fig, Path(out_dir), name, env, rows)
 
 
+# ------------------------------------------------------------------------------ 7. the model suite
+
+@_drawn_with_rc
+def plot_models(suite_rows: list[dict], env: dict, out_dir) -> Path | None:
+    """Stage C over the fastest SDPA backend in each named cell of the model suite
+    (``<results>/models/runs.csv``, every run: :func:`harness.views.suite_lines` takes each cell from
+    the latest run that timed C), two bars per cell: the eager call and the CUDA-graph replay
+    (GPU time alone). A time ratio, above 1 when stage C is faster; a cell without a ratio says why."""
+    name = "models.png"
+    lines = views.suite_lines(suite_rows)
+    if not lines:
+        _skip(name, "no model-suite rows", HINTS["models"])
+        return None
+    fig, (ax,) = _new_figure(1.6 + 0.42 * len(lines))
+    bar = 0.38
+    values = [v for line in lines for v in (line["vs_best"], line["vs_best_gpu"]) if v is not None]
+    right = max(values + [1.0]) * 1.18
+    for i, line in enumerate(lines):
+        for j, (key, shade, what) in enumerate((("vs_best", 1.0, "eager"), ("vs_best_gpu", 0.45, "GPU"))):
+            v = line[key]
+            y = i - bar / 2 + j * bar
+            if v is None:
+                continue
+            ax.barh(y, v, bar, color=color("c"), alpha=shade, edgecolor="0.2" if v < 1.0 else None,
+                    hatch="//" if v < 1.0 else None)
+            ax.text(v + 0.01 * right, y, f"{v:.2f}", va="center", fontsize=9)
+        if line["vs_best"] is None and line["vs_best_gpu"] is None:
+            c = line["c"]
+            why = "no stage C row" if c is None else (c["status"] if not is_ok(c) else "no SDPA backend ran it")
+            ax.text(0.02 * right, i, why[:60], va="center", fontsize=9, color="0.3")
+    ax.axvline(1.0, color="black", linewidth=1.2)
+    ax.set_xlim(0, right)
+    ax.set_yticks(range(len(lines)), [f"{line['cell']}  ({_suite_shape(line['shape'])})" for line in lines],
+                  fontsize=10)
+    ax.invert_yaxis()
+    ax.grid(axis="y", visible=False)
+    ax.set_xlabel("fastest SDPA backend's time / stage C's time  (above 1: stage C is faster)")
+    handles = [Patch(color=color("c"), label="eager call (ms_median)"),
+               Patch(color=color("c"), alpha=0.45, label="CUDA-graph replay, GPU time alone (ms_gpu)"),
+               Patch(facecolor="white", hatch="//", edgecolor="0.2", label="hatched: stage C behind")]
+    fig.legend(handles=handles, loc="outside lower center", ncol=3, frameon=False, fontsize=10)
+    runs = sorted({line["run_id"] for line in lines if line["run_id"]})
+    fig.suptitle("Stage C against the fastest SDPA backend on the shapes real models run "
+                 f"(sweep --suite models)\nrun{'s' if len(runs) > 1 else ''} {', '.join(runs)}", fontsize=12)
+    return _save(fig, Path(out_dir), name, env, [line["shape"] for line in lines])
+
+
+def _suite_shape(r: dict) -> str:
+    """``B32 H32/8 N1/8192 D128 causal bf16``: heads and rows as query/key where they differ."""
+    heads = f"{r['H']}/{r['Hkv']}" if r.get("Hkv") not in (None, r["H"]) else f"{r['H']}"
+    lengths = f"{r['N']}/{r['Nk']}" if r.get("Nk") not in (None, r["N"]) else f"{r['N']}"
+    return f"B{r['B']} H{heads} N{lengths} D{r['D']}{' causal' if r['causal'] else ''} {r['dtype']}"
+
+
 # ------------------------------------------------------------------------------ all + CLI
 
 def plot_all(results_dir, *, cell: dict | None = None, dtype: str = "fp16", out_dir=None) -> list[Path]:
     """Draw every figure from ``results_dir`` into ``out_dir`` (default ``<results_dir>/figures``);
-    returns the paths written. Raises :class:`ResultsError` for a missing or malformed runs.csv."""
-    rows, env = views.load(results_dir)
+    returns the paths written (a figure whose data is missing is skipped with a message). Raises
+    :class:`ResultsError` for a missing or malformed runs.csv (or models/runs.csv)."""
+    rows, env = views.load(results_dir, forward_only=False)
+    suite_rows = views.load_suite(results_dir)
     out = Path(out_dir) if out_dir is not None else Path(results_dir) / "figures"
     # a folder that cannot be written fails here, naming itself, before any figure is drawn
     ensure_writable_dir(out, "plot: output folder" if out_dir is None else "--out")
@@ -622,6 +788,9 @@ def plot_all(results_dir, *, cell: dict | None = None, dtype: str = "fp16", out_
         plot_peak_memory(rows, env, out, dtype=dtype),
         plot_roofline(rows, env, out, dtype=dtype),
         plot_energy(rows, env, out, dtype=dtype),
+        plot_backward_throughput(rows, env, out, dtype=dtype),
+        plot_backward_waterfall(rows, env, out, cell=cell),
+        plot_models(suite_rows, env, out),
     ]
     return [p for p in written if p is not None]
 
@@ -632,7 +801,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description="Draw the figures of a results directory into <results_dir>/figures/.")
     p.add_argument("results_dir", help="a results/<gpu>/ directory holding runs.csv and env.json")
     p.add_argument("--cell", default=None, metavar="N=..,D=..,dtype=..,causal=..",
-                   help="the waterfall's cell (default N=4096, D=64, fp16, non-causal)")
+                   help="the waterfalls' cell, forward and backward (default N=4096, D=64, fp16, non-causal)")
     p.add_argument("--dtype", default="fp16", choices=("fp16", "bf16", "fp32"),
                    help="dtype of the sweep figures (default fp16)")
     p.add_argument("--out", default=None, help="folder for the PNGs (default <results_dir>/figures)")

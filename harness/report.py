@@ -20,8 +20,17 @@ Other files hold other named blocks (``<!-- NAME:begin -->`` ... ``<!-- NAME:end
 the same command: ``ratio`` and ``ablation`` (stage C's README: C against cuDNN over the whole
 grid, with a table of the latest runs side by side, and each optimization's measured share) and
 ``twins`` (the Triton stages beside their CUDA C++ twins, and the bank-conflict model against
-Nsight Compute). ``--readme`` may be given several
+Nsight Compute); in the README's results section ``models`` (the model-shape suite of
+``sweep --suite models``, ``<results>/models/runs.csv``: stage C against the fastest SDPA backend per
+named cell, eager and CUDA-graph times, and each suite run's tally), ``backward`` (the ``pass = bwd``
+rows: stage C against SDPA FLASH and CUDNN, min/median/max and the D × causal × N grid) and
+``latency`` (``<results>/latency.csv``: host µs per call beside an empty Triton kernel). A block
+whose data is not there says which command produces it. ``--readme`` may be given several
 times; each file gets every block whose markers it holds.
+
+Every table keyed by (N, D, dtype, causal) reads :func:`harness.views.forward_grid` rows (or, for
+the backward, :func:`harness.views.grid_rows` of ``bwd``), so backward, GQA and suite rows in the
+same results file leave the forward tables as they were.
 """
 
 from __future__ import annotations
@@ -97,13 +106,9 @@ def _measured_on(env: dict, rows: list[dict]) -> str:
     return "an unknown GPU"
 
 
-def forward_grid(rows: list[dict]) -> list[dict]:
-    """The rows these tables are about: forward passes of multi-head self-attention (Hkv = H,
-    Nk = N), not a suite's named cells. A results folder may also hold backward rows and GQA or
-    cross-length cells (``sweep --pass bwd``, ``--Hkv``, ``--Nk``); tables keyed by (N, D, causal)
-    would otherwise mix them into one cell. Rows of older files mean exactly these."""
-    return [r for r in rows if r.get("pass", "fwd") == "fwd" and r.get("Hkv", r["H"]) == r["H"]
-            and r.get("Nk", r["N"]) == r["N"] and not r.get("cell")]
+#: The rows the forward tables are about (forward passes of self-attention, Hkv = H, Nk = N, no suite
+#: cell): one filter, in ``views``, shared with the figures.
+forward_grid = views.forward_grid
 
 
 def cell_table(rows: list[dict], *, N: int, D: int, dtype: str, causal: int) -> str:
@@ -182,13 +187,14 @@ def sample_spread(row: dict) -> float | None:
 def ratio_table(rows: list[dict], *, dtype: str = "fp16", impl: str = "c", peer: str = "sdpa_cudnn") -> str:
     """``impl``'s throughput as a fraction of ``peer``'s over N, one line per (D, causal); '' without data.
     A ratio with † has a timing whose samples spread more than :data:`NOISY_SPREAD` on either side."""
-    return _format_ratio_table(paired_rows(rows, dtype=dtype, impl=impl, peer=peer), dtype=dtype, impl=impl,
-                               peer=peer)
+    return _format_ratio_table(paired_rows(forward_grid(rows), dtype=dtype, impl=impl, peer=peer), dtype=dtype,
+                               impl=impl, peer=peer)
 
 
 def _format_ratio_table(pairs: dict[tuple[int, int, int], tuple[dict, dict]], *, dtype: str, impl: str,
-                        peer: str) -> str:
-    """:func:`ratio_table` from the pairs :func:`paired_rows` found."""
+                        peer: str, what: str = "") -> str:
+    """:func:`ratio_table` from the pairs :func:`paired_rows` found; ``what`` (e.g. ``"backward "``)
+    goes before "TFLOPS" in the heading."""
     ratios: dict[tuple, dict[int, str]] = {}
     noisy = False
     for (D, causal, N), (mine, theirs) in pairs.items():
@@ -199,7 +205,8 @@ def _format_ratio_table(pairs: dict[tuple[int, int, int], tuple[dict, dict]], *,
     if not ratios:
         return ""
     Ns = sorted({n for line in ratios.values() for n in line})
-    lines = [f"#### {label(impl)} vs {label(peer)}: TFLOPS ratio over N ({dtype}; above 1: {label(impl)} is faster)",
+    lines = [f"#### {label(impl)} vs {label(peer)}: {what}TFLOPS ratio over N ({dtype}; above 1: {label(impl)} is "
+             "faster)",
              "",
              "| D | causal | " + " | ".join(f"N = {n}" for n in Ns) + " |",
              "|--:|---|" + "--:|" * len(Ns)]
@@ -214,11 +221,13 @@ def _format_ratio_table(pairs: dict[tuple[int, int, int], tuple[dict, dict]], *,
 
 def render_table(rows: list[dict], env: dict, *, dtype: str = "fp16", all_rows: list[dict] | None = None) -> str:
     """The README's results tables (Markdown) from de-duplicated rows and ``env.json``'s contents."""
+    rows = forward_grid(rows)  # a caller's rows may hold backward, GQA or suite rows: not this table's
+    all_rows = forward_grid(all_rows) if all_rows is not None else None
     gpu = _measured_on(env, rows)
     date = str(env.get("date") or "")[:10] or "undated"
     versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "triton", "driver", "cuda_runtime") if env.get(k))
     parts = [f"Measured on **{_md(gpu)}**, {date}" + (f" ({_md(versions)})" if versions else "") + ". "
-             "FLOPs = 4·B·H·N²·D, half of it for causal; forward pass only. DRAM bytes: Nsight Compute "
+             f"{views.FLOP_CONVENTION}; these tables: the forward pass. DRAM bytes: Nsight Compute "
              "`dram__bytes_read.sum + dram__bytes_write.sum` over the impl's kernels, its traffic model in "
              "parentheses. Peak extra memory: `max_memory_allocated` during one call beyond the inputs "
              "(workspace model in parentheses). Decimal units: 1 GB = 10⁹ bytes. "
@@ -493,10 +502,189 @@ def render_twins_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> s
                      "`l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_{ld,st}.sum`:\n\n" + "\n".join(table))
     return "\n\n".join(parts) + "\n"
 
+# ------------------------------------------------------------------ the model suite, backward, latency
+
+def _shape_summary(r: dict) -> str:
+    """``B 32 · H 32/8 · N 1/8192 · D 128 · causal · bf16``: heads and rows as query/key where they differ."""
+    heads = f"{r['H']}/{r['Hkv']}" if r.get("Hkv") not in (None, r["H"]) else f"{r['H']}"
+    lengths = f"{r['N']}/{r['Nk']}" if r.get("Nk") not in (None, r["N"]) else f"{r['N']}"
+    return (f"B {r['B']} · H {heads} · N {lengths} · D {r['D']} · {'causal' if r['causal'] else 'non-causal'} "
+            f"· {r['dtype']}")
+
+
+def _ms(row: dict | None, column: str = "ms_median") -> str:
+    return fmt_num(row.get(column), ".3g") if row is not None and is_ok(row) and row.get(column) else "—"
+
+
+def _x(ratio: float | None) -> str:
+    return "—" if ratio is None else f"{ratio:.2f}"
+
+
+def _suite_status(line: dict) -> str:
+    c = line["c"]
+    if c is None:
+        return "no stage C row"
+    if not is_ok(c):
+        return _md(c["status"])
+    if line["vs_best"] is None:
+        return "no SDPA backend ran it"
+    behind = [what for what, r in (("eager", line["vs_best"]), ("GPU", line["vs_best_gpu"]), ("vs B", line["vs_b"]))
+              if r is not None and r < 1.0]
+    return "ok" if not behind else "behind: " + ", ".join(behind)
+
+
+def suite_table(lines: list[dict]) -> str:
+    """The model suite, one line per named cell (:func:`harness.views.suite_lines`); '' without cells."""
+    if not lines:
+        return ""
+    out = ["| cell | shape (H, N: query/key where they differ) | C ms | C ms GPU | best SDPA | its ms "
+           "| C / best | C / best, GPU | C / B | status |",
+           "|---|---|--:|--:|---|--:|--:|--:|--:|---|"]
+    for line in lines:
+        best = line["best"]
+        out.append("| " + " | ".join([
+            _md(line["cell"]), _shape_summary(line["shape"]), _ms(line["c"]), _ms(line["c"], "ms_gpu"),
+            label(best["impl"]) if best else "—", _ms(best), _x(line["vs_best"]), _x(line["vs_best_gpu"]),
+            _x(line["vs_b"]), _suite_status(line)]) + " |")
+    return "\n".join(out)
+
+
+def suite_runs_table(runs: dict[str, list[dict]]) -> str:
+    """One line per suite run (:func:`harness.views.suite_runs`): cells, how many had C at or above the
+    best SDPA backend (eager, GPU-only) and at or above stage B, and the lowest ratios."""
+    if not runs:
+        return ""
+    out = ["| run | cells | C ≥ best (eager) | C ≥ best (GPU) | C ≥ B | lowest C / best (eager) "
+           "| lowest C / best (GPU) |", "|---|--:|--:|--:|--:|--:|--:|"]
+    for run, lines in runs.items():
+        cols = []
+        for key in ("vs_best", "vs_best_gpu", "vs_b"):
+            vals = [line[key] for line in lines if line[key] is not None]
+            cols.append((f"{sum(v >= 1.0 for v in vals)} of {len(vals)}", min(vals) if vals else None))
+        low = [line for line in lines if line["vs_best"] is not None]
+        low_gpu = [line for line in lines if line["vs_best_gpu"] is not None]
+        lowest = min(low, key=lambda x: x["vs_best"]) if low else None
+        lowest_gpu = min(low_gpu, key=lambda x: x["vs_best_gpu"]) if low_gpu else None
+        out.append(f"| {run} | {len(lines)} | {cols[0][0]} | {cols[1][0]} | {cols[2][0]} | "
+                   + (f"{lowest['vs_best']:.2f} ({_md(lowest['cell'])})" if lowest else "—") + " | "
+                   + (f"{lowest_gpu['vs_best_gpu']:.2f} ({_md(lowest_gpu['cell'])})" if lowest_gpu else "—") + " |")
+    return "\n".join(out)
+
+
+def render_models_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> str:
+    """The model-shape suite (``results_dir/models/runs.csv``): stage C against the fastest SDPA
+    backend in each named cell, eager and GPU-only, and how each suite run went. ``dtype`` is not
+    used: each cell has its own."""
+    results_dir = Path(results_dir)
+    rel = _posix_rel(results_dir, Path(readme_dir))
+    all_rows = views.load_suite(results_dir)
+    lines = views.suite_lines(all_rows)
+    note = (f"<!-- generated by `python -m harness report {rel} --readme <this file>` from "
+            f"{rel}/{views.SUITE_DIR}/runs.csv; edit the results, not this block -->")
+    if not lines:
+        return note + f"\n\n_No model-suite rows yet: run `{views.HINTS['models']}` on a GPU._\n"
+    parts = [note,
+             "Each cell from the latest run that timed stage C in it, C and the SDPA backends taking turns. "
+             "ms: the eager call as a program makes it (median); ms GPU: the same call replayed from a CUDA "
+             "graph, the GPU's work alone. Best SDPA: the fastest backend that accepts the cell (by eager "
+             "time; the GPU-only ratio takes the fastest by GPU time). Ratios are time ratios, above 1 when "
+             "stage C is faster; C / B is against stage B, eager.",
+             suite_table(lines)]
+    runs = suite_runs_table(views.suite_runs(all_rows))
+    if runs:
+        parts += ["Suite run by suite run:", runs]
+    return "\n\n".join(parts) + "\n"
+
+
+#: the peers the backward table sets stage C against: FlashAttention-2 (the floor) and cuDNN (the goal)
+BACKWARD_PEERS = ("sdpa_flash", "sdpa_cudnn")
+
+
+def backward_summary(rows: list[dict], *, dtypes, impl: str = "c", peers=BACKWARD_PEERS) -> str:
+    """Per dtype and peer, ``impl``'s backward TFLOPS over the peer's across every (D, causal, N) cell
+    that has both (pairs from one run, :func:`paired_rows`): cells, at or above 1.0, min, median,
+    max. ``rows`` are backward grid rows; '' when no cell has a pair."""
+    lines = []
+    for dtype in dtypes:
+        for peer in peers:
+            ratios = sorted(_ratio(*pair) for pair in paired_rows(rows, dtype=dtype, impl=impl, peer=peer).values())
+            if ratios:
+                lines.append(f"| {dtype} | {label(peer)} | {len(ratios)} | {sum(r >= 1.0 for r in ratios)} | "
+                             f"{ratios[0]:.2f} | {statistics.median(ratios):.2f} | {ratios[-1]:.2f} |")
+    if not lines:
+        return ""
+    return "\n".join([f"| dtype | {label(impl)} vs | cells | at or above 1.0 | min | median | max |",
+                      "|---|---|--:|--:|--:|--:|--:|", *lines])
+
+
+def render_backward_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> str:
+    """Stage C's backward pass (``pass = bwd`` rows of ``results_dir/runs.csv``, the grid only)
+    against SDPA FLASH and CUDNN: min/median/max of the TFLOPS ratio per peer and dtype, then the
+    ratio to cuDNN over D × causal × N for each dtype. ``dtype`` is not used: every dtype measured
+    is shown."""
+    results_dir = Path(results_dir)
+    parts = [_generated_note(_posix_rel(results_dir, Path(readme_dir)))]
+    path = results_dir / "runs.csv"
+    rows = views.grid_rows(load_rows(path), "bwd") if path.exists() else []
+    order = ("fp16", "bf16", "fp32")
+    dtypes = sorted({r["dtype"] for r in rows}, key=lambda d: (order.index(d) if d in order else len(order), d))
+    summary = backward_summary(rows, dtypes=dtypes)
+    if not summary:
+        parts.append(f"_No stage C backward rows beside SDPA FLASH or CUDNN yet: run "
+                     f"`{views.HINTS['bwd']} --peers flash,cudnn`._")
+        return "\n\n".join(parts) + "\n"
+    parts += ["The backward alone, given a saved forward (`torch.autograd.grad` of the output), on the FA-paper "
+              f"grid; {views.FLOP_CONVENTION}. Ratios pair rows timed in the same run, above 1 when stage C is "
+              "faster.", summary]
+    for dt in dtypes:
+        table = _format_ratio_table(paired_rows(rows, dtype=dt, impl="c", peer="sdpa_cudnn"), dtype=dt, impl="c",
+                                    peer="sdpa_cudnn", what="backward ")
+        if table:
+            parts.append(table)
+    return "\n\n".join(parts) + "\n"
+
+
+FLOOR_IMPL = "triton_empty_kernel"
+
+
+def latency_table(rows: list[dict]) -> str:
+    """``harness latency``'s rows as Markdown: impl, µs per call, multiple of the floor (an empty
+    Triton kernel's launch), status; the floor first, then stages and peers in display order."""
+    ordered = sorted(rows, key=lambda r: (r["impl"] != FLOOR_IMPL, views.impl_sort_key(r["impl"])))
+    out = ["| impl | µs per call | × floor | status |", "|---|--:|--:|---|"]
+    for r in ordered:
+        name = "empty Triton kernel (the floor)" if r["impl"] == FLOOR_IMPL else label(r["impl"])
+        us = r.get("us_per_call")
+        floor_x = r.get("x_floor")
+        out.append(f"| {_md(name)} | {'—' if us is None else f'{us:,.1f}'} | "
+                   f"{'—' if floor_x is None else f'{floor_x:.1f}×'} | {_md(r['status'])} |")
+    return "\n".join(out)
+
+
+
+def render_latency_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> str:
+    """The latest run of ``results_dir/latency.csv`` (``harness latency``): host µs per call of each
+    impl on a tiny problem beside an empty Triton kernel's launch. ``dtype`` is not used."""
+    results_dir = Path(results_dir)
+    rel = _posix_rel(results_dir, Path(readme_dir))
+    note = (f"<!-- generated by `python -m harness report {rel} --readme <this file>` from {rel}/latency.csv; "
+            "edit the results, not this block -->")
+    rows = views.load_latency(results_dir)
+    if not rows:
+        return note + f"\n\n_No latency rows yet: run `{views.HINTS['latency']}` on a GPU._\n"
+    r0 = rows[0]
+    where = "a CPU (Triton interpreter: not GPU host times)" if r0.get("device") == "interpreter" else "the GPU"
+    text = (f"Run {_md(r0['run_id'])} on {where}: B = {r0['B']}, H = {r0['H']}, N = {r0['N']}, D = {r0['D']}, "
+            f"{_md(r0['dtype'])}{', causal' if r0['causal'] else ''}, {r0['calls']} calls back to back per impl, "
+            "one synchronize at the end: CPU wall time per call, nothing subtracted. The floor is an empty "
+            "`@triton.jit` kernel with no arguments.")
+    return "\n\n".join([note, text, latency_table(rows)]) + "\n"
+
 
 #: The blocks a file may hold, by marker name.
 BLOCKS = {"results": render_block, "ratio": render_ratio_block, "ablation": render_ablation_block,
-          "twins": render_twins_block}
+          "twins": render_twins_block, "models": render_models_block, "backward": render_backward_block,
+          "latency": render_latency_block}
 
 
 def markers(name: str) -> tuple[str, str]:
@@ -560,8 +748,9 @@ def check_readme(readme_path, results_dir, *, dtype: str = "fp16") -> str:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``report RESULTS_DIR [--readme README.md] [--check] [--dtype fp16]``."""
     p = subparsers.add_parser("report", help="the README's results tables, from a results directory",
-                              description="Print the results tables, or rewrite/check the README block "
-                                          f"between '{BEGIN}' and '{END}'.")
+                              description="Print the results tables, or rewrite/check a README's generated "
+                                          f"blocks: '{BEGIN}' ... '{END}' and the other named blocks "
+                                          f"({', '.join(n for n in BLOCKS if n != 'results')}) whose markers it holds.")
     p.add_argument("results_dir", help="a results/<gpu>/ directory holding runs.csv and env.json")
     p.add_argument("--readme", action="append", default=None,
                    help="a file whose generated blocks to rewrite (repeatable; e.g. README.md and the stage READMEs)")

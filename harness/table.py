@@ -1,6 +1,7 @@
 """The table ``compare`` prints (rich), and the speedup arithmetic behind it.
 
-Speedup columns are derived, not stored: ``×prev`` is the previous stage's median time over this
+TFLOPS count visible (query, key) pairs, the backward 2.5× the forward (:data:`FOOTER` says it
+under the table). Speedup columns are derived, not stored: ``×prev`` is the previous stage's median time over this
 row's (for ``+`` ablation steps: the previous step, the first step against stage B; for other
 ablation rows: the ``all`` row of the same stage), ``×A`` is stage A's median over this row's.
 """
@@ -11,6 +12,13 @@ from rich.console import Console
 from rich.table import Table
 
 INTERPRETER_NOTE = "times are CPU-interpreter times, not GPU times"
+
+#: printed under every table: how TFLOPS are counted (the convention of ``harness.views.flops``)
+FOOTER = ("TFLOPS count the FLOPs of one call: forward 4·B·Hq·Nq·Nk·D, causal counting only the visible "
+          "(query, key) pairs (about half); backward 2.5× the forward's, forward + backward 3.5×. "
+          "DRAM model = bytes the kernels request (no cache); ×prev/×A = time ratios.")
+GRAPH_NOTE = ("ms = the eager call, host path included (TFLOPS use it); ms GPU = the same call replayed from a "
+              "CUDA graph, the GPU's work alone: the gap is the launch overhead.")
 
 
 def _ok_ms(row: dict | None) -> float | None:
@@ -62,9 +70,12 @@ def compare_table(rows: list[dict], title: str = "") -> Table:
     with_ncu = any(r.get("dram_read_measured") is not None for r in rows)
     with_energy = any(r.get("energy_j_per_call") is not None for r in rows)
     with_mem = any(r.get("peak_mem_measured") is not None for r in rows)
+    with_graph = any(r.get("ms_gpu") is not None for r in rows)
     table = Table(title=title, header_style="bold", show_lines=False)
     table.add_column("impl", no_wrap=True)
     table.add_column("ms median\n(p20–p80)", justify="right")
+    if with_graph:
+        table.add_column("ms GPU\n(graph)", justify="right")
     table.add_column("TFLOPS", justify="right")
     table.add_column("×prev", justify="right")
     table.add_column("×A", justify="right")
@@ -89,8 +100,10 @@ def compare_table(rows: list[dict], title: str = "") -> Table:
         model = None
         if r.get("dram_read_model") is not None:
             model = r["dram_read_model"] + r["dram_write_model"]
-        cells = [r["impl"] + (f" {r['variant']}" if r.get("variant") else ""), ms, _tflops(r.get("tflops")),
-                 _x(x_prev), _x(x_a), _mb(model)]
+        cells = [r["impl"] + (f" {r['variant']}" if r.get("variant") else ""), ms]
+        if with_graph:
+            cells.append(_num(r.get("ms_gpu"), ".3f"))
+        cells += [_tflops(r.get("tflops")), _x(x_prev), _x(x_a), _mb(model)]
         if with_ncu:
             meas = None
             if r.get("dram_read_measured") is not None:
@@ -111,8 +124,9 @@ def compare_table(rows: list[dict], title: str = "") -> Table:
 
 def print_compare(rows: list[dict], console: Console, *, title: str, interpreted: bool, footer: list[str]) -> None:
     console.print(compare_table(rows, title))
-    console.print("TFLOPS count 4·B·H·N²·D FLOPs per call, half of it when causal. "
-                  "DRAM model = bytes the kernels request (no cache); ×prev/×A = time ratios.")
+    console.print(FOOTER)
+    if any(r.get("ms_gpu") is not None for r in rows):
+        console.print(GRAPH_NOTE)
     if interpreted:
         console.print(f"[bold yellow]Note: {INTERPRETER_NOTE}[/bold yellow] (Triton interpreter on the CPU; "
                       "errors and models are real, speed is not).")

@@ -7,7 +7,7 @@ matplotlib, no torch. Units: bytes, ms, FLOPs, as in the CSV.
 
 from __future__ import annotations
 
-from .results import ResultsError, latest_rows, load_env, load_rows
+from .results import ResultsError, cell_key, load_env, load_rows
 
 #: Display order and labels. Unknown impls (a learner's own kernel) sort after these, by name.
 IMPL_ORDER: tuple[str, ...] = ("a", "b", "c", "b_cuda", "c_cuda",
@@ -27,6 +27,9 @@ HEADLINE_DS = (64, 128)
 #: if the CLI's subcommand names change.
 HINTS = {
     "rows": "python -m harness sweep",
+    "bwd": "python -m harness sweep --pass bwd",
+    "models": "python -m harness sweep --suite models",
+    "latency": "python -m harness latency",
     "peers": "python -m harness compare",
     "dram": "python -m harness profile",
     "ablation": "python -m harness sweep --ablation",
@@ -43,14 +46,52 @@ def impl_sort_key(impl: str) -> tuple:
     return (IMPL_ORDER.index(impl), "") if impl in IMPL_ORDER else (len(IMPL_ORDER), impl)
 
 
-def load(results_dir) -> tuple[list[dict], dict]:
+def row_key(row: dict) -> tuple:
+    """What identifies a measured cell here: ``results.cell_key`` (impl, variant, shape, dtype,
+    masking, pass) and the suite cell's name, so a suite cell of the same shape as a grid cell is a
+    cell of its own rather than a re-measurement of the grid cell."""
+    return cell_key(row) + (row.get("cell") or "",)
+
+
+def latest_rows(rows) -> list[dict]:
+    """The last row of each :func:`row_key` (a re-measured cell replaces the older one), in first-seen order."""
+    by_key: dict[tuple, dict] = {}
+    for r in rows:
+        by_key[row_key(r)] = r
+    return list(by_key.values())
+
+
+def grid_rows(rows: list[dict], pass_: str = "fwd") -> list[dict]:
+    """The rows of one pass (``fwd``, ``bwd`` or ``fwd_bwd``) on the self-attention grid: as many
+    K/V heads as query heads (Hkv = H), as many keys as queries (Nk = N), and not a suite's named
+    cell. Every table and figure keyed by (N, D, dtype, causal) draws from these, because a results
+    folder may also hold backward rows, GQA or cross-length cells (``sweep --pass bwd``, ``--Hkv``,
+    ``--Nk``) that share those four numbers with a grid cell and would otherwise be mixed into it.
+    Rows of older files (without those columns) are forward grid rows."""
+    return [r for r in rows if (r.get("pass") or "fwd") == pass_ and (r.get("Hkv") or r["H"]) == r["H"]
+            and (r.get("Nk") or r["N"]) == r["N"] and not r.get("cell")]
+
+
+def forward_grid(rows: list[dict]) -> list[dict]:
+    """:func:`grid_rows` of the forward pass: what the forward figures and README tables are made of."""
+    return grid_rows(rows, "fwd")
+
+
+def load(results_dir, *, forward_only: bool = True) -> tuple[list[dict], dict]:
     """The de-duplicated rows of ``results_dir/runs.csv`` and its ``env.json``.
 
+    ``forward_only`` (the default) keeps the :func:`forward_grid` rows, the ones the forward figures
+    and tables are made for, so backward, GQA and suite rows in the same file change none of them;
+    ``forward_only=False`` returns every row (the backward figures select theirs).
     A missing or malformed CSV raises :class:`ResultsError`; a missing ``env.json`` does not (the
     figures then carry no GPU name), because the rows alone are enough to draw from.
     """
     all_rows = load_rows(results_dir)
+    if forward_only:
+        all_rows = forward_grid(all_rows)
     rows = merge_profile(merge_energy(latest_rows(all_rows), all_rows), results_dir)
+    if forward_only:
+        rows = forward_grid(rows)  # profiled cells of other passes or shapes, added by merge_profile
     try:
         env = load_env(results_dir)
     except ResultsError as e:
@@ -70,15 +111,13 @@ def merge_profile(rows: list[dict], results_dir) -> list[dict]:
     profiled row of the same cell exists; profiled cells with no timed row are added as they are."""
     from pathlib import Path
 
-    from .results import cell_key
-
     path = Path(results_dir) / "profile" / "runs.csv"
     if not path.exists():
         return rows
-    profiled = {cell_key(r): r for r in latest_rows(load_rows(path)) if is_ok(r)}
+    profiled = {row_key(r): r for r in latest_rows(load_rows(path)) if is_ok(r)}
     merged = []
     for row in rows:
-        prof = profiled.pop(cell_key(row), None)
+        prof = profiled.pop(row_key(row), None)
         if prof is not None:
             row = {**row, **{c: prof[c] for c in PROFILE_COLUMNS if prof[c] is not None}}
         merged.append(row)
@@ -95,14 +134,12 @@ def has_energy(row: dict) -> bool:
 
 
 def latest_energy_rows(all_rows: list[dict]) -> dict[tuple, dict]:
-    """Per cell (``results.cell_key``), the latest ``ok`` row that has energy measured, whatever
+    """Per cell (:func:`row_key`), the latest ``ok`` row that has energy measured, whatever
     came after it. ``all_rows`` in file order (the order ``load_rows`` returns)."""
-    from .results import cell_key
-
     found: dict[tuple, dict] = {}
     for r in all_rows:
         if has_energy(r):
-            found[cell_key(r)] = r
+            found[row_key(r)] = r
     return found
 
 
@@ -115,12 +152,10 @@ def merge_energy(rows: list[dict], all_rows: list[dict]) -> list[dict]:
     or table can say which run its energy shows. Energy is per call at that run's clocks: it is
     not rescaled to the borrowing row's time.
     """
-    from .results import cell_key
-
     measured = latest_energy_rows(all_rows)
     out = []
     for row in rows:
-        source = row if has_energy(row) else measured.get(cell_key(row))
+        source = row if has_energy(row) else measured.get(row_key(row))
         if source is None:
             out.append(row)
             continue
@@ -155,10 +190,24 @@ def select(rows: list[dict], **match) -> list[dict]:
     return out
 
 
+#: FLOPs of a pass as a multiple of the forward's (the FlashAttention papers' convention: the
+#: backward does five matmuls to the forward's two; a training step is both).
+PASS_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
+
+#: how the README and the figures state the FLOP convention, written once
+FLOP_CONVENTION = ("FLOPs = 4·B·Hq·Nq·Nk·D for the forward, causal counting only the visible (query, key) "
+                   "pairs (about half); the backward 2.5× that, a training step 3.5×")
+
+
 def flops(row: dict) -> float:
-    """Forward FLOPs of the row's problem: 4·B·H·N²·D, half of it for causal."""
-    full = 4.0 * row["B"] * row["H"] * row["N"] ** 2 * row["D"]
-    return full / 2 if row["causal"] else full
+    """FLOPs of one call of the row's pass: 4·B·H·N·Nk·D forward, causal counting only the visible
+    (query, key) pairs (bottom-right aligned; N(N+1)/2 per head when Nk = N), times
+    :data:`PASS_FLOP_FACTOR` for ``bwd`` and ``fwd_bwd``. Same count as ``harness.measure.pass_flops``."""
+    from stages.contract import visible_pairs
+
+    Nk = row.get("Nk") or row["N"]
+    forward = 4.0 * row["B"] * row["H"] * visible_pairs(row["N"], Nk, bool(row["causal"])) * row["D"]
+    return forward * PASS_FLOP_FACTOR[row.get("pass") or "fwd"]
 
 
 def dram_bytes(row: dict, which: str) -> int | None:
@@ -263,3 +312,125 @@ def fmt_bytes(n: float | None) -> str:
 
 def fmt_num(x: float | None, spec: str = ".3g") -> str:
     return "—" if x is None else format(x, spec)
+
+
+# ------------------------------------------------------------------ the model suite and latency
+
+#: where ``sweep --suite models`` writes, inside a results folder
+SUITE_DIR = "models"
+
+
+def load_suite(results_dir) -> list[dict]:
+    """Every row of ``results_dir/models/runs.csv`` (all runs: :func:`suite_lines` pairs impls within
+    one run); [] when the suite has not been run there. A malformed file raises :class:`ResultsError`."""
+    from pathlib import Path
+
+    path = Path(results_dir) / SUITE_DIR / "runs.csv"
+    return load_rows(path) if path.exists() else []
+
+
+def _best_peer(peers: list[dict], column: str) -> dict | None:
+    timed = [r for r in peers if r.get(column)]
+    return min(timed, key=lambda r: r[column]) if timed else None
+
+
+def suite_cell_summary(rows: list[dict]) -> dict:
+    """One suite cell's rows (of one run) summed up: ``c`` and ``b`` (the stage rows or None), the
+    fastest ``ok`` SDPA backend by eager time (``best``) and by CUDA-graph time (``best_gpu``; may be
+    another backend), and three throughput ratios, above 1 when stage C is faster:
+    ``vs_best`` = best's ms_median / C's, ``vs_best_gpu`` = best_gpu's ms_gpu / C's ms_gpu,
+    ``vs_b`` = B's ms_median / C's. A ratio is None where a side is missing or not ``ok``."""
+    last = {r["impl"]: r for r in rows if r["kind"] in ("stage", "peer")}  # a run's last row of an impl wins
+    c, b = last.get("c"), last.get("b")
+    peers = [r for r in last.values() if r["kind"] == "peer" and is_ok(r)]
+    best, best_gpu = _best_peer(peers, "ms_median"), _best_peer(peers, "ms_gpu")
+    c_ok = c is not None and is_ok(c)
+
+    def ratio(other: dict | None, column: str) -> float | None:
+        if not (c_ok and other is not None and is_ok(other) and c.get(column) and other.get(column)):
+            return None
+        return other[column] / c[column]
+
+    return {"cell": rows[0].get("cell") if rows else None, "shape": rows[0] if rows else None, "c": c, "b": b,
+            "best": best, "best_gpu": best_gpu, "vs_best": ratio(best, "ms_median"),
+            "vs_best_gpu": ratio(best_gpu, "ms_gpu"), "vs_b": ratio(b, "ms_median"),
+            "run_id": rows[-1]["run_id"] if rows else None}
+
+
+def _suite_order(names) -> list[str]:
+    """Suite cell names in the order of ``harness.suites`` (the models suite first), then any others
+    in the order first seen."""
+    from .suites import SUITES
+
+    known = [c.name for suite in SUITES.values() for c in suite]
+    names = list(dict.fromkeys(names))
+    return sorted(names, key=lambda n: (known.index(n), "") if n in known else (len(known), names.index(n)))
+
+
+def suite_lines(all_rows: list[dict]) -> list[dict]:
+    """:func:`suite_cell_summary` of each named cell, from the latest run that measured stage C in
+    it (so C and its peers were timed in turns, side by side); a cell no run measured C in uses
+    the latest run that measured it at all. Forward rows only, in suite order."""
+    by_cell: dict[str, list[dict]] = {}
+    for r in all_rows:
+        if r.get("cell") and (r.get("pass") or "fwd") == "fwd" and r["kind"] in ("stage", "peer"):
+            by_cell.setdefault(r["cell"], []).append(r)
+    out = []
+    for name in _suite_order(by_cell):
+        rows = by_cell[name]
+        runs_with_c = [r["run_id"] for r in rows if r["impl"] == "c"]
+        run = max(runs_with_c) if runs_with_c else max(r["run_id"] for r in rows)
+        out.append(suite_cell_summary([r for r in rows if r["run_id"] == run]))
+    return out
+
+
+def suite_runs(all_rows: list[dict]) -> dict[str, list[dict]]:
+    """Per run (in time order): :func:`suite_cell_summary` of every cell that run measured stage C
+    in, in suite order: how each whole suite run went."""
+    by_run: dict[str, dict[str, list[dict]]] = {}
+    for r in all_rows:
+        if r.get("cell") and (r.get("pass") or "fwd") == "fwd" and r["kind"] in ("stage", "peer"):
+            by_run.setdefault(r["run_id"], {}).setdefault(r["cell"], []).append(r)
+    out = {}
+    for run in sorted(by_run):
+        cells = by_run[run]
+        lines = [suite_cell_summary(cells[n]) for n in _suite_order(cells)]
+        lines = [line for line in lines if line["c"] is not None]
+        if lines:
+            out[run] = lines
+    return out
+
+
+def load_latency(results_dir) -> list[dict]:
+    """The rows of the latest run in ``results_dir/latency.csv`` (``python -m harness latency``),
+    typed: ``us_per_call`` and ``x_floor`` floats (µs, multiple of the floor), ``calls`` and the
+    shape ints; [] when there is no such file. A file without the expected columns, or with a
+    number that does not parse, raises :class:`ResultsError` naming it and the line."""
+    import csv
+    from pathlib import Path
+
+    from .latency import LATENCY_COLUMNS, LATENCY_CSV
+
+    path = Path(results_dir) / LATENCY_CSV
+    if not path.exists():
+        return []
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in LATENCY_COLUMNS if c not in (reader.fieldnames or ())]
+        if missing:
+            raise ResultsError(f"{path}: missing columns {missing}")
+        rows = []
+        for raw in reader:
+            row = dict(raw)
+            try:
+                for c in ("us_per_call", "x_floor"):
+                    row[c] = float(raw[c]) if raw.get(c) else None
+                for c in ("B", "H", "N", "D", "causal", "calls"):
+                    row[c] = int(raw[c]) if raw.get(c) else None
+            except ValueError:
+                raise ResultsError(f"{path}:{reader.line_num}: a number does not parse ({c}={raw.get(c)!r})") from None
+            rows.append(row)
+    if not rows:
+        return []
+    latest = max(r["run_id"] for r in rows)
+    return [r for r in rows if r["run_id"] == latest]

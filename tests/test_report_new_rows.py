@@ -1,0 +1,247 @@
+"""The rows the harness gained (backward passes, GQA and cross-length cells, the model suite, the host
+latency) in the README blocks and figures, from synthetic results (CPU, no stages run).
+
+Three kinds of check: the forward tables and figures ignore rows they were not made for; each new
+block and figure renders from its data and says which command produces it when the data is
+missing; ``report --check`` notices a stale new block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import matplotlib.mathtext
+import pytest
+
+from harness import plots, report, views
+from harness.results import load_rows
+
+try:
+    from fixtures_results import (SUITE_RUNS, build_backward_rows, build_foreign_rows, build_results, build_rows,
+                                  build_suite, build_suite_rows, write_latency)
+except ImportError:  # tests/ imported as a package
+    from tests.fixtures_results import (SUITE_RUNS, build_backward_rows, build_foreign_rows, build_results,
+                                        build_rows, build_suite, build_suite_rows, write_latency)
+
+NEW_BLOCKS = ("models", "backward", "latency")
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    report.add_parser(sub)
+    plots.add_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def _readme_with_markers(path: Path, names=NEW_BLOCKS) -> Path:
+    text = "# lab\n\n" + "".join(f"{report.markers(n)[0]}\nstale\n{report.markers(n)[1]}\n\n" for n in names)
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------ 1. forward views ignore new rows
+
+def test_forward_grid_keeps_only_forward_self_attention_grid_rows():
+    grid = build_rows()
+    foreign = build_foreign_rows()
+    assert views.forward_grid(grid + foreign) == grid
+    assert report.forward_grid is views.forward_grid  # one filter, shared by the tables and the figures
+    bwd = build_backward_rows(dtypes=("fp16",), Ns=(1024,))
+    plain_bwd = [r for r in foreign if r["pass"] == "bwd" and r.get("Hkv", r["H"]) == r["H"]
+                 and r.get("Nk", r["N"]) == r["N"] and not r.get("cell")]
+    assert plain_bwd and views.grid_rows(grid + bwd + foreign, "bwd") == bwd + plain_bwd
+
+
+def test_forward_tables_and_figures_are_unchanged_by_foreign_rows(tmp_path):
+    """The same grid with and without backward, GQA, Nq != Nk and suite rows at its headline cells:
+    every forward block and every forward figure comes out identical (the figures byte for byte)."""
+    plain = build_results(tmp_path / "plain" / "results" / "h200")
+    mixed = build_results(tmp_path / "mixed" / "results" / "h200", rows=build_rows() + build_foreign_rows())
+    for name in ("results", "ratio", "ablation"):
+        assert report.BLOCKS[name](mixed, tmp_path / "mixed") == report.BLOCKS[name](plain, tmp_path / "plain"), name
+    rows_plain, env = views.load(plain)
+    rows_mixed, _ = views.load(mixed)
+    assert rows_mixed == rows_plain
+    # the functions themselves filter too (a notebook may pass every row, forward_only=False)
+    every_row, _ = views.load(mixed, forward_only=False)
+    assert len(every_row) > len(rows_plain)
+    assert report.render_table(every_row, env) == report.render_table(rows_plain, env)
+    assert report.ratio_table(load_rows(mixed)) == report.ratio_table(load_rows(plain))
+    for draw in (plots.plot_waterfall, plots.plot_throughput, plots.plot_dram_bytes, plots.plot_peak_memory,
+                 plots.plot_roofline, plots.plot_energy):
+        a = draw(rows_plain, env, tmp_path / "figs_plain")
+        b = draw(every_row, env, tmp_path / "figs_mixed")
+        assert a.read_bytes() == b.read_bytes(), a.name
+
+
+# ------------------------------------------------------------------ 2. the new README blocks
+
+def test_models_block_renders_one_line_per_cell_from_the_latest_run(tmp_path):
+    d = build_suite(build_results(tmp_path / "r"))
+    block = report.render_models_block(d, tmp_path / "r")
+    lines = {ln.split(" | ")[0][2:]: ln for ln in block.splitlines() if ln.startswith("| ") and " · " in ln}
+    assert list(lines) == ["gpt2", "llama3-8b", "tiny", "decode-gqa"]  # suite order, not file order
+    # gpt2, second run: C 0.50 ms, best SDPA cuDNN 0.55 ms (eager), cuDNN 0.50 GPU, B 0.90
+    gpt2 = lines["gpt2"].split(" | ")
+    assert gpt2[2:10] == ["0.5", "0.45", "SDPA CUDNN", "0.55", f"{0.55 / 0.50:.2f}", f"{0.50 / 0.45:.2f}",
+                          f"{0.90 / 0.50:.2f}", "ok |"]
+    assert "B 32 · H 12 · N 1024 · D 64 · causal · bf16" in lines["gpt2"]
+    assert "H 32/8 · N 1/8192" in lines["decode-gqa"]  # query/key heads and rows where they differ
+    tiny = lines["tiny"].split(" | ")
+    assert tiny[4] == "SDPA FLASH (FA2)" and tiny[-1] == "behind: eager, GPU, vs B |"
+    # the run-by-run tally: the first run had C slower everywhere
+    first, second = (next(ln for ln in block.splitlines() if ln.startswith(f"| {run} |")) for run in SUITE_RUNS)
+    assert "| 4 | 0 of 4 |" in first and "| 4 | 3 of 4 | 3 of 4 | 3 of 4 |" in second
+    assert "(tiny)" in second
+
+
+def test_suite_lines_pair_within_one_run():
+    """A later run that timed only SDPA in a cell does not pair with an older run's stage C."""
+    rows = build_suite_rows()
+    later = [dict(r, run_id="2026-12-02T09:00:00Z", ms_median=r["ms_median"] / 10) for r in rows
+             if r["cell"] == "gpt2" and r["impl"] == "sdpa_cudnn"]
+    gpt2 = next(x for x in views.suite_lines(rows + later) if x["cell"] == "gpt2")
+    assert gpt2["run_id"] == SUITE_RUNS[-1]
+    assert gpt2["vs_best"] == pytest.approx(0.55 / 0.50)
+
+
+def test_backward_block_summary_and_grid(tmp_path):
+    bwd = build_backward_rows()
+    d = build_results(tmp_path / "r", rows=build_rows() + bwd)
+    block = report.render_backward_block(d, tmp_path / "r")
+    for dtype in ("fp16", "bf16"):
+        for peer in ("sdpa_flash", "sdpa_cudnn"):
+            c = {(r["D"], r["causal"], r["N"]): r["tflops"] for r in bwd if r["impl"] == "c" and r["dtype"] == dtype}
+            p = {(r["D"], r["causal"], r["N"]): r["tflops"] for r in bwd if r["impl"] == peer and r["dtype"] == dtype}
+            ratios = sorted(c[k] / p[k] for k in c)
+            line = (f"| {dtype} | {views.label(peer)} | {len(ratios)} | {sum(x >= 1 for x in ratios)} | "
+                    f"{ratios[0]:.2f} | {statistics.median(ratios):.2f} | {ratios[-1]:.2f} |")
+            assert line in block, (line, block)
+        assert f"#### C optimized vs SDPA CUDNN: backward TFLOPS ratio over N ({dtype};" in block
+    assert "| 128 | yes | " in block and "N = 16384" in block
+    assert "2.5×" in block  # the FLOP convention is stated where TFLOPS appear
+    # forward tables are not touched by the backward rows
+    plain = build_results(tmp_path / "plain", rows=build_rows())
+    assert report.render_ratio_block(d, tmp_path) == report.render_ratio_block(plain, tmp_path).replace("plain", "r")
+
+
+def test_latency_block_takes_the_latest_run(tmp_path):
+    write_latency(tmp_path, {"triton_empty_kernel": 9.0, "c": 900.0}, run_id="2026-12-01T00:00:00Z")
+    write_latency(tmp_path)
+    block = report.render_latency_block(tmp_path, tmp_path)
+    assert "| empty Triton kernel (the floor) | 5.0 | 1.0× | ok |" in block
+    assert "| C optimized | 40.0 | 8.0× | ok |" in block
+    assert "900" not in block and "B = 1, H = 8, N = 128, D = 64, fp16, 1000 calls" in block
+    rows = views.load_latency(tmp_path)
+    assert {r["run_id"] for r in rows} == {"2026-12-02T03:00:00Z"}
+    write_latency(tmp_path, run_id="2026-12-03T00:00:00Z", device="interpreter")
+    assert "not GPU host times" in report.render_latency_block(tmp_path, tmp_path)
+
+
+def test_latency_file_with_a_bad_number_names_the_file(tmp_path):
+    path = write_latency(tmp_path)
+    text = path.read_text().replace("40", "fast", 1)
+    path.write_text(text)
+    with pytest.raises(report.ResultsError, match=r"latency.csv:\d+: a number does not parse"):
+        report.render_latency_block(tmp_path)
+
+
+@pytest.mark.parametrize("name, hint", [("models", "sweep --suite models"), ("backward", "sweep --pass bwd"),
+                                        ("latency", "latency")])
+def test_new_blocks_say_which_command_produces_their_data(tmp_path, name, hint):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    forward_only = build_results(tmp_path / "fwd")  # a runs.csv without backward rows
+    for d in (empty, forward_only):
+        block = report.BLOCKS[name](d, tmp_path)
+        assert f"python -m harness {hint}" in block and "|" not in block, block
+
+
+def test_report_check_notices_a_stale_new_block(tmp_path, capsys):
+    d = build_results(tmp_path / "results" / "gpu", rows=build_rows() + build_backward_rows(dtypes=("fp16",)))
+    build_suite(d)
+    write_latency(d)
+    readme = _readme_with_markers(tmp_path / "README.md")
+    assert _cli(["report", str(d), "--readme", str(readme), "--check"]) == 1
+    assert _cli(["report", str(d), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "stale" not in text and "| gpt2 |" in text and "backward TFLOPS ratio" in text and "the floor" in text
+    assert _cli(["report", str(d), "--readme", str(readme), "--check"]) == 0
+    capsys.readouterr()
+    write_latency(d, {"triton_empty_kernel": 5.0, "c": 30.0}, run_id="2026-12-04T00:00:00Z")  # a new run
+    assert _cli(["report", str(d), "--readme", str(readme), "--check"]) == 1
+    assert "stale" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ 3. the new figures
+
+@pytest.fixture
+def everything(tmp_path) -> Path:
+    d = build_results(tmp_path / "r", rows=build_rows() + build_backward_rows(dtypes=("fp16",)) + build_foreign_rows())
+    return build_suite(d)
+
+
+def test_new_figures_are_drawn_without_mathtext(everything, monkeypatch):
+    """Every figure, the new ones included, and none of them through mathtext (which loads the STIX
+    and Computer Modern fonts and printed findfont warnings where they were missing)."""
+    def no_mathtext(self, s, *args, **kwargs):
+        raise AssertionError(f"mathtext used for {s!r}")
+
+    monkeypatch.setattr(matplotlib.mathtext.MathTextParser, "parse", no_mathtext)
+    paths = plots.plot_all(everything)
+    assert [p.name for p in paths] == list(plots.FIGURE_NAMES)
+    for p in paths:
+        assert p.read_bytes().startswith(b"\x89PNG") and p.stat().st_size > 10_000, p
+    # an axis spanning less than a decade: the default would label its minor ticks in mathtext
+    rows, env = views.load(everything)
+    narrow = [dict(r, energy_j_per_call=0.2 + 0.01 * i) for i, r in enumerate(rows) if r.get("energy_j_per_call")]
+    assert plots.plot_energy(narrow, env, everything / "narrow") is not None
+
+
+def test_backward_waterfall_has_a_b_c_and_the_backward_ablation_step(everything):
+    rows, env = views.load(everything, forward_only=False)
+    bwd = views.grid_rows(rows, "bwd")
+    steps = plots.waterfall_steps(bwd, plots.resolve_cell(bwd, {}))
+    assert [s[0] for s in steps] == ["A naive", "B tiled", "+ bwd only switch", "C optimized"]
+    assert all(r["pass"] == "bwd" for _, _, r in steps)
+
+
+def test_new_figures_skip_with_a_hint_without_their_data(tmp_path, capsys):
+    rows, env = views.load(build_results(tmp_path / "r"), forward_only=False)  # forward rows only
+    assert plots.plot_backward_throughput(rows, env, tmp_path) is None
+    assert plots.plot_backward_waterfall(rows, env, tmp_path) is None
+    assert plots.plot_models([], env, tmp_path) is None
+    out = capsys.readouterr().out
+    assert "skipped backward_throughput.png" in out and "`python -m harness sweep --pass bwd`" in out
+    assert "skipped backward_waterfall.png" in out
+    assert "skipped models.png" in out and "`python -m harness sweep --suite models`" in out
+    assert not list(tmp_path.glob("*.png"))
+    # backward rows without stage A: no waterfall (it needs A, B and C)
+    no_a = [r for r in build_backward_rows(dtypes=("fp16",), Ns=(4096,)) if r["impl"] != "a"]
+    assert plots.plot_backward_waterfall(no_a, env, tmp_path) is None
+    assert "no backward row of A" in capsys.readouterr().out
+
+
+def test_table_footer_states_the_flop_convention():
+    from harness import table
+
+    assert "visible" in table.FOOTER and "2.5×" in table.FOOTER and "3.5×" in table.FOOTER
+    assert "N²" not in table.FOOTER
+    rows = [dict(r, ms_gpu=r.get("ms_median")) for r in build_rows()[:3]]
+    headers = [c.header for c in table.compare_table(rows).columns]
+    assert any("GPU" in h for h in headers)
+    assert not any("GPU" in h for h in (c.header for c in table.compare_table(build_rows()[:3]).columns))
+
+
+def test_views_flops_counts_visible_pairs_and_passes():
+    row = {"B": 2, "H": 4, "N": 8, "Nk": 8, "D": 16, "causal": 1, "pass": "fwd"}
+    assert views.flops(row) == 4.0 * 2 * 4 * (8 * 9 // 2) * 16
+    assert views.flops(dict(row, causal=0)) == 4.0 * 2 * 4 * 64 * 16
+    assert views.flops(dict(row, **{"pass": "bwd"})) == 2.5 * views.flops(row)
+    assert views.flops(dict(row, **{"pass": "fwd_bwd"})) == 3.5 * views.flops(row)
+    # Nq = 1 against 8 keys, causal bottom-right: the one query sees every key
+    assert views.flops(dict(row, N=1)) == 4.0 * 2 * 4 * 8 * 16
