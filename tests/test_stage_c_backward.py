@@ -30,8 +30,8 @@ def saved_forward(q, k, v, causal, scale):
     s = (q64 @ k64.transpose(-2, -1)) * scale
     Nq, Nk = q.shape[2], k.shape[2]
     if causal:
-        i = torch.arange(Nq)[:, None]
-        j = torch.arange(Nk)[None, :]
+        i = torch.arange(Nq, device=q.device)[:, None]
+        j = torch.arange(Nk, device=q.device)[None, :]
         s = s.masked_fill(j > i + (Nk - Nq), float("-inf"))
     lse_e = torch.logsumexp(s, dim=-1)                   # -inf for a row with no visible key
     p = torch.exp(s - lse_e[..., None]).nan_to_num(0.0)  # such a row: all zeros
@@ -86,7 +86,7 @@ def test_one_row_one_key(device):
     zero wherever the float64 reference is all zeros)."""
     q, k, v = make_qkv(2, 2, 1, 16, torch.float16, device, seed=8)
     o, lse = saved_forward(q, k, v, False, 0.25)
-    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(9)).to(q.dtype)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(9)).to(q.dtype).to(q.device)
     ref = reference_gradients(q, k, v, do, sm_scale=0.25)
     for deterministic in (False, True):
         grads = bwd.attention_backward(do, q, k, v, o, lse, causal=False, scale=0.25, deterministic=deterministic)

@@ -167,7 +167,7 @@ def test_gradient_path_saves_lse_and_calls_the_backward(device, monkeypatch):
 
     seen = {}
 
-    def fake_backward(do, q, k, v, o, lse, *, causal, scale, deterministic=False):
+    def fake_backward(do, q, k, v, o, lse, *, causal, scale, deterministic=False, **switches):
         seen.update(lse=lse, causal=causal, scale=scale, deterministic=deterministic, o=o)
         return torch.ones_like(q), torch.ones_like(k), torch.ones_like(v)
 
