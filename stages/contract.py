@@ -22,6 +22,7 @@ where to expect it.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Callable
@@ -254,43 +255,56 @@ def validate_inputs(
     given and what is allowed, so a user mistake never reaches the Triton compiler (whose
     tracebacks would not say which argument was wrong).
     """
+    # Every call of every stage passes through here, so the checks read each shape and stride once
+    # and build no message (no f-string) unless they fail.
+    shapes = []
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of shape [B, H, N, D], got {_describe(t)}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [B, H, N, D], got {t.dim()}-D shape {tuple(t.shape)}")
+        shape = t.shape
+        if len(shape) != 4:
+            raise ValueError(f"{name} must be 4-D [B, H, N, D], got {t.dim()}-D shape {tuple(shape)}")
         if t.is_meta:
             raise ValueError(f"{name} is on the meta device (shapes without data); attention needs real tensors "
                              f"on a CUDA GPU or the CPU")
         if t.dtype not in dtypes:
             allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
             raise TypeError(f"{name}.dtype must be one of {allowed}, got {str(t.dtype).replace('torch.', '')}")
-        if t.stride(-1) != 1 and t.shape[-1] > 1:
+        last_stride = t.stride()[3]
+        if last_stride != 1 and shape[3] > 1:
             raise ValueError(
-                f"{name} must be contiguous in its last (head) dim, got stride(-1)={t.stride(-1)}; "
+                f"{name} must be contiguous in its last (head) dim, got stride(-1)={last_stride}; "
                 f"call {name}.contiguous() first")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape [B, Hkv, Nk, D], got k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}")
+        shapes.append(shape)
+    q_shape, k_shape, v_shape = shapes
+    if k_shape != v_shape:
+        raise ValueError(f"k and v must have the same shape [B, Hkv, Nk, D], got k {tuple(k_shape)}, "
+                         f"v {tuple(v_shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
-    B, Hq, Nq, D = q.shape
-    _, Hkv, Nk, Dk = k.shape
-    if k.shape[0] != B:
-        raise ValueError(f"q and k must have the same batch size B (dim 0), got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}")
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        # Triton compiles for the GPU here; a CPU tensor would reach the kernel as a bad pointer.
+        raise ValueError("q, k and v are on the CPU, but this machine runs the kernels compiled on its GPU (the "
+                         "Triton interpreter is off): move them to the GPU (.cuda()), or set TRITON_INTERPRET=1 "
+                         "before importing stages to run the kernels in the CPU interpreter")
+    B, Hq, Nq, D = q_shape
+    Bk, Hkv, Nk, Dk = k_shape
+    if Bk != B:
+        raise ValueError(f"q and k must have the same batch size B (dim 0), got q {tuple(q_shape)}, "
+                         f"k {tuple(k_shape)}")
     if Dk != D:
-        raise ValueError(f"q and k must have the same head dim D (dim 3), got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}")
-    if 0 in (B, Hq, Nq, Hkv, Nk):
-        raise ValueError(f"q, k, v must have B, H, N >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+        raise ValueError(f"q and k must have the same head dim D (dim 3), got q {tuple(q_shape)}, "
+                         f"k {tuple(k_shape)}")
+    if not (B and Hq and Nq and Hkv and Nk):
+        raise ValueError(f"q, k, v must have B, H, N >= 1, got q {tuple(q_shape)}, k {tuple(k_shape)}")
     if Hq % Hkv:
         raise ValueError(f"the query heads of q (Hq = {Hq}, dim 1) must be a multiple of the key/value heads "
                          f"of k and v (Hkv = {Hkv}): grouped-query attention shares each K/V head among "
                          f"Hq / Hkv query heads")
-    if D not in head_dims:
+    # The default set is tested by arithmetic, not by scanning its 32 entries.
+    if not ((D % 8 == 0 and 8 <= D <= 256) if head_dims is HEAD_DIMS else D in head_dims):
         raise ValueError(f"head dim D (q.shape[-1]) must be {_allowed_head_dims(head_dims)}, got {D}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {_describe(causal)}")
@@ -317,7 +331,7 @@ poison_outputs: bool = False
 
 def new_output(q: torch.Tensor) -> torch.Tensor:
     """A fresh contiguous ``[B, H, N, D]`` output for ``q``'s problem (NaN-filled when poisoning)."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (cheaper than torch.empty: no shape parse)
     if poison_outputs:
         out.fill_(float("nan"))
     return out

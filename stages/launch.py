@@ -8,12 +8,15 @@ the same tiles, warps, pipeline depth and pointer alignment, not a lookalike.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.knobs import HookChain
 from triton.runtime.jit import mangle_type
 
 from .contract import CompiledKernel
@@ -58,6 +61,122 @@ class Launch:
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
         return CompiledKernel(name=fn.__name__, asm=dict(compiled.asm), shared_bytes=int(compiled.metadata.shared),
                               num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+# --------------------------------------------------------------------------------------------------
+# The lean launch. `kernel[grid](**args)` is Triton's general entry: for every call it binds the
+# keyword arguments, works out how each argument specializes the kernel (type, 16-byte alignment,
+# divisibility by 16, == 1), hashes all that into a cache key, finds the compiled kernel and only
+# then calls its launcher. With ~30 arguments that Python costs tens of µs, more than a small
+# attention problem takes on the GPU. A stage that calls the same launch again and again with only
+# its tensors changing can do that work once and keep the compiled kernel.
+# --------------------------------------------------------------------------------------------------
+
+#: False: every FastLaunch takes ``kernel[grid](...)`` (for comparing the two paths' results and times)
+fast_launch_enabled = True
+
+
+def launch_hooks_active() -> bool:
+    """True while something (a profiler such as proton, a test) listens to Triton's launches, or
+    Triton's runtime debug mode is on: then only ``kernel[grid](...)`` does everything it should."""
+    runtime = knobs.runtime
+    if runtime.debug:
+        return True
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        # Triton 3.6 keeps an (empty) HookChain here; older code may assign a function or None.
+        if hook is not None and not (type(hook) is HookChain and not hook.calls):
+            return True
+    return False
+
+
+def _driver_getters():
+    """(current device index, raw stream of a device): the two functions Triton's own launch path
+    asks (``torch.cuda.current_device`` and ``torch._C._cuda_getCurrentRawStream`` on NVIDIA).
+    Resolved on first use, because asking Triton's driver needs a GPU."""
+    from triton.runtime import driver
+
+    return driver.active.get_current_device, driver.active.get_current_stream
+
+
+class FastLaunch:
+    """A launch of ``kernel`` whose grid, options and every argument but a few per-call ``dynamic``
+    ones are fixed, called as ``launch(*values)`` with those values (tensors first: ``pointers``
+    of them are pointer arguments).
+
+    The first call goes through ``kernel[grid](...)``, which compiles if needed and returns the
+    CompiledKernel; it is kept, and later calls hand the arguments (every parameter in order,
+    constexprs included, exactly what ``JITFunction.run`` passes) to its launcher directly.
+
+    A kept kernel is reused only where Triton would pick the same one. Triton specializes each
+    argument on its type and value facts: pointers on their dtype and 16-byte alignment, integers on
+    divisibility by 16 and == 1, None and constexprs on their value. The fixed arguments are the
+    same at every call; the pointers' alignment and the current device are this cache's key. The
+    caller guarantees the rest (a recipe keyed by shapes, strides and dtype does): each dynamic value
+    specializes the same way at every call: pointers of the same dtype, descriptors of the same
+    dtype and block shape, Python floats (scales); no integers.
+
+    Not taken (``kernel[grid](...)`` instead): under the interpreter, while launch hooks are active
+    or Triton's debug mode is on (:func:`launch_hooks_active`), for a kernel with pre-run hooks. Two
+    checks of ``kernel[grid]`` are skipped: that global values a kernel reads did not change since
+    it was compiled, and the cache invalidation of edits to the kernel's source while running.
+    """
+
+    def __init__(self, kernel, grid: tuple, static: dict, dynamic: tuple, *, pointers: int, num_warps: int = 4,
+                 num_stages: int = 1, extra: dict | None = None, fast: bool | None = None):
+        from . import interpreted
+
+        names = list(kernel.arg_names)
+        # Parameters left out take their default, as Triton's binder would give them.
+        defaults = {name: p.default for name, p in inspect.signature(kernel.fn).parameters.items()
+                    if p.default is not inspect.Parameter.empty and name not in dynamic}
+        static = {**defaults, **static}
+        named_once = len(dynamic) == len(set(dynamic)) and not set(static) & set(dynamic)
+        if not named_once or (set(static) | set(dynamic)) != set(names):
+            raise ValueError(f"static and dynamic must name each parameter of {kernel.fn.__name__}{tuple(names)} "
+                             f"once (those with defaults may be left out); got static {sorted(static)}, dynamic "
+                             f"{list(dynamic)}")
+        self.kernel = kernel
+        self.grid = tuple(grid)
+        self.names = names
+        self.dynamic = tuple(dynamic)
+        self.options = dict(num_warps=num_warps, num_stages=num_stages, **(extra or {}))
+        self._template = [static.get(name) for name in names]    # dynamic slots are filled per call
+        self._slots = tuple(names.index(name) for name in dynamic)
+        self._pointers = pointers
+        padded = self.grid + (1, 1)
+        self._grid3 = (padded[0], padded[1], padded[2])
+        self._fast = (not interpreted()) if fast is None else fast
+        self._compiled = {}  # (device, pointer facts) -> (launcher, function handle, packed metadata)
+        self._get_device = self._get_stream = None
+
+    def arguments(self, *values) -> list:
+        """Every kernel argument in parameter order, for these dynamic ``values``."""
+        args = self._template.copy()
+        for slot, value in zip(self._slots, values):
+            args[slot] = value
+        return args
+
+    def __call__(self, *values) -> None:
+        args = self.arguments(*values)
+        key = None
+        if self._fast and fast_launch_enabled and not launch_hooks_active():
+            # Of what Triton keys its kernels on, only the pointers' 16-byte alignment varies here.
+            key = (self._get_device() if self._get_device is not None else None,
+                   tuple([t.data_ptr() % 16 == 0 for t in values[:self._pointers]]))
+            entry = self._compiled.get(key)
+            if entry is not None:
+                launcher, function, packed_metadata = entry
+                device = key[0]
+                g0, g1, g2 = self._grid3
+                # What JITFunction.run ends with, less the launch metadata and hooks (none listen).
+                launcher(g0, g1, g2, self._get_stream(device), function, packed_metadata, None, None, None, *args)
+                return
+        compiled = self.kernel[self.grid](**dict(zip(self.names, args)), **self.options)
+        if key is not None and compiled is not None and not getattr(self.kernel, "pre_run_hooks", None):
+            if self._get_device is None:
+                self._get_device, self._get_stream = _driver_getters()
+                key = (self._get_device(), key[1])
+            self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
 
 
 def meta_inputs(B: int, H: int, N: int, D: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

@@ -123,3 +123,16 @@ def test_errors_name_the_argument(stage, device):
         attention(q, k[:0], v[:0])
     with pytest.raises(ValueError, match="meta device"):
         attention(*(torch.empty((1, 2, 4, 64), dtype=torch.float16, device="meta") for _ in range(3)))
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
+    """With the interpreter off (a GPU machine), CPU tensors would reach a compiled kernel as bad
+    pointers: a clear error instead."""
+    from stages.contract import validate_inputs
+
+    q, k, v = make_qkv(1, 2, 8, 64, torch.float16, "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="on the CPU"):
+        validate_inputs(q, k, v)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert validate_inputs(q, k, v) == pytest.approx(64 ** -0.5)

@@ -30,7 +30,8 @@ SHAPES = [
 
 
 def _inputs(B, Hq, Hkv, Nq, Nk, D, dtype, layout, seed=0):
-    return make_qkv(B, Hq, Nq, D, DTYPES[dtype], "cpu", Hkv=Hkv, Nk=Nk, layout=layout, seed=seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return make_qkv(B, Hq, Nq, D, DTYPES[dtype], device, Hkv=Hkv, Nk=Nk, layout=layout, seed=seed)
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,dtype,causal,layout", SHAPES)

@@ -145,7 +145,7 @@ def test_rows_that_see_no_key_get_zero_gradients(device):
     q, k, v = make_qkv(1, 2, 40, 16, torch.float16, device, Nk=10, seed=6)
     o, lse = saved_forward(q, k, v, True, 0.25)
     assert torch.isinf(lse[:, :, :30]).all()
-    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(7)).to(q.dtype)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(7)).to(q.dtype).to(q.device)
     for deterministic in (False, True):
         dq, dk, dv = bwd.attention_backward(do, q, k, v, o, lse, causal=True, scale=0.25,
                                             deterministic=deterministic)

@@ -127,15 +127,19 @@ def test_split_kv_with_empty_rows_and_chunks(device):
 
 def test_split_kv_is_chosen_from_the_work():
     """Too few programs for the SMs and a long key sequence: split; enough programs, or short keys:
-    do not. The splits fill about one wave, each chunk whole tiles and at least a few of them."""
+    do not. Decoding splits to about DECODE_WAVES programs per SM, each chunk whole tiles and at
+    least a few of them; a prefill with few programs splits to about one wave."""
     sms = 132
     split = decode.choose_splits(B=1, Hkv=8, group=4, Nq=1, Nk=8192, D=128, sms=sms)
     assert split is not None and split.splits >= 2
-    assert 1 * 8 * split.splits <= sms and split.chunk % split.block_n == 0
+    assert 1 * 8 * split.splits <= decode.DECODE_WAVES * sms and split.chunk % split.block_n == 0
+    assert decode.choose_splits(B=16, Hkv=8, group=4, Nq=1, Nk=8192, D=128, sms=sms).splits == 4
+    prefill = decode.choose_splits(B=1, Hkv=1, group=1, Nq=128, Nk=65536, D=64, sms=sms)
+    assert prefill is not None and 2 * prefill.splits <= sms
     assert split.chunk >= decode.MIN_TILES_PER_SPLIT * split.block_n
     assert split.splits * split.chunk >= 8192 > (split.splits - 1) * split.chunk
     assert decode.choose_splits(B=1, Hkv=8, group=4, Nq=1, Nk=128, D=128, sms=sms) is None  # too short
-    assert decode.choose_splits(B=64, Hkv=8, group=4, Nq=1, Nk=8192, D=128, sms=sms) is None  # GPU full
+    assert decode.choose_splits(B=256, Hkv=8, group=4, Nq=1, Nk=8192, D=128, sms=sms) is None  # GPU full
     p = dict(D=128, dtype=torch.float16, causal=True, arch=90, sms=sms)
     assert c_kernels.select(1, 32, 8, 1, 8192, **p).path == "split"
     assert c_kernels.select(16, 32, 8, 4096, 4096, **p).path == "ws"
@@ -208,8 +212,17 @@ def test_shape_aware_config_prefers_smaller_tiles_when_the_gpu_is_not_full():
     assert configs.shape_aware_config(big, 64, 16, 40, 128, torch.float16, 80, 132).block_m == 64  # short Nq
     ws = configs.WS_SHAPES[64][0]
     assert ws.block_m == 192 and ws.persistent
-    few = configs.shape_aware_config(ws, 1, 4, 512, 64, torch.float16, 90, 132)
-    assert few.ws and few.block_m == 128 and not few.persistent
+    # 4 heads of 8192 rows: 172 items of 192 rows take two waves on 132 SMs, 256 of 128 rows too
+    few = configs.shape_aware_config(ws, 2, 2, 8192, 64, torch.float16, 90, 132)
+    assert few.ws and few.block_m == 128 and few.persistent
+    # 197-row sequences: a second 192-row item holds 5 rows
+    assert configs.shape_aware_config(ws, 64, 12, 197, 64, torch.float16, 90, 132).block_m == 128
+    # one 64-row head: the tl kernel's 64-row tile
+    tiny = configs.shape_aware_config(ws, 1, 1, 64, 64, torch.float16, 90, 132)
+    assert not tiny.ws and tiny.block_m == 64
+    # the FA-paper grid keeps its tuned config
+    for B, N in ((32, 512), (16, 1024), (4, 4096), (1, 16384)):
+        assert configs.shape_aware_config(ws, B, 32, N, 64, torch.float16, 90, 132) == ws
 
 
 def test_d256_has_a_sm90_config_of_its_own():

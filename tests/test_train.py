@@ -16,6 +16,9 @@ import torch
 from harness import cli
 from harness import train as T
 
+# the stages run compiled on a GPU (CPU tensors are for the interpreter only)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 MODEL = T.ModelConfig(n_layer=1, n_head=2, n_kv_head=1, head_dim=16, context=16)
 CONFIG = T.TrainConfig(steps=6, batch=2, lr=1e-2, dtype="fp32", warmup=1)
 TOLERANCE = T.LOSS_TOLERANCE["fp32"]
@@ -23,7 +26,7 @@ TOLERANCE = T.LOSS_TOLERANCE["fp32"]
 
 @pytest.fixture(scope="module")
 def sdpa_run() -> T.TrainRun:
-    return T.train(T.sdpa_attention, MODEL, CONFIG, stage="sdpa")
+    return T.train(T.sdpa_attention, MODEL, CONFIG, stage="sdpa", device=DEVICE)
 
 
 def _learned(run: T.TrainRun) -> bool:
@@ -41,18 +44,18 @@ def test_sdpa_reference_learns(sdpa_run):
 
 
 def test_the_learning_check_can_fail():
-    frozen = T.train(T.sdpa_attention, MODEL, T.TrainConfig(**{**CONFIG.__dict__, "lr": 1e-7}))
+    frozen = T.train(T.sdpa_attention, MODEL, T.TrainConfig(**{**CONFIG.__dict__, "lr": 1e-7}), device=DEVICE)
     assert not _learned(frozen), frozen.losses
 
 
 def test_same_seed_same_run(sdpa_run):
-    again = T.train(T.sdpa_attention, MODEL, CONFIG)
+    again = T.train(T.sdpa_attention, MODEL, CONFIG, device=DEVICE)
     assert again.losses == sdpa_run.losses
 
 
 @pytest.mark.parametrize("stage", ["b", "c", "a"])
 def test_stage_trains_like_sdpa(stage, sdpa_run):
-    run = T.train(T.attention_for(stage), MODEL, CONFIG, stage=stage)
+    run = T.train(T.attention_for(stage), MODEL, CONFIG, stage=stage, device=DEVICE)
     assert run.status == "ok", run.status
     assert _learned(run), run.losses
     gap = T.max_loss_gap(run.losses, sdpa_run.losses)
@@ -90,7 +93,7 @@ class _ZeroValueGradient(torch.autograd.Function):
 
 
 def test_a_second_correct_implementation_agrees(sdpa_run):
-    run = T.train(_textbook_attention, MODEL, CONFIG)
+    run = T.train(_textbook_attention, MODEL, CONFIG, device=DEVICE)
     assert T.max_loss_gap(run.losses, sdpa_run.losses) <= TOLERANCE
 
 
@@ -99,7 +102,7 @@ def test_a_second_correct_implementation_agrees(sdpa_run):
     pytest.param(lambda q, k, v, causal: _ZeroValueGradient.apply(q, k, v), id="wrong-dV"),
 ])
 def test_the_check_catches_a_broken_attention(broken, sdpa_run):
-    run = T.train(broken, MODEL, CONFIG)
+    run = T.train(broken, MODEL, CONFIG, device=DEVICE)
     assert T.max_loss_gap(run.losses, sdpa_run.losses) > TOLERANCE
 
 
@@ -108,7 +111,7 @@ def test_attention_without_backward_is_an_error():
         return T.sdpa_attention(q, k, v, causal=causal).detach()
 
     with pytest.raises(T.NoBackwardError, match="no backward"):
-        T.train(detached, MODEL, CONFIG)
+        T.train(detached, MODEL, CONFIG, device=DEVICE)
 
 
 def test_corpus_is_deterministic_and_in_the_alphabet():

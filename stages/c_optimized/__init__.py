@@ -3,6 +3,7 @@ warp specialization (see README.md)."""
 
 from .. import register
 from ..contract import Stage
+from . import hopper_ws as _hopper_ws
 from .configs import Config, candidate_configs, choose_config
 from .kernels import attention, attention_with_lse, compile, hbm_bytes, workspace_bytes
 
@@ -14,9 +15,19 @@ except ImportError:
 #: The ablation. "+name": cumulative steps from stage B's settings (every switch off), adding one
 #: optimization at a time in this order; "-name": all on but one. The stage with no keyword
 #: arguments is the "all" row.
+#:
+#: Between "+causal_skip" (the tl kernel with every other optimization) and "+warp_specialization"
+#: (the full Hopper kernel) the chain climbs the warp-specialization ladder (``hopper_ws.LADDER``):
+#: "+ws<k>-<name>" runs the Hopper kernel with rungs 1..k on and the rest off, every other switch on.
+#: The ladder's last rung (lazy rescale) is "+warp_specialization" itself. Elsewhere than sm_90,
+#: fp16/bf16, D 64/128 and Nq == Nk the harness records the rung rows as unsupported.
 SWITCHES = ("tuned_tiles", "pipelining", "tma", "exp2", "causal_skip", "warp_specialization")
+WS_LADDER = {f"+ws{k}-{name}": {"ws_rung": k}
+             for k, (name, _) in enumerate(_hopper_ws.LADDER[:-1], start=1)}
 _cumulative = {}
 for _i, _name in enumerate(SWITCHES):
+    if _name == "warp_specialization":
+        _cumulative.update(WS_LADDER)
     _cumulative["+" + _name] = {s: (j <= _i) for j, s in enumerate(SWITCHES)}
 VARIANTS = {"+none": {s: False for s in SWITCHES}, **_cumulative,
             **{"-" + s: {s: False} for s in SWITCHES}}
@@ -43,8 +54,7 @@ STAGE = register(Stage(
     train_workspace_bytes=getattr(_backward, "train_workspace_bytes", None),
 ))
 
-__all__ = ["STAGE", "SWITCHES", "VARIANTS", "Config", "attention", "attention_with_lse", "candidate_configs",
-           "choose_config",
-           "compile", "hbm_bytes", "workspace_bytes"]
+__all__ = ["STAGE", "SWITCHES", "VARIANTS", "WS_LADDER", "Config", "attention", "attention_with_lse",
+           "candidate_configs", "choose_config", "compile", "hbm_bytes", "workspace_bytes"]
 
 from . import cuda_twin  # noqa: E402,F401  (registers the CUDA C++ twin; compiles on first use)

@@ -50,10 +50,14 @@ class Config:
     def consumers(self) -> int:
         return self.block_m // 64
 
-    def ws_options(self) -> dict:
-        """``hopper_ws.plan``'s keyword arguments for this warp-specialized config."""
-        return dict(block_n=self.block_n, stages=self.num_stages, consumers=self.consumers,
-                    persistent=self.persistent, lazy_rescale=self.lazy_rescale)
+    def ws_options(self, ws_rung: int | None = None) -> dict:
+        """``hopper_ws.plan``'s keyword arguments for this warp-specialized config; with ``ws_rung``,
+        those of that rung of the ladder built on it (``hopper_ws.rung_options``)."""
+        options = dict(block_n=self.block_n, stages=self.num_stages, consumers=self.consumers,
+                       persistent=self.persistent, lazy_rescale=self.lazy_rescale)
+        if ws_rung is not None:
+            options.update(hopper_ws.rung_options(ws_rung, self.consumers, self.persistent, self.lazy_rescale))
+        return options
 
     def __str__(self) -> str:
         if self.ws:
@@ -77,6 +81,16 @@ def ws_config(block_m: int, block_n: int, num_stages: int, persistent: bool, laz
     """A warp-specialized config: ``block_m // 64`` consumer warpgroups of 4 warps each."""
     return Config(block_m, block_n, 4 * (block_m // 64), num_stages, ws=True, persistent=persistent,
                   lazy_rescale=lazy_rescale)
+
+
+def ws_rung_config(config: Config, ws_rung: int) -> Config:
+    """The warp-specialized ``config`` cut down to rung ``ws_rung`` of the ladder (``hopper_ws.LADDER``):
+    its K/V tile and ring depth, with the consumers, persistent grid and lazy rescale that rung has
+    (what the traffic model and the config's name need; ``Config.ws_options(ws_rung)`` adds the
+    rung's other switches)."""
+    o = config.ws_options(ws_rung)
+    return ws_config(hopper_ws.ROWS_PER_CONSUMER * o["consumers"], config.block_n, config.num_stages,
+                     o["persistent"], o["lazy_rescale"])
 
 
 #: Stage B's configuration. With every switch off, stage C runs exactly this.
@@ -146,7 +160,7 @@ def candidate_configs(D: int, dtype: torch.dtype, arch: int, warp_specialization
 #: uses 2 there too); one program per item keeps 3. Every config rescales O lazily (only when a
 #: row's maximum grew past 2^8); the two-consumer D = 64 config also comes eager (``-E``): on causal
 #: problems that config ran 0.3-1.8 % faster eager, where every other cell gained from the lazy
-#: rescale (NOTES.md, item 35).
+#: rescale (docs/performance-log/softmax.md, entry 35).
 WS_SHAPES = {
     64: [ws_config(192, 128, 3, True), ws_config(192, 128, 3, False), ws_config(128, 128, 3, True),
          ws_config(128, 128, 3, True, lazy_rescale=False)],
@@ -245,34 +259,63 @@ def work_items(B: int, Hq: int, Nq: int, block_m: int) -> int:
     return B * Hq * cdiv(Nq, block_m)
 
 
+#: Relative cost of one query row in a work item, by kernel: three consumer warpgroups sharing each
+#: K/V tile (192 rows) do a row a little cheaper than two (the tuner picks them on the long grid
+#: cells), and the ``tl`` kernel (no warp specialization) a row about a fifth dearer than the
+#: two-consumer kernel (the ablation's warp-specialization step at N = 4096). Read off the H200's
+#: measurements; only their order matters much for the choice below.
+ROW_COST = {"ws192": 0.95, "ws128": 1.0, "tl": 1.2}
+
+#: A config other than the tuned one is taken only when the model says it is this much cheaper:
+#: the tuned winner was measured, the model is an estimate.
+SWITCH_MARGIN = 0.9
+
+
+def _waves(items: int, sms: int) -> int:
+    """Rounds of programs the SMs run (a persistent grid deals items round-robin: the same count)."""
+    return cdiv(items, sms)
+
+
+def grid_cost(B: int, Hq: int, Nq: int, block_m: int, sms: int, row_cost: float) -> float:
+    """The time model behind :func:`shape_aware_config`, in row-units: waves × rows per item × the
+    kernel's cost per row. It charges a tile's padding (Nq = 197 in 192-row items is two items, the
+    second nearly empty) and the last, partly idle wave (172 items on 132 SMs take two waves, the
+    same as 264)."""
+    return _waves(work_items(B, Hq, Nq, block_m), sms) * block_m * row_cost
+
+
 @lru_cache(maxsize=4096)
 def shape_aware_config(config: Config, B: int, Hq: int, Nq: int, D: int, dtype: torch.dtype, arch: int,
                        sms: int) -> Config:
     """Adjust the (tuned) ``config`` to the work the GPU will really see. The tuned table was measured
     on the FlashAttention-paper grid, where B·Hq·⌈Nq/BLOCK_M⌉ is thousands of programs; it knows
-    nothing of a problem that cannot fill the GPU. The rule, from the number of programs
-    ``items = B·Hq·⌈Nq/BLOCK_M⌉`` against the ``sms`` streaming multiprocessors:
+    nothing of a problem whose programs leave SMs idle or whose tiles are mostly padding.
 
-    1. ``items >= sms`` (at least one full wave) and Nq longer than half a tile: keep the tuned
-       config. Bigger tiles re-read K and V less and every SM has work; this is every cell of the
-       tuned grid.
-    2. Short queries, ``Nq <= BLOCK_M / 2``: halve BLOCK_M, down to 64 (the smallest tile a Hopper
-       warpgroup's wgmma takes; on other GPUs too), so no program computes a tile that is half
-       padding.
-    3. Fewer programs than SMs: halve the rows per program (down to 64) while that leaves SMs
-       idle, so more SMs share the problem. The warp-specialized kernel swaps to its 128-row
-       (two-consumer) config, one program per item (a persistent grid has nothing to walk).
-    4. Fewer programs than SMs *and* a long key sequence is the split-KV path's case (``decode.py``,
-       chosen before this function by ``decode.choose_splits``): it splits the keys instead.
+    The rule: estimate each eligible config's time with :func:`grid_cost` (waves of programs × rows
+    per program × a kernel's cost per row, :data:`ROW_COST`) and take the cheapest, but leave the
+    tuned config only for one that is :data:`SWITCH_MARGIN` cheaper. Eligible: the tuned config; on
+    Hopper with the warp-specialized kernel, its 192- and 128-row configs (persistent, as tuned:
+    one program per SM measured faster even with fewer items than SMs) and the ``tl`` kernel's
+    64-row config (one item of a tiny problem: no producer/consumer machinery to start); elsewhere
+    the ``tl`` config with BLOCK_M halved down to 64.
+
+    Measured on the H200 (GPU-only time, ``experiments/suite_configs.py``): 4 heads of 8192 rows
+    (172 items of 192 rows, 256 of 128) ran 0.188 ms tuned and 0.151 ms with 128 rows; 197-row
+    sequences 0.070 → 0.048 ms; one 64-row head 0.0091 → 0.0075 ms with the ``tl`` kernel; the grid
+    cells keep their tuned configs (their costs differ by under 10 %).
     """
     e = torch.tensor([], dtype=dtype).element_size()
     if config.ws:
-        if work_items(B, Hq, Nq, config.block_m) >= sms:
-            return config
-        small = [c for c in WS_SHAPES.get(D, []) if c.block_m == 128]
-        if small and (config.block_m > 128 or config.persistent):
-            return replace(small[0], persistent=False)
-        return config
+        options = [(config, grid_cost(B, Hq, Nq, config.block_m, sms, ROW_COST[f"ws{config.block_m}"]))]
+        for c in WS_SHAPES.get(D, []):
+            if c.block_m != config.block_m and c.persistent:
+                options.append((c, grid_cost(B, Hq, Nq, c.block_m, sms, ROW_COST[f"ws{c.block_m}"])))
+        tl64 = next((c for c in candidate_configs(D, dtype, arch, False) if c.block_m == 64), None)
+        if tl64 is not None:
+            options.append((tl64, grid_cost(B, Hq, Nq, 64, sms, ROW_COST["tl"])))
+        tuned_cost = options[0][1]
+        best, best_cost = min(options, key=lambda o: o[1])
+        return best if best_cost < SWITCH_MARGIN * tuned_cost else config
     block_m = config.block_m
     while block_m > 64 and (Nq <= block_m // 2 or work_items(B, Hq, Nq, block_m) < sms):
         block_m //= 2

@@ -2,65 +2,76 @@
 
 Written in Gluon (``triton.experimental.gluon``), Triton's lower-level dialect, because Triton 3.6
 cannot get here from ``tl`` code: its automatic warp specialization does not compile this loop for
-sm_90, and its pipeliner waits for every ``Q·Kᵀ`` wgmma right after issuing it (see NOTES.md). Gluon
-lets the kernel say explicitly what FlashAttention-3 does on Hopper:
+sm_90, and its pipeliner waits for every ``Q·Kᵀ`` wgmma right after issuing it, so in ``tl`` a
+warpgroup's softmax and its tensor cores can only take turns. Gluon lets the kernel say explicitly
+what FlashAttention-3 does on Hopper.
 
-* **Warp specialization.** One *producer* warp only issues TMA copies of K and V tiles into a ring
-  of ``STAGES`` shared-memory buffers; two or three *consumer* warpgroups (4 warps each) only
-  compute. They talk through mbarriers: ``ready`` (the copy engine signals bytes arrived) and
-  ``empty`` (every consumer signals it is done reading a buffer; K and V separately, so the next K
-  tile can start on its way as soon as ``Q·Kᵀ`` is done). The producer gives its registers away
-  (``setmaxnreg``: 24 per thread) so the consumers can hold bigger tiles.
-* **Consumers share K/V.** A work item is 64 query rows per consumer (128 or 192) of one
-  (batch, head); every K/V tile is loaded once for all consumers.
-* **Ping-pong.** The consumers take turns so that one warpgroup's softmax lines up with another's
-  wgmma. Two consumers take turns at the exponentials, as cuDNN does: a hardware named barrier
-  in front of each tile's block of exponentials and an arrival on the other consumer's behind it
-  (``_exp_turn``), so one softmax at a time has the exponential unit, at D = 64 as loaded as the
-  tensor cores. Three consumers pass a token through mbarriers (one per consumer) before issuing
-  their matrix products; turns at the exponentials measured slower for them (NOTES.md, item 24).
-  Signals come from one thread with no warpgroup barrier in front (``_signal``).
-* **No intra-warpgroup overlap.** A consumer waits for both of its products (``S_j = Q·K_jᵀ`` and
-  ``O += P_{j-1}·V_{j-1}``) before its softmax; the softmax overlaps the *other* consumers' products
-  (ping-pong). FlashAttention-3 also overlaps a warpgroup's softmax with its own ``P·V``. This
-  kernel's PTX used to say that (wait for ``S_j`` only, for ``P·V`` just before the rescale), but
-  ptxas put the second wait among the first instructions of the softmax all the same, and forcing
-  the overlap measured slower (NOTES.md, items 19 and 23); the kernel now writes what ran.
+The mechanisms form a ladder (``LADDER``; stage C's ``attention(..., ws_rung=k)`` runs rungs 1..k and
+leaves the rest off, the ablation variants ``ws1-...`` to ``ws6-...`` measure each). Every rung is a
+constexpr or a launch option of the one kernel below, not a copy of it. Below rung 1 is stage C's
+``tl`` kernel (``warp_specialization=False``).
+
+1. **Producer warp and mbarrier ring** (``_producer``, ``_issue_tile``). One *producer* warp only
+   issues TMA copies of K and V tiles into a ring of ``STAGES`` shared-memory buffers; a *consumer*
+   warpgroup (4 warps, 64 query rows) only computes. They talk through mbarriers: ``ready`` (the
+   copy engine signals bytes arrived) and ``empty`` (every consumer is done reading a buffer; K and
+   V separately, so the next K tile can start on its way as soon as ``Q·Kᵀ`` is done). The
+   consumer issues ``S_j = Q·K_jᵀ`` and ``O += P_{j-1}·V_{j-1}`` together as asynchronous wgmma.
+2. **Consumers share K/V, with register reallocation** (``CONSUMERS``, ``CONSUMER_REGS``,
+   ``PRODUCER_REGS``). A work item is 64 query rows per consumer (128 or 192) of one (batch, head);
+   every K/V tile is loaded once for all of them. The producer gives its registers away
+   (``setmaxnreg``: 24 per thread) so each consumer can hold a 64×128 score tile and a 64×D
+   accumulator without spilling; without it every warpgroup gets the same share.
+3. **Ping-pong** (``_exp_turn``, ``_my_turn``). The consumers take turns so that one warpgroup's
+   softmax lines up with another's wgmma. Two consumers take turns at the exponentials, as cuDNN
+   does: a hardware named barrier in front of each tile's block of exponentials and an arrival on
+   the other consumer's behind it, so one softmax at a time has the exponential unit, which at
+   D = 64 is as loaded as the tensor cores. Three consumers pass a token through mbarriers (one
+   per consumer) before issuing their matrix products: for them, turns at the exponentials
+   measured slower (performance log: docs/performance-log/softmax.md, entry 24).
+4. **Persistent grid and item order** (``_first_item``, ``_next_item``, ``_tile_coords``). One
+   program per SM walks work items; causal items are taken in zigzag pairs of equal total length,
+   so every program gets the same work. Items run into each other: an item boundary is one more
+   turn of the tile loop, in which the next item's first ``Q·Kᵀ`` goes out with this item's last
+   ``P·V``, and this item's O is stored as soon as that ``P·V`` is done. Each consumer has two Q
+   buffers: the next item's Q lands in one (an item ahead, its rows asked of L2 earlier still)
+   while this item reads the other. Without this, a program that ends its item lets the tensor
+   cores idle while O is stored and the next program's first tiles arrive.
+5. **Per-lane row sums** (``_thread_row_sums``, ``LANE_ROW_SUMS``). A thread keeps its own part of
+   its rows' sums, added across the four lanes of a row once per item, when O is normalized,
+   instead of two rounds of shuffles per row and tile that the end of each exponential turn
+   waits for.
+6. **Lazy rescale** (``_rescale_if_needed``, ``LAZY_RESCALE``), as FlashAttention-4 does: a row's
+   running maximum (the one P is computed against) moves only when a tile raises it by more than
+   2^8, so P stays <= 2^8 (fp16 and bf16 hold it) and on most tiles no row of a warp needs its part
+   of O rescaled; one warp vote and a jump then replace D / 2 multiplies per thread and tile. The
+   tuner also keeps the two-consumer D = 64 config in the eager form, which measured faster on
+   causal problems.
+
+Choices that hold on every rung, each for a reason the compiled code showed:
+
+* **Signals come from one thread** with no warpgroup barrier in front (``_signal``).
+* **No intra-warpgroup overlap.** A consumer waits for both of its products before its softmax; the
+  softmax overlaps the *other* consumers' products (ping-pong). FlashAttention-3 also overlaps a
+  warpgroup's softmax with its own ``P·V``; this kernel once asked for that (wait for ``S_j`` only,
+  for ``P·V`` just before the rescale), but ptxas put the second wait among the first instructions
+  of the softmax all the same, and forcing the overlap measured slower. The kernel writes what ran.
 * **The softmax is one stretch of code.** From the mask to the conversion of P there is no branch
   (the lazy rescale's jump comes after it): the exponentials and the conversion of P for the next
   ``P·V`` (and the eager rescale of O) share one basic block, so ptxas slots the conversions in
   between the exponentials, whose unit (16 per clock per SM) is as loaded as the tensor cores at
-  D = 64. The item boundary's store of O comes before the softmax, right after the products. Behind a branch, the conversions and the rescale ran
-  after the last exponential, on every tile (NOTES.md, item 23).
-* **Row sums stay in each lane**: a thread keeps its own part of its rows' sums, added across the
-  four lanes of a row once per item, when O is normalized, instead of two rounds of shuffles per
-  row and tile that the end of each exponential turn waited for (``_thread_row_sums``; NOTES.md,
-  item 33).
-* **O is rescaled lazily**, as FlashAttention-4 does: a row's running maximum (the one P is
-  computed against) moves only when a tile raises it by more than 2^8, so P stays <= 2^8 (fp16
-  and bf16 hold it) and on most tiles no row of a warp needs its part of O rescaled; one warp vote
-  and a jump then replace D / 2 multiplies per thread and tile (``_rescale_if_needed``). The
-  tuner also has the two-consumer D = 64 config in the eager form, which measured faster on
-  causal problems (NOTES.md, item 35).
+  D = 64. Behind a branch, the conversions and the rescale ran after the last exponential, on
+  every tile. The item boundary's store of O comes before the softmax, right after the products.
 * **P never leaves registers**: the probabilities are converted in registers to the A-operand
   layout of the second wgmma.
 * **O leaves through shared memory**: normalized in registers, written (``stmatrix``) into the
   item's Q buffer, which no ``Q·Kᵀ`` reads any more, and stored by one TMA copy, which also clips
-  the rows past N.
-* **Persistent grid** (optional): one program per SM walks work items; the producer runs ahead into
-  the next item. Causal items are taken in zigzag pairs of equal total length (``_tile_coords``).
-* **Items run into each other** (persistent grid): an item boundary is one more turn of the tile
-  loop, in which the next item's first ``Q·Kᵀ`` goes out with this item's last ``P·V``, and this
-  item's O is stored as soon as that ``P·V`` is done, before the next item's first softmax. Each
-  consumer has two Q buffers: the next item's Q lands in one (a whole item ahead) while this item
-  reads the other. Before, each boundary cost ~3,300 cycles with the tensor cores mostly idle
-  (NOTES.md, items 16 and 21).
+  the rows past N; stored from registers it cost about twice the cycles per item.
 
 Everything else is stage C's algorithm: online softmax in base 2 with the scale folded in, causal
 tiles above the diagonal never loaded, masks only on the tiles that need them (a runtime branch in
 the one tile loop rather than a second copy of the loop: each consumer warpgroup runs its own
-inlined copy of the code, and at D = 64 with three consumers instruction fetch was a limit,
-NOTES.md item 20).
+inlined copy of the code, and at D = 64 with three consumers the instruction cache was a limit).
 """
 
 from __future__ import annotations
@@ -174,8 +185,8 @@ def _producer(k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM: gl.const
 def _mask(S, cols, rows, N, CAUSAL: gl.constexpr):
     """Scores of keys past N, and (causal) of keys after the query, to -inf. Causal: one compare
     per score, against min(row, N - 1). Written as two conditions, ptxas kept a select for each:
-    64 more instructions per thread and masked tile, which cost D = 64 causal with three
-    consumers up to 16 % of its time (NOTES.md, item 22)."""
+    64 more instructions per thread and masked tile, on the exponentials' critical path (every
+    masked score waits for its select)."""
     if CAUSAL:
         valid = gl.expand_dims(cols, 0) <= gl.expand_dims(gl.minimum(rows, N - 1), 1)
     else:
@@ -225,10 +236,10 @@ def _thread_row_sums(p):
     c = 8k + 2q + e of a row is held by lane q of the row's four lanes (register pair element e),
     so summing over k and e adds up one thread's registers, with no shuffle between lanes.
 
-    Why not ``gl.sum(p, axis=1)``: it also adds the four lanes' parts with two rounds of shuffles
-    per row and tile, and the exponential turn's ``bar.arrive`` waits for the sums. Keeping the
-    parts and adding the lanes once, when the item's O is normalized, made D = 64 with N <= 2048
-    1-5 % faster in two A/B runs on the H200 (NOTES.md, item 33). The row maximum still needs the
+    Why not ``gl.sum(p, axis=1)`` (``LANE_ROW_SUMS`` off, ladder rungs 1-4): it also adds the four
+    lanes' parts with two rounds of shuffles per row and tile, and the exponential turn's
+    ``bar.arrive`` waits for the sums, so the shuffles lengthen every turn. Adding the lanes once
+    per item, when O is normalized, takes them out of the turn. The row maximum still needs the
     shuffles: every lane's P must use the same maximum."""
     R: gl.constexpr = p.shape[0]
     C: gl.constexpr = p.shape[1]
@@ -238,11 +249,11 @@ def _thread_row_sums(p):
 
 @gluon.jit
 def _softmax_step(S, m_i, l_i, qk_scale, WG: gl.constexpr, CONSUMERS: gl.constexpr, EXP_TURNS: gl.constexpr,
-                  LAZY_RESCALE: gl.constexpr):
+                  LAZY_RESCALE: gl.constexpr, LANE_ROW_SUMS: gl.constexpr):
     """Online-softmax update for one score tile (base 2, scale folded in): returns P (fp32), the
-    rescale factor alpha for the running output, the new running max and the new running sums, as
-    each thread's part (``_thread_row_sums``). With ``EXP_TURNS`` the exponentials are this
-    consumer's ping-pong turn (``_exp_turn``)."""
+    rescale factor alpha for the running output, the new running max and the new running sums:
+    each thread's part (``_thread_row_sums``) with ``LANE_ROW_SUMS``, else whole rows. With
+    ``EXP_TURNS`` the exponentials are this consumer's ping-pong turn (``_exp_turn``)."""
     m_max = gl.maximum(m_i, gl.max(S, axis=1) * qk_scale)
     if LAZY_RESCALE:
         # Keep the old maximum unless the new one is more than 2^RESCALE_THRESHOLD times larger:
@@ -254,9 +265,12 @@ def _softmax_step(S, m_i, l_i, qk_scale, WG: gl.constexpr, CONSUMERS: gl.constex
         m_new = _exp_turn(m_new, EXP_TURN_BARRIER + WG, False)  # wait for the previous consumer's exponentials
     p = gl.exp2(S * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
-    # Same rows in the same threads and registers: no data moves (assert_trivial checks it).
-    alpha_parts = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout), assert_trivial=True)
-    l_i = l_i * gl.expand_dims(alpha_parts, 1) + _thread_row_sums(p)
+    if LANE_ROW_SUMS:
+        # Same rows in the same threads and registers: no data moves (assert_trivial checks it).
+        alpha_parts = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout), assert_trivial=True)
+        l_i = l_i * gl.expand_dims(alpha_parts, 1) + _thread_row_sums(p)
+    else:
+        l_i = l_i * alpha + gl.sum(p, axis=1)  # the four lanes of a row add up here, on every tile
     if EXP_TURNS:
         l_i = _exp_turn(l_i, EXP_TURN_BARRIER + (WG + 1) % CONSUMERS, True)  # the next consumer's turn
     return p, alpha, m_new, l_i
@@ -332,7 +346,8 @@ def _issue_tile(cur, acc, p_prev, q_tile, ring, turns, s_layout: gl.constexpr, W
 @gluon.jit
 def _softmax_tile(S, j, n_unmasked, acc, m_i, l_i, rows, N, qk_scale, dtype: gl.constexpr, o_layout: gl.constexpr,
                   p_layout: gl.constexpr, NEED_MASK: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
-                  CONSUMERS: gl.constexpr, EXP_TURNS: gl.constexpr, LAZY_RESCALE: gl.constexpr):
+                  CONSUMERS: gl.constexpr, EXP_TURNS: gl.constexpr, LAZY_RESCALE: gl.constexpr,
+                  LANE_ROW_SUMS: gl.constexpr):
     """The softmax of score tile j, P converted for the next turn's ``P·V``, and the accumulator
     rescaled: one stretch of code with no branch in it after the mask, so ptxas can slot the
     conversions (and the eager rescale) in between the exponentials, whose unit is the bottleneck at
@@ -342,7 +357,8 @@ def _softmax_tile(S, j, n_unmasked, acc, m_i, l_i, rows, N, qk_scale, dtype: gl.
             BLOCK_N: gl.constexpr = S.shape[1]
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S.type.layout))
             S = _mask(S, cols, rows, N, CAUSAL)
-    p, alpha, m_i, l_i = _softmax_step(S, m_i, l_i, qk_scale, WG, CONSUMERS, EXP_TURNS, LAZY_RESCALE)
+    p, alpha, m_i, l_i = _softmax_step(S, m_i, l_i, qk_scale, WG, CONSUMERS, EXP_TURNS, LAZY_RESCALE,
+                                       LANE_ROW_SUMS)
     p_next = gl.convert_layout(p.to(dtype), p_layout)
     if LAZY_RESCALE:
         acc = _rescale_if_needed(acc, alpha, o_layout)
@@ -416,7 +432,7 @@ def _fetch_next_q(q_desc, q_bufs, q_bars, buf, b, h, row, more):
 
 @gluon.jit
 def _store_o(acc, l_i, o_desc, buf, t, n_m, H, o_layout: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr,
-             CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
+             CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, LANE_ROW_SUMS: gl.constexpr):
     """Normalize O of work item t and send it out through shared buffer ``buf``: ``stmatrix`` from the accumulator
     layout, then one TMA copy, which also clips rows past N. Stored from registers straight to
     global memory instead, each warp instruction writes 4 bytes into each of 8 rows: that took
@@ -424,7 +440,10 @@ def _store_o(acc, l_i, o_desc, buf, t, n_m, H, o_layout: gl.constexpr, WG: gl.co
     ROWS: gl.constexpr = acc.shape[0]
     D: gl.constexpr = acc.shape[1]
     b, h, start_m = _tile_coords(t, n_m, H, ROWS * CONSUMERS, CAUSAL, ZIGZAG)
-    l_row = gl.sum(l_i, axis=1)  # the four lanes' parts of each row sum (_thread_row_sums), added once per item
+    if LANE_ROW_SUMS:
+        l_row = gl.sum(l_i, axis=1)  # the four lanes' parts of each row sum (_thread_row_sums), added once per item
+    else:
+        l_row = l_i
     out = acc / gl.expand_dims(gl.convert_layout(l_row, gl.SliceLayout(1, o_layout)), 1)
     buf.reshape([ROWS, D]).store(out.to(o_desc.dtype))
     fence_async_shared()
@@ -447,7 +466,7 @@ def _prefetch_q_to_l2(Q, stride_qb, stride_qh, stride_qn, b, h, row0, N, ROWS: g
 @gluon.jit
 def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURNS: gl.constexpr,
               EXP_TURNS: gl.constexpr, CAUSAL: gl.constexpr, EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr,
-              PREFETCH_L2: gl.constexpr, LAZY_RESCALE: gl.constexpr):
+              PREFETCH_L2: gl.constexpr, LAZY_RESCALE: gl.constexpr, LANE_ROW_SUMS: gl.constexpr):
     """One warpgroup: for each work item of this program, the whole flash loop for its 64 rows.
     ``args`` is the same for every consumer; ``WG`` is this consumer's index (its Q buffers are
     ``q_bufs[WG·Q_BUFS ...]``), ``turns`` its ping-pong barrier and the next consumer's.
@@ -477,7 +496,10 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURN
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
-    l_i = _thread_row_sums(gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout))  # [ROWS, 4]: each lane's part
+    if LANE_ROW_SUMS:
+        l_i = _thread_row_sums(gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout))  # [ROWS, 4]: each lane's part
+    else:
+        l_i = gl.zeros([ROWS], gl.float32, row_layout)
     p_prev = gl.zeros([ROWS, BLOCK_N], q_desc.dtype, p_layout)
     acc = gl.zeros([ROWS, D], gl.float32, o_layout)
     if EXP_TURNS:
@@ -519,13 +541,13 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURN
                 if j == 0:
                     if it > 0:  # acc is the previous item's finished O: out through its Q buffer
                         _store_o(acc, l_i, o_desc, q_bufs.index(nb), t_prev, n_m, H, o_layout, WG, CONSUMERS,
-                                 CAUSAL, ZIGZAG)
+                                 CAUSAL, ZIGZAG, LANE_ROW_SUMS)
             # Tile 0 starts a fresh softmax (alpha = 0: the accumulator starts over).
             m_in = gl.where(j == 0, float("-inf"), m_i)
             l_in = gl.where(j == 0, 0.0, l_i)
             acc, p_prev, m_i, l_i = _softmax_tile(S, j, n_unmasked, acc, m_in, l_in, rows, N, qk_scale, q_desc.dtype,
                                                   o_layout, p_layout, NEED_MASK, CAUSAL, WG, CONSUMERS, EXP_TURNS,
-                                                  LAZY_RESCALE)
+                                                  LAZY_RESCALE, LANE_ROW_SUMS)
         if n_tiles == 1:
             _fetch_next_q(q_desc, q_bufs, q_bars, nb, b_next, h_next, start_next + WG * ROWS, more)
         it += n_tiles
@@ -542,7 +564,7 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURN
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     _signal(v_empty.index(sl))
     _store_o(acc, l_i, o_desc, q_bufs.index(Q0 + (item - 1) % Q_BUFS), t_prev, n_m, H, o_layout, WG, CONSUMERS,
-             CAUSAL, ZIGZAG)
+             CAUSAL, ZIGZAG, LANE_ROW_SUMS)
     tma.store_wait(0)
 
 
@@ -553,11 +575,14 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, Q, stride_qb, stride_qh,
                         ISSUE_TURNS: gl.constexpr, EXP_TURNS: gl.constexpr, CAUSAL: gl.constexpr,
                         EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr, Q_BUFS: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, PREFETCH_L2: gl.constexpr = True,
-                        LAZY_RESCALE: gl.constexpr = True, GROUP: gl.constexpr = 1):
+                        LAZY_RESCALE: gl.constexpr = True, GROUP: gl.constexpr = 1,
+                        LANE_ROW_SUMS: gl.constexpr = True, PRODUCER_REGS: gl.constexpr = 24):
     """Grid: one program per SM (persistent, ``Q_BUFS`` = 2) or per work item (``Q_BUFS`` = 1); work
-    item t covers ``CONSUMERS × 64`` query rows of one (batch, query head); ``GROUP`` query heads
-    share a K/V head. Nq = Nk only (the causal mask and the tile ranges assume the square). See the
-    module docstring."""
+    item t covers ``CONSUMERS × 64`` query rows of one (batch, query head), ``CONSUMERS`` 1, 2 or 3;
+    ``GROUP`` query heads share a K/V head. Nq = Nk only (the causal mask and the tile ranges assume
+    the square). ``CONSUMER_REGS`` and ``PRODUCER_REGS``: registers per thread each worker
+    partition asks for (``setmaxnreg``); the default partition (consumer 0) gets what is left of the
+    64K. See the module docstring."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     ROWS_PER_PROGRAM: gl.constexpr = ROWS * CONSUMERS
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
@@ -588,24 +613,30 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, Q, stride_qb, stride_qh,
     # The same consumer function runs in the default partition (WG 0) and in worker partitions.
     args = (q_desc, o_desc, Q, stride_qb, stride_qh, stride_qn, q_bufs, q_bars, ring, H, N, n_m, total, qk_scale)
     producer_args = (k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, ZIGZAG, GROUP)
-    if CONSUMERS == 2:
+    if CONSUMERS == 1:  # ladder rung 1: one consumer, nobody to share K/V or take turns with
+        gl.warp_specialize([
+            (_consumer, (args, (turn0, turn1), 0, 1, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
+                         LAZY_RESCALE, LANE_ROW_SUMS)),
+            (_producer, producer_args),
+        ], [1], [PRODUCER_REGS])
+    elif CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (args, (turn0, turn1), 0, 2, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
-                         LAZY_RESCALE)),
+                         LAZY_RESCALE, LANE_ROW_SUMS)),
             (_consumer, (args, (turn1, turn0), 1, 2, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
-                         LAZY_RESCALE)),
+                         LAZY_RESCALE, LANE_ROW_SUMS)),
             (_producer, producer_args),
-        ], [4, 1], [CONSUMER_REGS, 24])
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (args, (turn0, turn1), 0, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
-                         LAZY_RESCALE)),
+                         LAZY_RESCALE, LANE_ROW_SUMS)),
             (_consumer, (args, (turn1, turn2), 1, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
-                         LAZY_RESCALE)),
+                         LAZY_RESCALE, LANE_ROW_SUMS)),
             (_consumer, (args, (turn2, turn0), 2, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
-                         LAZY_RESCALE)),
+                         LAZY_RESCALE, LANE_ROW_SUMS)),
             (_producer, producer_args),
-        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
 @lru_cache(maxsize=None)
@@ -647,11 +678,49 @@ def supported(dtype: torch.dtype, D: int, arch: int) -> bool:
     return arch == 90 and dtype in (torch.float16, torch.bfloat16) and D in (64, 128)
 
 
+#: The ladder of the module docstring, bottom to top: (name, what the rung adds). Stage C's
+#: ``attention(..., ws_rung=k)`` runs rungs 1..k with the rest off (``rung_options``); rung 6 is the
+#: kernel with every mechanism, as stage C runs it by default.
+LADDER = (
+    ("producer", "producer warp + mbarrier ring (one consumer warpgroup, 64 rows per item)"),
+    ("consumers", "+ consumer warpgroups sharing each K/V tile + register reallocation (setmaxnreg)"),
+    ("pingpong", "+ ping-pong: two consumers take turns at the exponentials, three at wgmma issue"),
+    ("persistent", "+ persistent grid, zigzag item order, items run into each other"),
+    ("lane-sums", "+ per-lane row sums (lanes added once per item, not per tile)"),
+    ("lazy-rescale", "+ lazy rescale of O (only when a row's maximum grew past 2^8)"),
+)
+
+
+def rung_options(rung: int, consumers: int, persistent: bool, lazy_rescale: bool) -> dict:
+    """``static_plan``'s switches for ladder rung ``rung`` (1..len(LADDER)), on top of a tuned
+    config's ``consumers``, ``persistent`` and ``lazy_rescale``: a rung turns its mechanism on the way
+    the tuned config has it (so where the tuner chose one program per item, or the eager rescale,
+    that rung changes nothing: the tuner found the mechanism not worth it there), and the top rung
+    is the tuned kernel itself."""
+    if not 1 <= rung <= len(LADDER):
+        raise ValueError(f"rung must be in 1..{len(LADDER)}, got {rung}")
+    return dict(consumers=consumers if rung >= 2 else 1, register_realloc=rung >= 2, pingpong=rung >= 3,
+                persistent=persistent and rung >= 4, lane_row_sums=rung >= 5, lazy_rescale=lazy_rescale and rung >= 6)
+
+
+#: Registers per thread the producer partition keeps when registers are reallocated (the
+#: ``setmaxnreg`` minimum): it only issues TMA copies and waits on mbarriers.
+PRODUCER_REGS = 24
+
+
 def static_plan(B: int, H: int, N: int, D: int, q_stride: tuple, *, causal: bool, block_n: int, stages: int,
                 consumers: int = 2, pingpong: bool = True, persistent: bool = True, num_sms: int = 132,
-                prefetch_l2: bool = True, lazy_rescale: bool = True, group: int = 1) -> tuple[tuple, dict, dict]:
+                prefetch_l2: bool = True, lazy_rescale: bool = True, group: int = 1, lane_row_sums: bool = True,
+                register_realloc: bool = True) -> tuple[tuple, dict, dict]:
     """The parts of the launch that depend on shapes only: (grid, every argument but the tensors and
-    descriptors, launch options). Stage C caches them per shape (``kernels._recipe``)."""
+    descriptors, launch options). Stage C caches them per shape (``kernels._recipe``).
+
+    ``consumers``: 1, 2 or 3 consumer warpgroups (64 query rows each). ``register_realloc``: the
+    producer keeps ``PRODUCER_REGS`` registers per thread and the consumers take the rest (240
+    with two, 160 with three); off, every warpgroup gets the same share of the 64K (with one
+    consumer that share is the hardware's per-thread limit already, so it is always off)."""
+    if consumers not in (1, 2, 3):
+        raise ValueError(f"consumers must be 1, 2 or 3, got {consumers}")
     n_m = -(-N // (ROWS_PER_CONSUMER * consumers))
     total = n_m * B * H
     zigzag = causal and persistent
@@ -659,23 +728,28 @@ def static_plan(B: int, H: int, N: int, D: int, q_stride: tuple, *, causal: bool
     # pair is the unit of work a program is dealt.
     units = -(-total // 2) if zigzag else total
     grid = (min(units, num_sms) if persistent else total,)
+    # 4 warps run the default partition (consumer 0); the workers add 4 per further consumer and 1
+    # producer warp, rounded up to whole warpgroups. maxnreg sets the register pool they share:
+    # 65536 registers over all the threads (at most 256 each: setmaxnreg's ceiling).
+    threads = 128 * (consumers + 1)
+    maxnreg = min((65536 // threads) // 8 * 8, 256)
+    if register_realloc and consumers > 1:
+        consumer_regs, producer_regs = (240 if consumers == 2 else 160), PRODUCER_REGS
+    else:  # every partition asks for the even share: the default partition is left the same
+        consumer_regs = producer_regs = maxnreg
     args = dict(stride_qb=q_stride[0], stride_qh=q_stride[1], stride_qn=q_stride[2], H=H, N=N, n_m=n_m,
                 total=total, BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, CAUSAL=causal,
                 EVEN_N=(N % block_n == 0), ZIGZAG=zigzag, Q_BUFS=q_buffers(persistent),
-                CONSUMER_REGS=240 if consumers == 2 else 160,
-                ISSUE_TURNS=pingpong and consumers != 2,
+                CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+                ISSUE_TURNS=pingpong and consumers == 3,
                 EXP_TURNS=pingpong and consumers == 2, PREFETCH_L2=prefetch_l2, LAZY_RESCALE=lazy_rescale,
-                GROUP=group)
-    # 4 warps run the default partition (consumer 0); the workers add 4 per further consumer and 1
-    # producer warp, rounded up to whole warpgroups. maxnreg sets the register pool they share:
-    # 65536 registers over all the threads.
-    threads = 128 * (consumers + 1)
-    return grid, args, {"maxnreg": (65536 // threads) // 8 * 8}
+                GROUP=group, LANE_ROW_SUMS=lane_row_sums)
+    return grid, args, {"maxnreg": maxnreg}
 
 
 def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int, consumers: int = 2,
          pingpong: bool = True, persistent: bool = True, num_sms: int = 132, prefetch_l2: bool = True,
-         lazy_rescale: bool = True) -> Launch:
+         lazy_rescale: bool = True, lane_row_sums: bool = True, register_realloc: bool = True) -> Launch:
     """The launch of ``ws_attention_kernel`` for these tensors: grid, arguments and options.
 
     This runs on every call, on the host, before the GPU sees the kernel, so it is kept short: when
@@ -688,12 +762,15 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
     wgmma issue (mbarriers); see the module docstring.
 
     ``prefetch_l2``: each consumer asks L2 for its next item's Q rows at the start of an item (a
-    persistent program only; with the item-by-item kernel of NOTES.md item 17 it measured 0.97× to
-    1.06× against leaving it out, median 1.00×; now the TMA copy of that Q starts one tile later,
-    and leaving it out measured 0.955–1.023×, median 1.005×: item 28).
+    persistent program only: its next item is known an item ahead, and the TMA copy of that Q,
+    one tile into the item, then hits L2; measured within a few percent either way,
+    docs/performance-log/scheduling.md, entry 28).
 
     ``lazy_rescale``: O is rescaled only when some row of a warp raised its maximum by more than
-    2^8 (``_rescale_if_needed``); else on every tile (the ``-E`` configs; NOTES.md, item 35).
+    2^8 (``_rescale_if_needed``); else on every tile (the ``-E`` configs).
+
+    ``lane_row_sums``: each thread keeps its part of its rows' sums (``_thread_row_sums``); else
+    ``gl.sum`` over each row on every tile. ``register_realloc``: see ``static_plan``.
 
     Grouped-query attention (k, v with fewer heads than q) works; Nq must equal Nk."""
     B, H, N, D = q.shape
@@ -701,7 +778,8 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
         raise ValueError(f"the warp-specialized kernel needs Nq == Nk, got q {tuple(q.shape)}, k {tuple(k.shape)}")
     grid, args, extra = static_plan(B, H, N, D, q.stride(), causal=causal, block_n=block_n, stages=stages,
                                     consumers=consumers, pingpong=pingpong, persistent=persistent, num_sms=num_sms,
-                                    prefetch_l2=prefetch_l2, lazy_rescale=lazy_rescale, group=H // k.shape[1])
+                                    prefetch_l2=prefetch_l2, lazy_rescale=lazy_rescale, group=H // k.shape[1],
+                                    lane_row_sums=lane_row_sums, register_realloc=register_realloc)
     q_desc, k_desc, v_desc, o_desc = descriptors(q, k, v, o, block_n)
     args.update(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=o_desc, Q=q, qk_scale=qk_scale)
     return Launch(ws_attention_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)

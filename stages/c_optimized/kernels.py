@@ -45,7 +45,7 @@ With every switch off, stage C does what stage B does; the ablation (``python -m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -54,9 +54,10 @@ import triton.language as tl
 
 from .. import contract
 from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_output, padded_head_dim, validate_inputs
-from ..launch import Launch, compiles_without_interpreter
+from ..launch import FastLaunch, Launch, compiles_without_interpreter
 from . import decode, hopper_ws
-from .configs import BASELINE, Config, choose_config, device_arch, shape_aware_config, shared_memory_bytes, sm_count
+from .configs import (BASELINE, WS_SHAPES, Config, choose_config, device_arch, shape_aware_config, shared_memory_bytes,
+                      sm_count, ws_rung_config)
 
 LOG2E = 1.4426950408889634
 
@@ -217,6 +218,10 @@ def optimized_attention_kernel(
 # The host path. Everything that depends only on the shapes, strides, dtype, device and switches
 # (which kernel, its config, grid and constexpr arguments, descriptor block shapes) is decided once
 # per distinct key by `_recipe` (lru-cached); a call only looks the recipe up and binds its tensors.
+# Each launch of a recipe is a `launch.FastLaunch`: after its first call it skips Triton's
+# general-purpose dispatch (binding ~30 keyword arguments, specializing and hashing them, tens of
+# µs) and calls the compiled kernel's launcher directly. On a tiny problem the GPU work takes a
+# few µs, so this host path, not the kernel, sets the pace of a call.
 # --------------------------------------------------------------------------------------------------
 
 SWITCH_NAMES = ("tuned_tiles", "pipelining", "tma", "exp2", "causal_skip", "warp_specialization")
@@ -244,23 +249,26 @@ def _tma_supported(arch: int, *tensors: torch.Tensor) -> bool:
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    return t.device.type == "meta" or t.data_ptr() % 16 == 0
+    return t.is_meta or t.data_ptr() % 16 == 0
 
 
 @dataclass(frozen=True)
 class Choice:
     """Which kernel runs a problem: ``path`` "tl" (``optimized_attention_kernel``), "ws"
     (``hopper_ws``) or "split" (``decode.py``), with its ``config`` (a ``Config``, or a
-    ``decode.SplitConfig`` for "split")."""
+    ``decode.SplitConfig`` for "split"); ``ws_rung``: the rung of the warp-specialization ladder
+    ("ws" only; None: every mechanism, as the config says)."""
 
     path: str
     config: object
+    ws_rung: int | None = None
 
 
 def select(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, causal: bool, arch: int,
            sms: int, *, tma_ok: bool = True, config: Config | None = None, split_kv: int | None = None,
            store_lse: bool = False, tuned_tiles: bool = True, pipelining: bool = True, tma: bool = True,
-           exp2: bool = True, causal_skip: bool = True, warp_specialization: bool = True) -> Choice:
+           exp2: bool = True, causal_skip: bool = True, warp_specialization: bool = True,
+           ws_rung: int | None = None) -> Choice:
     """The path and config for a problem, from its shapes only (the plan and the traffic model share it).
 
     1. ``split_kv`` >= 2 forces the split-KV path with that many splits; ``split_kv=1`` rules it
@@ -271,8 +279,15 @@ def select(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: torch.dty
        (``configs.shape_aware_config``). The warp-specialized kernel is eligible when every switch
        is on, on sm_90, fp16/bf16, D 64/128, TMA-able strides, Nq = Nk (its causal mask assumes the
        square), and no log-sum-exp is wanted (it is forward-only; training runs the ``tl`` kernel).
+    3. ``ws_rung`` k forces the warp-specialized kernel with rungs 1..k of its ladder on
+       (``hopper_ws.LADDER``), built on the config step 2 would choose; a ValueError where that
+       kernel cannot run.
     """
     group = Hq // Hkv
+    if ws_rung is not None:
+        return _ws_rung_choice(B, Hq, Nq, Nk, D, dtype, causal, arch, sms, tma_ok, config, split_kv, store_lse,
+                               ws_rung, tuned_tiles=tuned_tiles, pipelining=pipelining, tma=tma, exp2=exp2,
+                               causal_skip=causal_skip, warp_specialization=warp_specialization)
     if split_kv is not None and split_kv >= 2:
         return Choice("split", decode.forced_splits(group, Nq, Nk, D, split_kv))
     if split_kv is None and config is None and tuned_tiles and exp2:
@@ -300,6 +315,25 @@ def select(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: torch.dty
     return Choice("tl", config)
 
 
+def _ws_rung_choice(B, Hq, Nq, Nk, D, dtype, causal, arch, sms, tma_ok, config, split_kv, store_lse, ws_rung,
+                    **switches) -> Choice:
+    """``select`` for a rung of the warp-specialization ladder: the warp-specialized kernel, or a
+    ValueError naming ``ws_rung`` (the harness records that as ``unsupported``)."""
+    if not (hopper_ws.supported(dtype, D, arch) and Nq == Nk):
+        raise ValueError(f"ws_rung={ws_rung} needs the warp-specialized kernel: sm_90, fp16/bf16, D 64 or 128 and "
+                         f"Nq == Nk (got arch={arch}, dtype={dtype}, D={D}, Nq={Nq}, Nk={Nk})")
+    if not (_ws_switches_on(causal, **switches) and tma_ok and not store_lse
+            and (split_kv is None or split_kv == 1) and (config is None or config.ws)):
+        raise ValueError(f"ws_rung={ws_rung} needs every switch on, TMA-able strides, no split_kv, no gradient (the "
+                         f"kernel is forward-only) and no tl config (got switches={switches}, tma_ok={tma_ok}, "
+                         f"split_kv={split_kv}, store_lse={store_lse}, config={config})")
+    if config is None:
+        config = shape_aware_config(choose_config(D, dtype, causal, arch, Nq, True), B, Hq, Nq, D, dtype, arch, sms)
+        if not config.ws:  # a tuned table whose winner here is a tl config: the ladder builds on the first ws one
+            config = WS_SHAPES[D][0]
+    return Choice("ws", ws_rung_config(config, ws_rung), ws_rung)
+
+
 @dataclass(frozen=True)
 class _LaunchRecipe:
     """One launch with its tensors left out: ``static`` holds every argument that is not a tensor or
@@ -316,6 +350,36 @@ class _LaunchRecipe:
     num_stages: int
     extra: tuple = ()
     scale_factor: float | None = LOG2E  # qk_scale = scale · scale_factor (None: no qk_scale argument)
+    #: per entry of ``descs``: (descriptor class, its fields but ``base``), from the shapes and strides
+    #: of the key; filled in by ``_recipe`` (``_desc_templates``)
+    desc_templates: tuple = ()
+    launcher: FastLaunch = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        # The per-call values, in the order `launch` passes them: tensors (the pointer arguments),
+        # descriptors, the scale. Everything else is fixed for the recipe's key.
+        dynamic = tuple(name for name, _ in self.tensors) + tuple(name for name, *_ in self.descs)
+        if self.scale_factor is not None:
+            dynamic += ("qk_scale",)
+        static = {name: value for name, value in self.static if name not in dynamic}
+        object.__setattr__(self, "launcher", FastLaunch(
+            self.kernel, self.grid, static, dynamic, pointers=len(self.tensors), num_warps=self.num_warps,
+            num_stages=self.num_stages, extra=dict(self.extra)))
+
+    def launch(self, tensors: dict, scale: float) -> None:
+        """Launch with this call's tensors (by role), descriptors built over them, and ``scale``."""
+        values = [tensors[role] for _, role in self.tensors]
+        for (_, role, _, _), (cls, fields) in zip(self.descs, self.desc_templates):
+            # A descriptor without its class's checks (the recipe checked strides and block for this
+            # key; the key holds the pointers' alignment), its lists shared between calls: Triton's
+            # launcher only reads them.
+            desc = object.__new__(cls)
+            desc.__dict__.update(fields)
+            desc.base = tensors[role]
+            values.append(desc)
+        if self.scale_factor is not None:
+            values.append(scale * self.scale_factor)
+        self.launcher(*values)
 
 
 @dataclass(frozen=True)
@@ -332,7 +396,7 @@ def _strides(role: str, shape: tuple, strides: tuple) -> dict:
 @lru_cache(maxsize=1024)
 def _recipe(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_stride: tuple, o_stride: tuple,
             dtype: torch.dtype, arch: int, sms: int, aligned: bool, causal: bool, config: Config | None,
-            switches: tuple, split_kv: int | None, store_lse: bool) -> _Recipe:
+            switches: tuple, split_kv: int | None, store_lse: bool, ws_rung: int | None = None) -> _Recipe:
     """Everything about a call's launches that does not depend on the data pointers (cached)."""
     on = dict(zip(SWITCH_NAMES, switches))
     B, Hq, Nq, D = q_shape
@@ -340,21 +404,23 @@ def _recipe(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_
     e = torch.tensor([], dtype=dtype).element_size()
     tma_ok = arch >= 90 and aligned and all(_strides_tma_ok(s, e) for s in (q_stride, k_stride, v_stride, o_stride))
     choice = select(B, Hq, Hkv, Nq, Nk, D, dtype, causal, arch, sms, tma_ok=tma_ok, config=config,
-                    split_kv=split_kv, store_lse=store_lse, **on)
+                    split_kv=split_kv, store_lse=store_lse, ws_rung=ws_rung, **on)
     dot_precision = "ieee" if dtype == torch.float32 else "tf32"  # fp32 inputs get exact fp32 products
+    layouts = {"q": (q_shape, q_stride), "k": (k_shape, k_stride), "v": (k_shape, v_stride), "o": (q_shape, o_stride)}
     if choice.path == "split":
         return _split_recipe(choice, q_shape, q_stride, k_shape, k_stride, v_stride, causal, dot_precision,
                              store_lse)
     config = choice.config
     if choice.path == "ws":
         grid, static, extra = hopper_ws.static_plan(B, Hq, Nq, D, q_stride, causal=causal, num_sms=sms,
-                                                    group=Hq // Hkv, **config.ws_options())
+                                                    group=Hq // Hkv, **config.ws_options(choice.ws_rung))
         block_n = config.block_n
         descs = (("q_desc", "q", (1, 1, hopper_ws.ROWS_PER_CONSUMER, D), True),
                  ("k_desc", "k", (1, 1, block_n, D), True), ("v_desc", "v", (1, 1, block_n, D), True),
                  ("o_desc", "o", (1, 1, hopper_ws.ROWS_PER_CONSUMER, D), True))
         launch = _LaunchRecipe(hopper_ws.ws_attention_kernel, grid, tuple(static.items()), (("Q", "q"),), descs,
-                               num_warps=4, num_stages=1, extra=tuple(extra.items()))
+                               num_warps=4, num_stages=1, extra=tuple(extra.items()),
+                               desc_templates=_desc_templates(descs, layouts, dtype))
         return _Recipe(choice, (launch,))
     BM, BN, BD = config.block_m, config.block_n, padded_head_dim(D)
     use_tma = on["tma"] and tma_ok
@@ -382,7 +448,8 @@ def _recipe(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_
     launch = _LaunchRecipe(optimized_attention_kernel, (cdiv(Nq, BM), B * Hq), tuple(static.items()), tensors,
                            descs, config.num_warps, config.num_stages,
                            # exp2 folds log2(e) into the scale once; exp keeps the natural scale.
-                           scale_factor=LOG2E if on["exp2"] else 1.0)
+                           scale_factor=LOG2E if on["exp2"] else 1.0,
+                           desc_templates=_desc_templates(descs, layouts, dtype))
     return _Recipe(choice, (launch,))
 
 
@@ -414,19 +481,33 @@ def _split_recipe(choice, q_shape, q_stride, k_shape, k_stride, v_stride, causal
     return _Recipe(choice, (first, merge), (("o_part", o_shape), ("lse_part", lse_shape)))
 
 
+def _desc_template(shape: tuple, strides: tuple, dtype: torch.dtype, block: tuple, gluon: bool) -> tuple:
+    """(descriptor class, every field but ``base``) of a TMA descriptor over a tensor of this shape,
+    strides and dtype with tile ``block``: Triton's host ``TensorDescriptor``, or Gluon's (which
+    also carries the shared-memory layout) for the warp-specialized kernel."""
+    if gluon:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        extra = {"layout": hopper_ws.smem_layout(block, dtype)}
+    else:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        extra = {}
+    return TensorDescriptor, dict(shape=list(shape), strides=list(strides), block_shape=list(block), padding="zero",
+                                  **extra)
+
+
+def _desc_templates(descs: tuple, layouts: dict, dtype: torch.dtype) -> tuple:
+    """``_desc_template`` for each (argument, role, block, gluon) of ``descs``; ``layouts`` maps a
+    role to its tensor's (shape, strides)."""
+    return tuple(_desc_template(*layouts[role], dtype, block, gluon) for _, role, block, gluon in descs)
+
+
 def _descriptor(t: torch.Tensor, block: tuple, gluon: bool):
     """A TMA descriptor of ``t`` with tile ``block``, built without the descriptor classes' own
     checks: the recipe already checked the strides and block shape for this key, and the key holds
     the pointers' 16-byte alignment. Those checks were ~3/4 of the host path's time at sm_90."""
-    if gluon:
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-        extra = {"layout": hopper_ws.smem_layout(block, t.dtype)}
-    else:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-        extra = {}
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(base=t, shape=list(t.shape), strides=list(t.stride()), block_shape=list(block),
-                         padding="zero", **extra)
+    cls, fields = _desc_template(t.shape, t.stride(), t.dtype, block, gluon)
+    desc = object.__new__(cls)
+    desc.__dict__.update(base=t, **fields)
     return desc
 
 
@@ -449,31 +530,67 @@ def _bind(recipe: _Recipe, tensors: dict, scale: float) -> list[Launch]:
 def plan(q, k, v, o, *, causal: bool, scale: float, arch: int, config: Config | None = None, lse=None,
          split_kv: int | None = None, sms: int | None = None, tuned_tiles: bool = True, pipelining: bool = True,
          tma: bool = True, exp2: bool = True, causal_skip: bool = True,
-         warp_specialization: bool = True) -> list[Launch]:
+         warp_specialization: bool = True, ws_rung: int | None = None) -> list[Launch]:
     """The launches that compute ``o`` (and, given an fp32 ``lse`` [B, Hq, Nq], the row
     log-sum-exps) for these tensors on an sm_``arch`` GPU with ``sms`` SMs (default: the device's,
     ``configs.DEFAULT_SMS`` off a GPU). The split-KV path allocates its fp32 partials here."""
     if sms is None:
         sms = sm_count(q.device)
+    recipe = _recipe_for(q, k, v, o, lse, causal, arch, sms, config=config, split_kv=split_kv, tuned_tiles=tuned_tiles,
+                         pipelining=pipelining, tma=tma, exp2=exp2, causal_skip=causal_skip,
+                         warp_specialization=warp_specialization, ws_rung=ws_rung)
+    return _bind(recipe, _call_tensors(recipe, q, k, v, o, lse), scale)
+
+
+def _recipe_for(q, k, v, o, lse, causal: bool, arch: int, sms: int, config: Config | None = None,
+                split_kv: int | None = None, tuned_tiles: bool = True, pipelining: bool = True, tma: bool = True,
+                exp2: bool = True, causal_skip: bool = True, warp_specialization: bool = True,
+                ws_rung: int | None = None) -> _Recipe:
+    """The cached recipe for these tensors' shapes, strides, dtype and pointer alignment and these
+    options (``plan``'s keywords)."""
     switches = (tuned_tiles, pipelining, tma, exp2, causal_skip, warp_specialization)
-    aligned = _aligned(q) and _aligned(k) and _aligned(v) and _aligned(o)
-    recipe = _recipe(tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), v.stride(), o.stride(), q.dtype,
-                     arch, sms, aligned, causal, config, switches, split_kv, lse is not None)
+    # All four base pointers 16-byte aligned, in one test: their OR is then a multiple of 16 too
+    # (a meta tensor's data_ptr() is 0).
+    aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()) % 16 == 0
+    return _recipe(tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), v.stride(), o.stride(), q.dtype,
+                   arch, sms, aligned, causal, config, switches, split_kv, lse is not None, ws_rung)
+
+
+def _call_tensors(recipe: _Recipe, q, k, v, o, lse) -> dict:
+    """The call's tensors by role, with the fp32 workspace the recipe asks for (split-KV) allocated."""
     tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse}
     for role, shape in recipe.workspace:
         tensors[role] = torch.empty(shape, dtype=torch.float32, device=q.device)
-    return _bind(recipe, tensors, scale)
+    return tensors
+
+
+#: device index (``Tensor.get_device()``: -1 for the CPU) -> (compute capability, SMs): asked once,
+#: because building ``q.device`` and asking the driver on every call costs microseconds
+_DEVICE_FACTS: dict = {}
+
+
+def _arch_and_sms(q: torch.Tensor) -> tuple[int, int]:
+    index = q.get_device()
+    facts = _DEVICE_FACTS.get(index)
+    if facts is None:
+        facts = _DEVICE_FACTS[index] = (device_arch(q.device), sm_count(q.device))
+    return facts
 
 
 # --------------------------------------------------------------------------------------------------
 # The public entry point: a torch.autograd.Function when a gradient is wanted.
 # --------------------------------------------------------------------------------------------------
 
-def _check_options(split_kv, deterministic) -> None:
+def _check_options(split_kv, deterministic, ws_rung=None) -> None:
     if split_kv is not None and (isinstance(split_kv, bool) or not isinstance(split_kv, int)):
         raise TypeError(f"split_kv must be None or an int, got {type(split_kv).__name__} {split_kv!r}")
     if split_kv is not None and split_kv < 1:
         raise ValueError(f"split_kv must be >= 1 (1: never split the keys, n >= 2: n splits), got {split_kv}")
+    if ws_rung is not None and (isinstance(ws_rung, bool) or not isinstance(ws_rung, int)):
+        raise TypeError(f"ws_rung must be None or an int, got {type(ws_rung).__name__} {ws_rung!r}")
+    if ws_rung is not None and not 1 <= ws_rung <= len(hopper_ws.LADDER):
+        raise ValueError(f"ws_rung must be None (every mechanism) or 1..{len(hopper_ws.LADDER)} (rungs 1..k of "
+                         f"{', '.join(name for name, _ in hopper_ws.LADDER)}), got {ws_rung}")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
 
@@ -486,8 +603,13 @@ def _forward(q, k, v, causal: bool, scale: float, options: dict, store_lse: bool
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         if contract.poison_outputs:
             lse.fill_(float("nan"))
-    for launch in plan(q, k, v, o, causal=causal, scale=scale, arch=device_arch(q.device), lse=lse, **options):
-        launch.run()
+    # The lean path: the cached recipe's launches, each a FastLaunch that, after its first call,
+    # hands the arguments straight to the compiled kernel's launcher (stages/launch.py).
+    arch, sms = _arch_and_sms(q)
+    recipe = _recipe_for(q, k, v, o, lse, causal, arch, sms, **options)
+    tensors = _call_tensors(recipe, q, k, v, o, lse)
+    for launch in recipe.launches:
+        launch.launch(tensors, scale)
     return o, lse
 
 
@@ -519,20 +641,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               sm_scale: float | None = None, config: Config | None = None, tuned_tiles: bool = True,
               pipelining: bool = True, tma: bool = True, exp2: bool = True,
               causal_skip: bool = True, warp_specialization: bool = True, split_kv: int | None = None,
-              deterministic: bool = False) -> torch.Tensor:
+              deterministic: bool = False, ws_rung: int | None = None) -> torch.Tensor:
     """Optimized fused attention. q ``[B, Hq, Nq, D]``, k and v ``[B, Hkv, Nk, D]``; returns O
     ``[B, Hq, Nq, D]``, differentiable (``o.backward(do)`` runs ``backward.py``'s kernels).
 
     ``config`` forces a tile configuration (the tests run every candidate); the six switches turn
     single optimizations off for the ablation (see the module docstring); ``split_kv`` forces
     (n >= 2) or forbids (1) the split-KV path of ``decode.py`` (None: chosen from the work);
-    ``deterministic`` asks the backward for a fixed summation order.
+    ``deterministic`` asks the backward for a fixed summation order; ``ws_rung`` k (1..6) runs the
+    warp-specialized kernel with rungs 1..k of its ladder on (``hopper_ws.LADDER``; sm_90, fp16/bf16,
+    D 64/128, Nq == Nk, forward only: a ValueError elsewhere).
     """
     scale = validate_inputs(q, k, v, causal=causal, sm_scale=sm_scale)
-    _check_options(split_kv, deterministic)
+    _check_options(split_kv, deterministic, ws_rung)
     options = dict(config=config, split_kv=split_kv, tuned_tiles=tuned_tiles, pipelining=pipelining, tma=tma,
-                   exp2=exp2, causal_skip=causal_skip, warp_specialization=warp_specialization)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                   exp2=exp2, causal_skip=causal_skip, warp_specialization=warp_specialization, ws_rung=ws_rung)
+    if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
         return _Attention.apply(q, k, v, causal, scale, options, deterministic)
     return _forward(q, k, v, causal, scale, options, store_lse=False)[0]
 
@@ -543,7 +667,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cau
     scaled scores, ``lse_i = log2 Σ_j 2^(q_i·k_j · scale · log2 e)``; +inf for a row that sees no key.
     No autograd (this is what the training forward saves). ``options`` as for ``attention``."""
     scale = validate_inputs(q, k, v, causal=causal, sm_scale=sm_scale)
-    _check_options(options.get("split_kv"), False)
+    _check_options(options.get("split_kv"), False, options.get("ws_rung"))
     with torch.no_grad():
         return _forward(q, k, v, causal, scale, options, store_lse=True)
 
@@ -563,10 +687,10 @@ def compile(problem: Problem, arch: int, **switches) -> list[CompiledKernel]:
     return [launch.compile(arch) for launch in launches]
 
 
-def _choice_for(p: Problem, config, split_kv, switches) -> Choice:
+def _choice_for(p: Problem, config, split_kv, switches, ws_rung=None) -> Choice:
     dtype = DTYPES[p.dtype]
     return select(p.B, p.H, p.Hkv, p.N, p.Nk, p.D, dtype, p.causal, device_arch(None), sm_count(None),
-                  config=config, split_kv=split_kv, **switches)
+                  config=config, split_kv=split_kv, ws_rung=ws_rung, **switches)
 
 
 def _kv_rows_per_tile(p: Problem, block_m: int, causal_skip: bool) -> int:
@@ -581,7 +705,7 @@ def _kv_rows_per_tile(p: Problem, block_m: int, causal_skip: bool) -> int:
 
 def hbm_bytes(p: Problem, config: Config | None = None, causal_skip: bool = True, tuned_tiles: bool = True,
               warp_specialization: bool = True, pipelining: bool = True, tma: bool = True, exp2: bool = True,
-              split_kv: int | None = None, **_other) -> HbmTraffic:
+              split_kv: int | None = None, ws_rung: int | None = None, **_other) -> HbmTraffic:
     """Bytes requested from device memory by one call with the path and tiles the stage would choose
     (on the current GPU; off a GPU, sm_80's table and ``configs.DEFAULT_SMS`` SMs).
 
@@ -590,11 +714,12 @@ def hbm_bytes(p: Problem, config: Config | None = None, causal_skip: bool = True
     reads only the keys its last row sees (about half). Grouped heads count separately: the query
     heads of a group each request their K/V head's rows (L2 serves the repeats).
     Split-KV: K and V once per (batch, KV head, row block), and the fp32 partials (O and the
-    log-sum-exp per split and row) written once and read once by the merge.
+    log-sum-exp per split and row) written once and read once by the merge. ``ws_rung``: the
+    rung's rows per item (64 on rung 1); a ValueError where the rung cannot run, as for ``attention``.
     """
     switches = dict(tuned_tiles=tuned_tiles, pipelining=pipelining, tma=tma, exp2=exp2, causal_skip=causal_skip,
                     warp_specialization=warp_specialization)
-    choice = _choice_for(p, config, split_kv, switches)
+    choice = _choice_for(p, config, split_kv, switches, ws_rung)
     e, row = p.element_bytes, p.D * p.element_bytes
     q_bytes = p.heads * p.N * row
     if choice.path == "split":
