@@ -284,11 +284,6 @@ def validate_inputs(
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        # Triton compiles for the GPU here; a CPU tensor would reach the kernel as a bad pointer.
-        raise ValueError("q, k and v are on the CPU, but this machine runs the kernels compiled on its GPU (the "
-                         "Triton interpreter is off): move them to the GPU (.cuda()), or set TRITON_INTERPRET=1 "
-                         "before importing stages to run the kernels in the CPU interpreter")
     B, Hq, Nq, D = q_shape
     Bk, Hkv, Nk, Dk = k_shape
     if Bk != B:
@@ -308,13 +303,18 @@ def validate_inputs(
         raise ValueError(f"head dim D (q.shape[-1]) must be {_allowed_head_dims(head_dims)}, got {D}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {_describe(causal)}")
-    if sm_scale is None:
-        return 1.0 / math.sqrt(D)
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
-        raise TypeError(f"sm_scale must be a float or None, got {_describe(sm_scale)}")
-    if not math.isfinite(sm_scale) or sm_scale <= 0:
-        raise ValueError(f"sm_scale must be a finite positive float or None (meaning 1/sqrt(D)), got {sm_scale!r}")
-    return float(sm_scale)
+    if sm_scale is not None:
+        if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+            raise TypeError(f"sm_scale must be a float or None, got {_describe(sm_scale)}")
+        if not math.isfinite(sm_scale) or sm_scale <= 0:
+            raise ValueError(f"sm_scale must be a finite positive float or None (meaning 1/sqrt(D)), got {sm_scale!r}")
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        # Triton compiles for the GPU here; a CPU tensor would reach the kernel as a bad pointer. (Last,
+        # so a wrong argument is named first wherever the tensors are.)
+        raise ValueError("q, k and v are on the CPU, but this machine runs the kernels compiled on its GPU (the "
+                         "Triton interpreter is off): move them to the GPU (.cuda()), or set TRITON_INTERPRET=1 "
+                         "before importing stages to run the kernels in the CPU interpreter")
+    return 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
 
 
 def _allowed_head_dims(head_dims: tuple[int, ...]) -> str:

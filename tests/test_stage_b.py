@@ -55,7 +55,7 @@ def test_rows_that_see_no_key_are_exactly_zero(dq_method):
     Nq, Nk = 80, 30
     q, k, v = (t.requires_grad_(True) for t in _inputs(1, 2, 1, Nq, Nk, 16, "fp16", "bhnd"))
     o = attention(q, k, v, causal=True, dq_method=dq_method)
-    o.backward(torch.randn(o.shape).to(o.dtype))
+    o.backward(torch.randn(o.shape).to(o.dtype).to(o.device))
     empty = Nq - Nk
     assert torch.equal(o[:, :, :empty], torch.zeros_like(o[:, :, :empty]))
     assert torch.equal(q.grad[:, :, :empty], torch.zeros_like(q.grad[:, :, :empty]))
@@ -65,7 +65,7 @@ def test_rows_that_see_no_key_are_exactly_zero(dq_method):
 def test_separate_dq_is_bitwise_reproducible():
     """Every gradient element is summed by one program in a fixed order: same inputs, same bits."""
     q, k, v = _inputs(1, 4, 2, 70, 90, 24, "fp16", "bhnd")
-    do = torch.randn(q.shape).to(q.dtype)
+    do = torch.randn(q.shape).to(q.dtype).to(q.device)
 
     def run():
         qs, ks, vs = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
@@ -80,7 +80,7 @@ def test_separate_dq_is_bitwise_reproducible():
 def test_broadcast_output_gradient():
     """``o.sum().backward()`` hands the backward a dO whose strides are all 0."""
     q, k, v = _inputs(1, 2, 1, 20, 30, 16, "fp32", "bhnd")
-    do = torch.ones(1, 1, 1, 1, dtype=q.dtype).expand(q.shape)
+    do = torch.ones(1, 1, 1, 1, dtype=q.dtype, device=q.device).expand(q.shape)
     assert do.stride(-1) == 0
     check_gradients(attention, q, k, v, causal=True, dtype_name="fp32", do=do)
 
@@ -175,8 +175,9 @@ def test_registered_with_backward_models_and_the_atomic_variant():
 def test_cuda_twin_refuses_extended_shapes_before_compiling(q_shape, kv_shape, message):
     """A ValueError, not nvcc's or the GPU's complaint: on this CPU-only machine the shape check
     must come before the 'needs a CUDA GPU' error."""
-    q = torch.zeros(q_shape, dtype=torch.float16)
-    k = v = torch.zeros(kv_shape, dtype=torch.float16)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.zeros(q_shape, dtype=torch.float16, device=device)
+    k = v = torch.zeros(kv_shape, dtype=torch.float16, device=device)
     with pytest.raises(ValueError, match=message):
         cuda_twin.attention(q, k, v)
 

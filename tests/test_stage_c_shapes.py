@@ -138,8 +138,9 @@ def test_split_kv_is_chosen_from_the_work():
     assert prefill is not None and 2 * prefill.splits <= sms
     assert split.chunk >= decode.MIN_TILES_PER_SPLIT * split.block_n
     assert split.splits * split.chunk >= 8192 > (split.splits - 1) * split.chunk
-    assert decode.choose_splits(B=1, Hkv=8, group=4, Nq=1, Nk=128, D=128, sms=sms) is None  # too short
-    assert decode.choose_splits(B=256, Hkv=8, group=4, Nq=1, Nk=8192, D=128, sms=sms) is None  # GPU full
+    assert decode.choose_splits(B=1, Hkv=8, group=4, Nq=1, Nk=128, D=128, sms=sms).splits == 1  # too short
+    assert decode.choose_splits(B=1, Hkv=8, group=1, Nq=1, Nk=128, D=128, sms=sms) is None
+    assert decode.choose_splits(B=256, Hkv=32, group=1, Nq=1, Nk=8192, D=128, sms=sms) is None  # GPU full
     p = dict(D=128, dtype=torch.float16, causal=True, arch=90, sms=sms)
     assert c_kernels.select(1, 32, 8, 1, 8192, **p).path == "split"
     assert c_kernels.select(16, 32, 8, 4096, 4096, **p).path == "ws"
@@ -236,8 +237,8 @@ def test_d256_has_a_sm90_config_of_its_own():
     ((), {"split_kv": 2.0}, TypeError, r"split_kv must be None or an int"),
     ((), {"deterministic": 1}, TypeError, r"deterministic must be a bool"),
 ])
-def test_bad_options_are_named(args, kwargs, error, message):
-    q = torch.randn(1, 2, 8, 16).half()
+def test_bad_options_are_named(args, kwargs, error, message, device):
+    q = torch.randn(1, 2, 8, 16).half().to(device)
     with pytest.raises(error, match=message):
         attention(q, q, q, **kwargs)
 
@@ -246,11 +247,12 @@ def test_cuda_twin_refuses_the_extended_contract():
     """The CUDA C++ twin covers Hq = Hkv, Nq = Nk, D 64/128 only: it says so before compiling."""
     from stages.c_optimized import cuda_twin
 
-    q = torch.randn(1, 4, 16, 64).half()
-    kv = torch.randn(1, 2, 16, 64).half()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.randn(1, 4, 16, 64).half().to(device)
+    kv = torch.randn(1, 2, 16, 64).half().to(device)
     with pytest.raises(ValueError, match="Hq == Hkv"):
         cuda_twin.attention(q, kv, kv)
-    kv = torch.randn(1, 4, 24, 64).half()
+    kv = torch.randn(1, 4, 24, 64).half().to(device)
     with pytest.raises(ValueError, match="Nq == Nk"):
         cuda_twin.attention(q, kv, kv)
     q = torch.randn(1, 4, 16, 80).half()
@@ -318,3 +320,17 @@ def test_gpu_extended_shapes(D):
             o2, lse = c_kernels.attention_with_lse(q, k, v, causal=causal)
             check_against_reference(o2, q, k, v, causal=causal, dtype_name="fp16")
             _check_lse(lse, q, k, causal=causal)
+
+
+def test_grouped_decode_on_a_full_gpu_reads_each_kv_head_once(monkeypatch, device):
+    """Many sequences of grouped-query decoding fill the GPU without splitting, but still take the
+    split kernel, unsplit (one program holds a KV head's whole query group), never the one-pass
+    kernel that would read the cache once per query head."""
+    split = decode.choose_splits(B=64, Hkv=8, group=4, Nq=1, Nk=4096, D=128, sms=132)
+    assert split is not None and split.splits == 1
+    assert decode.choose_splits(B=64, Hkv=32, group=1, Nq=1, Nk=4096, D=128, sms=132) is None
+    if device == "cpu":  # make this small problem "fill" the interpreter's pretend GPU
+        monkeypatch.setattr(c_kernels, "_arch_and_sms", lambda q: (80, 1))
+    q, k, v = make_qkv(2, 4, 1, 64, torch.float16, device, Hkv=2, Nk=300)
+    o = attention(q, k, v)
+    check_against_reference(o, q, k, v, causal=False, dtype_name="fp16")

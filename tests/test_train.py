@@ -69,7 +69,7 @@ def _textbook_attention(q, k, v, *, causal=False, sm_scale=None):
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if causal:
         n = q.shape[2]
-        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=s.device).tril(), float("-inf"))
     return s.softmax(-1) @ v
 
 
