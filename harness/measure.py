@@ -251,8 +251,8 @@ def time_in_turns(measurements: list[Measurement], *, on_gpu: bool, rounds: int)
     """Step 3: time every measurement still going, in ``rounds`` turns: A B C, then C B A, A B C, ...
     Each turn adds one :func:`timing.samples` (on a GPU ~100 ms of repetitions) to the impl's pool,
     and on a GPU one :func:`timing.samples_graph` of the same call replayed from a CUDA graph.
-    On a GPU held at its power cap a kernel's time moves by up to ~10 % within seconds (NOTES.md of stage
-    C, item 26): taking turns spreads that drift over every impl of the cell, so their ratio does
+    On a GPU held at its power cap a kernel's time moves by up to ~10 % within seconds, as the SM
+    clock follows the power draw (docs/performance-log/power-cap.md, entry 26): taking turns spreads that drift over every impl of the cell, so their ratio does
     not depend on which one happened to run in a slow second. The call (and the graph) is made
     afresh each turn and dropped after it, so no impl holds memory (a saved forward, a graph's
     pool) while the others are timed."""

@@ -22,7 +22,9 @@ grid, with a table of the latest runs side by side, and each optimization's meas
 ``twins`` (the Triton stages beside their CUDA C++ twins, and the bank-conflict model against
 Nsight Compute); in the README's results section ``models`` (the model-shape suite of
 ``sweep --suite models``, ``<results>/models/runs.csv``: stage C against the fastest SDPA backend per
-named cell, eager and CUDA-graph times, and each suite run's tally), ``backward`` (the ``pass = bwd``
+named cell, eager and CUDA-graph times, and each suite run's tally), ``shapes`` (the shape contract's
+cells, ``<results>/shapes/runs.csv``: GQA prefill, head dims 80/96 and decode against the fastest SDPA
+backend, decode's GB/s against the measured copy bandwidth), ``backward`` (the ``pass = bwd``
 rows: stage C against SDPA FLASH and CUDNN, min/median/max and the D × causal × N grid) and
 ``latency`` (``<results>/latency.csv``: host µs per call beside an empty Triton kernel). A block
 whose data is not there says which command produces it. ``--readme`` may be given several
@@ -596,6 +598,107 @@ def render_models_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> 
     return "\n\n".join(parts) + "\n"
 
 
+def _shape_kind(r: dict) -> str:
+    """Which part of the shape contract a cell exercises: decode (one query row), GQA prefill (fewer
+    K/V heads than query heads), a head dim the kernel pads (not a power of two), or plain prefill."""
+    from stages.contract import padded_head_dim
+
+    if r["N"] == 1:
+        return "decode"
+    if (r.get("Hkv") or r["H"]) != r["H"]:
+        return "GQA prefill"
+    if padded_head_dim(r["D"]) != r["D"]:
+        return f"head dim {r['D']} (padded to {padded_head_dim(r['D'])})"
+    return "prefill"
+
+
+def _copy_bandwidth(results_dir: Path, rel: str) -> tuple[float | None, str]:
+    """(copy GB/s, where it comes from) for the decode bandwidth: ``shapes/env.json``'s ceilings if
+    that run measured them, else the results folder's ``env.json`` (``harness device`` writes
+    them there); (None, '') when neither has them."""
+    for folder, name in ((results_dir / views.SHAPES_DIR, f"{rel}/{views.SHAPES_DIR}/env.json"),
+                         (results_dir, f"{rel}/env.json")):
+        try:
+            env = load_env(folder)
+        except ResultsError:
+            continue
+        copy_gbps, _ = views.ceilings(env)
+        if copy_gbps:
+            return copy_gbps, (f"`copy_gbps` in {name}: `{views.HINTS['ceilings']}` times a large device-to-device "
+                               "copy and counts the bytes read and written")
+    return None, ""
+
+
+def shapes_table(lines: list[dict], copy_gbps: float | None) -> str:
+    """The shape-contract cells, one line per shape (:func:`harness.views.shape_lines`): C's time,
+    the fastest SDPA backend and its time, their ratio, and for decode cells (Nq = 1) the bytes that
+    must move, C's achieved GB/s and its share of ``copy_gbps``; '' without cells."""
+    if not lines:
+        return ""
+    out = ["| cell | shape (H, N: query/key where they differ) | C ms | best SDPA | its ms | best / C "
+           "| bytes moved | C GB/s | % of copy |",
+           "|---|---|--:|---|--:|--:|--:|--:|--:|"]
+    for line in lines:
+        c, best, shape = line["c"], line["best"], line["shape"]
+        moved = gbps = share = "—"
+        bandwidth = views.decode_bandwidth(c) if shape["N"] == 1 else None
+        if bandwidth is not None:
+            moved, gbps = fmt_bytes(bandwidth[0]), f"{bandwidth[1]:,.0f}"
+            share = f"{bandwidth[1] / copy_gbps:.0%}" if copy_gbps else "—"
+        out.append("| " + " | ".join([
+            _md(_shape_kind(shape)), _shape_summary(shape), _ms(c), label(best["impl"]) if best else "—",
+            _ms(best), _x(line["vs_best"]), moved, gbps, share]) + " |")
+    return "\n".join(out)
+
+
+def shapes_reading(lines: list[dict], copy_gbps: float | None) -> str:
+    """One sentence from the numbers: in how many cells C is at or above the best SDPA backend (and
+    the lowest ratio), and the range of the decode cells' share of the copy bandwidth."""
+    ratios = [line for line in lines if line["vs_best"] is not None]
+    if not ratios:
+        return ""
+    lowest = min(ratios, key=lambda line: line["vs_best"])
+    text = (f"Stage C is at or above the fastest SDPA backend in {sum(x['vs_best'] >= 1.0 for x in ratios)} of "
+            f"{len(ratios)} cells (lowest {lowest['vs_best']:.2f}: {_md(_shape_summary(lowest['shape']))}).")
+    shares = [b[1] / copy_gbps for line in lines if line["shape"]["N"] == 1 and copy_gbps
+              and (b := views.decode_bandwidth(line["c"])) is not None]
+    if shares:
+        text += f" The decode cells move their bytes at {min(shares):.0%} to {max(shares):.0%} of the copy bandwidth"
+        if max(shares) > 1.0:
+            # worth a word, or a reader suspects an error: a stream of reads alone beats a copy, whose
+            # DRAM keeps turning around between reading and writing
+            text += " (above 100%: a decode step only reads, bar its tiny output, while the copy mixes reads and writes)"
+        text += "."
+    return text
+
+
+def render_shapes_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> str:
+    """The shape-contract cells of issue 24 (``results_dir/shapes/runs.csv``: GQA prefill, head dims
+    80 and 96, decode): stage C against the fastest SDPA backend per shape, and for decode the
+    achieved bandwidth against the measured copy bandwidth. ``dtype`` is not used: each cell has its own."""
+    results_dir = Path(results_dir)
+    rel = _posix_rel(results_dir, Path(readme_dir))
+    note = (f"<!-- generated by `python -m harness report {rel} --readme <this file>` from "
+            f"{rel}/{views.SHAPES_DIR}/runs.csv; edit the results, not this block -->")
+    lines = views.shape_lines(views.load_shapes(results_dir))
+    if not lines:
+        return note + f"\n\n_No shape-contract rows yet: run `{views.HINTS['shapes']}` on a GPU._\n"
+    copy_gbps, source = _copy_bandwidth(results_dir, rel)
+    copy_text = (f"the copy bandwidth, {copy_gbps:,.0f} GB/s ({source})" if copy_gbps else
+                 f"the copy bandwidth (not measured yet: `{views.HINTS['ceilings']}`)")
+    parts = [note,
+             "Each shape from the latest run that timed stage C in it, C and the SDPA backends taking turns; "
+             "ms: the eager call's median. Best SDPA: the fastest backend of that run that accepts the shape; "
+             "best / C: its time over C's, above 1 when stage C is faster. A decode step (Nq = 1) reads the "
+             "whole K/V cache once, so it is a bandwidth problem: bytes moved = Q, K and V read once and O "
+             f"written once; C GB/s = those bytes / C's time (1 GB = 10⁹ bytes), and % of {copy_text}.",
+             shapes_table(lines, copy_gbps)]
+    reading = shapes_reading(lines, copy_gbps)
+    if reading:
+        parts.append(reading)
+    return "\n\n".join(parts) + "\n"
+
+
 #: the peers the backward table sets stage C against: FlashAttention-2 (the floor) and cuDNN (the goal)
 BACKWARD_PEERS = ("sdpa_flash", "sdpa_cudnn")
 
@@ -683,7 +786,8 @@ def render_latency_block(results_dir, readme_dir=".", *, dtype: str = "fp16") ->
 
 #: The blocks a file may hold, by marker name.
 BLOCKS = {"results": render_block, "ratio": render_ratio_block, "ablation": render_ablation_block,
-          "twins": render_twins_block, "models": render_models_block, "backward": render_backward_block,
+          "twins": render_twins_block, "models": render_models_block, "shapes": render_shapes_block,
+          "backward": render_backward_block,
           "latency": render_latency_block}
 
 

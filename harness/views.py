@@ -29,6 +29,7 @@ HINTS = {
     "rows": "python -m harness sweep",
     "bwd": "python -m harness sweep --pass bwd",
     "models": "python -m harness sweep --suite models",
+    "shapes": "results/publish.sh shapes",
     "latency": "python -m harness latency",
     "peers": "python -m harness compare",
     "dram": "python -m harness profile",
@@ -399,6 +400,59 @@ def suite_runs(all_rows: list[dict]) -> dict[str, list[dict]]:
         if lines:
             out[run] = lines
     return out
+
+
+#: where ``results/publish.sh shapes`` writes (the GQA prefill, head-dim 80/96 and decode cells of
+#: the shape contract, issue 24), inside a results folder
+SHAPES_DIR = "shapes"
+
+
+def load_shapes(results_dir) -> list[dict]:
+    """Every row of ``results_dir/shapes/runs.csv`` (all runs: :func:`shape_lines` pairs impls within
+    one run); [] when those cells have not been measured there. A malformed file raises
+    :class:`ResultsError`."""
+    from pathlib import Path
+
+    path = Path(results_dir) / SHAPES_DIR / "runs.csv"
+    return load_rows(path) if path.exists() else []
+
+
+def shape_key(row: dict) -> tuple:
+    """(B, Hq, Hkv, Nq, Nk, D, causal, dtype): what one shape-contract cell is."""
+    return (row["B"], row["H"], row.get("Hkv") or row["H"], row["N"], row.get("Nk") or row["N"], row["D"],
+            int(row["causal"]), row["dtype"])
+
+
+def shape_lines(all_rows: list[dict]) -> list[dict]:
+    """One :func:`suite_cell_summary` per shape (:func:`shape_key`), from the latest run that timed
+    stage C there (so C and the SDPA backends were timed in turns), in the order the shapes first
+    appear. Forward stage and peer rows only; shapes no run timed C in are left out. ``best`` is the
+    fastest ``ok`` backend *of that run* (a run may have timed only some of them)."""
+    by_shape: dict[tuple, list[dict]] = {}
+    for r in all_rows:
+        if (r.get("pass") or "fwd") == "fwd" and r["kind"] in ("stage", "peer"):
+            by_shape.setdefault(shape_key(r), []).append(r)
+    out = []
+    for rows in by_shape.values():
+        runs_with_c = [r["run_id"] for r in rows if r["impl"] == "c"]
+        if runs_with_c:
+            run = max(runs_with_c)
+            out.append(suite_cell_summary([r for r in rows if r["run_id"] == run]))
+    return out
+
+
+def decode_bandwidth(row: dict) -> tuple[int, float] | None:
+    """(bytes, GB/s) of a timed row: the bytes any kernel must move for its problem (Q, K and V read
+    once, O written once: ``Problem.qkvo_bytes``) over its median time. Decimal GB (10⁹ bytes).
+    None when the row is not ``ok`` or has no time."""
+    from stages.contract import Problem
+
+    if not (is_ok(row) and row.get("ms_median")):
+        return None
+    problem = Problem(row["B"], row["H"], row["N"], row["D"], row["dtype"], bool(row["causal"]),
+                      Hkv=row.get("Hkv") or row["H"], Nk=row.get("Nk") or row["N"])
+    moved = problem.qkvo_bytes
+    return moved, moved / (row["ms_median"] * 1e-3) / 1e9
 
 
 def load_latency(results_dir) -> list[dict]:

@@ -216,7 +216,8 @@ def test_stage_c_sm90_softmax_is_one_basic_block(compiled, causal):
     """The softmax and the conversion of P for the next ``P·V`` (and the eager rescale of O) are one
     stretch of code with no branch in it, so ptxas interleaves the conversions with the exponentials (their unit
     is as loaded as the tensor cores at D = 64). When the item boundary's store of O sat between the
-    softmax and the conversions, all of them ran after the last exponential (NOTES.md, item 23)."""
+    softmax and the conversions, all of them ran after the last exponential (docs/performance-log/softmax.md,
+    entry 23)."""
     (kernel,) = compiled["c", 90, causal]
     config = configs.choose_config(PROBLEM.D, torch.float16, causal, 90, PROBLEM.N)
     machine_code = sass(kernel.asm["ptx"], "sm_90a")
@@ -290,7 +291,7 @@ def test_stage_c_sm90_row_sums_need_no_shuffles_per_tile():
     2 rows per thread × 2 rounds over the 4 lanes of a row. Each thread keeps its own part of its
     rows' sums, added across lanes once per item (``_thread_row_sums``); with ``gl.sum(p, axis=1)``
     this count read 7 and 8 (the sums' shuffles too), and every turn's end waited for the sums
-    (NOTES.md, item 33)."""
+    (docs/performance-log/softmax.md, entry 33)."""
     config, machine_code = _persistent_d64_causal_sass(2)
     if not machine_code:
         pytest.skip("ptxas or cuobjdump not available in this triton install")

@@ -51,7 +51,7 @@ def test_gzipped_and_plain_files_read_the_same(tmp_path):
 
 
 def test_stored_h200_samples_show_the_exponentials_waiting_in_c_not_in_cudnn():
-    """What NOTES.md item 23 reads from the stored files: in C's two-consumer kernel before the
+    """What docs/performance-log/softmax.md entry 23 reads from the stored files: in C's two-consumer kernel before the
     change the exponentials (MUFU) wait on fixed latencies several times as often as cuDNN's."""
     c = pc_sampling.summarize(pc_sampling.read_text(STORED / "c_main_fp16_D64_N2048_c1.sass.csv.gz"))
     cudnn = pc_sampling.summarize(pc_sampling.read_text(STORED / "sdpa_cudnn_fp16_D64_N2048_c1.sass.csv.gz"))
@@ -61,7 +61,7 @@ def test_stored_h200_samples_show_the_exponentials_waiting_in_c_not_in_cudnn():
 
 
 def test_stored_h200_samples_show_the_exponential_turns_emptying_the_unit_queue():
-    """What NOTES.md item 24 reads from the stored files: with the two consumers taking turns at
+    """What docs/performance-log/softmax.md entry 24 reads from the stored files: with the two consumers taking turns at
     the exponentials, their MUFU instructions no longer wait on the unit's queue (``mio``), where
     they did with turns at wgmma issue; the kernel is sampled less often (it ran shorter)."""
     before = pc_sampling.summarize(pc_sampling.read_text(STORED / "c_one_block_fp16_D64_N2048_c1.sass.csv.gz"))

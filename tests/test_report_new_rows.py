@@ -25,7 +25,7 @@ except ImportError:  # tests/ imported as a package
     from tests.fixtures_results import (SUITE_RUNS, build_backward_rows, build_foreign_rows, build_results,
                                         build_rows, build_suite, build_suite_rows, write_latency)
 
-NEW_BLOCKS = ("models", "backward", "latency")
+NEW_BLOCKS = ("models", "shapes", "backward", "latency")
 
 
 def _cli(argv: list[str]) -> int:
@@ -159,6 +159,99 @@ def test_new_blocks_say_which_command_produces_their_data(tmp_path, name, hint):
     for d in (empty, forward_only):
         block = report.BLOCKS[name](d, tmp_path)
         assert f"python -m harness {hint}" in block and "|" not in block, block
+
+
+SHAPE_RUNS = ("2026-12-03T01:00:00Z", "2026-12-03T02:00:00Z", "2026-12-03T03:00:00Z")
+#: (B, Hq, Hkv, Nq, Nk, D, causal, dtype) of a GQA prefill, a padded head dim and a decode cell
+GQA_PREFILL = (1, 32, 8, 4096, 4096, 128, 1, "bf16")
+HEAD_DIM_80 = (8, 32, 32, 2048, 2048, 80, 0, "fp16")
+DECODE = (16, 32, 8, 1, 32768, 128, 0, "bf16")
+NO_C = (2, 4, 4, 1, 512, 64, 0, "fp16")
+
+
+def _shape_row(shape, impl: str, ms: float | None, run_id: str, pass_: str = "fwd") -> dict:
+    B, H, Hkv, N, Nk, D, causal, dtype = shape
+    row = {"run_id": run_id, "impl": impl, "kind": "stage" if impl in ("b", "c") else "peer", "B": B, "H": H,
+           "Hkv": Hkv, "N": N, "Nk": Nk, "D": D, "dtype": dtype, "causal": causal, "pass": pass_, "device": "gpu"}
+    if ms is None:
+        return row | {"status": "unsupported: needs Hkv = H"}
+    return row | {"status": "ok", "ms_median": ms, "ms_p20": ms, "ms_p80": ms}
+
+
+def _shape_rows() -> list[dict]:
+    """Three runs. Run 1: every cell, decode with C slow. Run 2: decode again, C and cuDNN only, C now
+    fast. Run 3: SDPA alone at the GQA cell (10x faster) and a backward of the decode cell: neither
+    may change a line, because each line comes from the latest run that timed stage C's forward."""
+    first, second, third = SHAPE_RUNS
+    rows = [_shape_row(GQA_PREFILL, impl, ms, first) for impl, ms in
+            (("c", 0.50), ("sdpa_flash", 0.60), ("sdpa_cudnn", 0.55), ("sdpa_efficient", None))]
+    rows += [_shape_row(HEAD_DIM_80, impl, ms, first) for impl, ms in (("c", 1.20), ("sdpa_cudnn", 0.90))]
+    rows += [_shape_row(DECODE, impl, ms, first) for impl, ms in (("c", 4.0), ("sdpa_flash", 0.8), ("sdpa_cudnn", 1.0))]
+    rows += [_shape_row(NO_C, "sdpa_cudnn", 0.01, first)]
+    rows += [_shape_row(DECODE, impl, ms, second) for impl, ms in (("c", 0.50), ("sdpa_cudnn", 0.55))]
+    rows += [_shape_row(GQA_PREFILL, "sdpa_cudnn", 0.055, third), _shape_row(DECODE, "c", 9.0, third, "bwd")]
+    return rows
+
+
+def _write_shapes(results_dir: Path, rows, env: dict | None = None) -> Path:
+    from harness.results import RowWriter, write_env
+
+    with RowWriter(results_dir / views.SHAPES_DIR) as w:
+        for row in rows:
+            w.write(row)
+    if env is not None:
+        write_env(results_dir, {"run_id": SHAPE_RUNS[0], **env})
+    return results_dir
+
+
+def _table_lines(block: str) -> list[list[str]]:
+    return [ln.strip("| ").split(" | ") for ln in block.splitlines() if ln.startswith("| ") and " · " in ln]
+
+
+def test_shapes_block_one_line_per_shape_with_decode_bandwidth(tmp_path):
+    from stages.contract import Problem
+
+    copy_gbps = 4000.0
+    d = _write_shapes(tmp_path / "r", _shape_rows(), env={"ceilings": {"copy_gbps": copy_gbps}})
+    block = report.render_shapes_block(d, tmp_path)
+    lines = _table_lines(block)
+    assert [ln[0] for ln in lines] == ["GQA prefill", "head dim 80 (padded to 128)", "decode"]  # NO_C: no line
+    gqa, d80, decode = lines
+    assert gqa[1] == "B 1 · H 32/8 · N 4096 · D 128 · causal · bf16"
+    assert gqa[2:6] == ["0.5", "SDPA CUDNN", "0.55", f"{0.55 / 0.50:.2f}"]  # not run 3's SDPA-only 0.055
+    assert gqa[6:] == ["—", "—", "—"]  # bandwidth only for decode
+    assert d80[5] == f"{0.90 / 1.20:.2f}"
+    # decode from run 2 (the latest forward of C), its best SDPA the fastest of that run
+    moved = Problem(16, 32, 1, 128, "bf16", False, Hkv=8, Nk=32768).qkvo_bytes
+    gbps = moved / 0.50e-3 / 1e9
+    assert decode[2:] == ["0.5", "SDPA CUDNN", "0.55", f"{0.55 / 0.50:.2f}", views.fmt_bytes(moved),
+                          f"{gbps:,.0f}", f"{gbps / copy_gbps:.0%}"]
+    assert f"{copy_gbps:,.0f} GB/s (`copy_gbps` in r/env.json" in block
+    assert "at or above the fastest SDPA backend in 2 of 3 cells (lowest 0.75" in block
+    assert f"at {gbps / copy_gbps:.0%} to {gbps / copy_gbps:.0%} of the copy bandwidth" in block
+
+
+def test_shapes_block_copy_bandwidth_sources(tmp_path):
+    """shapes/env.json's own ceilings come first; without any, the block says how to measure them."""
+    d = _write_shapes(tmp_path / "r", _shape_rows(), env={"ceilings": {"copy_gbps": 4000.0}})
+    from harness.results import write_env
+
+    write_env(d / views.SHAPES_DIR, {"run_id": SHAPE_RUNS[1], "ceilings": {"copy_gbps": 2000.0}})
+    assert "2,000 GB/s (`copy_gbps` in r/shapes/env.json" in report.render_shapes_block(d, tmp_path)
+    bare = _write_shapes(tmp_path / "bare", _shape_rows())
+    block = report.render_shapes_block(bare, tmp_path)
+    assert f"not measured yet: `{views.HINTS['ceilings']}`" in block
+    assert _table_lines(block)[-1][-1] == "—" and _table_lines(block)[-1][-2] != "—"  # GB/s still shown
+
+
+def test_shapes_block_without_data_names_the_command(tmp_path):
+    forward_only = build_results(tmp_path / "fwd")  # a results folder without shapes/
+    only_peers = _write_shapes(tmp_path / "peers", [r for r in _shape_rows() if r["impl"] != "c"])
+    for d in (tmp_path, forward_only, only_peers):
+        block = report.render_shapes_block(d, tmp_path)
+        assert f"run `{views.HINTS['shapes']}` on a GPU" in block and "|" not in block, block
+    assert views.HINTS["shapes"] == "results/publish.sh shapes"
+    assert Path(report.__file__).parents[1].joinpath("results", "publish.sh").exists()
 
 
 def test_report_check_notices_a_stale_new_block(tmp_path, capsys):

@@ -9,8 +9,8 @@ which the tests prove correct) with ``triton.testing.do_bench`` and writes the f
 ``best_tl`` the fastest ``tl``-kernel config (what runs with warp specialization switched off).
 Candidates within ``TIE_MARGIN`` of the fastest are timed again, in turns, before one is picked:
 two single-pass runs of the tuner over the same code disagreed in 4 of 40 cells, by 0.1–2.3 %
-(NOTES.md, item 23), and each cell's first candidate runs once untimed before the first pass
-(item 24). Every timing goes to the CSV too (``pass`` 1: the first, 2: timed again), so
+(docs/performance-log/softmax.md, entry 23), and each cell's first candidate runs once untimed
+before the first pass, because a cell's first timing once read 45 % slow (entry 24). Every timing goes to the CSV too (``pass`` 1: the first, 2: timed again), so
 the choice can be checked. Shapes follow the FlashAttention-paper setting: B·N = 16384 tokens,
 H·D = 2048.
 """
