@@ -31,3 +31,13 @@ def poison_outputs():
 @pytest.fixture
 def device() -> str:
     return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture
+def fake_stages():
+    """Register fake stages for the duration of a test (yields ``stages.register``), then restore
+    the registry."""
+    saved = dict(stages.STAGES)
+    yield stages.register
+    stages.STAGES.clear()
+    stages.STAGES.update(saved)

@@ -86,3 +86,29 @@ def check_gradients(attention, q, k, v, *, causal, dtype_name, sm_scale=None, fa
             f"{name}: relative error {err:.3e} vs PyTorch same-precision {torch_err:.3e}")
         out[name] = (err, torch_err)
     return out
+
+
+def run_cli(argv, capsys) -> tuple[int, str, str]:
+    """``python -m harness ARGV`` in-process: (exit code, stdout, stderr); argparse's exits included."""
+    from harness import cli
+
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def fake_attention(q, k, v, *, causal=False, sm_scale=None):
+    """A correct attention from torch ops in the inputs' precision: a stand-in stage for harness tests."""
+    return torch_same_precision(q, k, v, causal=causal, sm_scale=sm_scale)
+
+
+def fake_stage(name: str, attention=fake_attention, **kw):
+    """A registrable :class:`stages.contract.Stage` around ``attention`` with simple models."""
+    from stages.contract import HbmTraffic, Stage
+
+    return Stage(name=name, title=f"fake {name}", techniques=(), attention=attention,
+                 hbm_bytes=lambda p: HbmTraffic(read=p.qkvo_bytes * 3 // 4, write=p.qkvo_bytes // 4),
+                 workspace_bytes=lambda p: 0, **kw)

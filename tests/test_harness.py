@@ -21,41 +21,17 @@ from stages.contract import HbmTraffic, Problem, Stage
 from harness import cli, impls, inputs, measure, ncu, peers, reference, results, table
 from harness.inspect_code import count_instructions, describe_layout, parse_ptxas, smem_layouts
 
+from .helpers import fake_attention, fake_stage, run_cli
+
 HAS_CUDA = torch.cuda.is_available()
 REPO = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------------------- helpers
 
-def _fake_attention(q, k, v, *, causal=False, sm_scale=None):
-    return reference.torch_same_precision(q, k, v, causal=causal, sm_scale=sm_scale)
-
-
-def _fake_stage(name: str, attention=_fake_attention, **kw) -> Stage:
-    return Stage(name=name, title=f"fake {name}", techniques=(), attention=attention,
-                 hbm_bytes=lambda p: HbmTraffic(read=p.qkvo_bytes * 3 // 4, write=p.qkvo_bytes // 4),
-                 workspace_bytes=lambda p: 0, **kw)
-
-
-@pytest.fixture
-def fake_stages():
-    """Register fake stages for the duration of a test, then restore the registry."""
-    saved = dict(stages.STAGES)
-    added = []
-
-    def add(stage: Stage) -> Stage:
-        added.append(stage.name)
-        return stages.register(stage)
-
-    yield add
-    stages.STAGES.clear()
-    stages.STAGES.update(saved)
-
-
-def _run_cli(argv, capsys) -> tuple[int, str, str]:
-    code = cli.main(argv)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+_fake_attention = fake_attention
+_fake_stage = fake_stage
+_run_cli = run_cli
 
 
 def _rows(out_dir) -> list[dict]:

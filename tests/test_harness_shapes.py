@@ -19,6 +19,8 @@ from stages.contract import HbmTraffic, Problem, Stage
 
 from harness import cli, impls, inputs, latency, measure, peers, reference, results, suites
 
+from .helpers import run_cli
+
 HAS_CUDA = torch.cuda.is_available()
 
 
@@ -42,10 +44,7 @@ def fake_stage():
     stages.STAGES.update(saved)
 
 
-def _main(argv, capsys) -> tuple[int, str, str]:
-    code = cli.main(argv)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+_main = run_cli
 
 
 def _old_header() -> list[str]:

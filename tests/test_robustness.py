@@ -27,6 +27,8 @@ from harness.inspect_code import INSTRUCTION_KEYS
 from stages import launch
 from stages.contract import HbmTraffic, Stage
 
+from .helpers import fake_attention, fake_stage, run_cli
+
 try:
     from fixtures_results import build_results, build_rows
 except ImportError:  # tests/ imported as a package
@@ -38,23 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 # ----------------------------------------------------------------------------------------- helpers
 
-def _fake_attention(q, k, v, *, causal=False, sm_scale=None):
-    return reference.torch_same_precision(q, k, v, causal=causal, sm_scale=sm_scale)
-
-
-def _fake_stage(name: str, attention=_fake_attention, **kw) -> Stage:
-    return Stage(name=name, title=f"fake {name}", techniques=(), attention=attention,
-                 hbm_bytes=lambda p: HbmTraffic(read=p.qkvo_bytes * 3 // 4, write=p.qkvo_bytes // 4),
-                 workspace_bytes=lambda p: 0, **kw)
-
-
-@pytest.fixture
-def fake_stages():
-    """Register fake stages for the duration of a test, then restore the registry."""
-    saved = dict(stages.STAGES)
-    yield stages.register
-    stages.STAGES.clear()
-    stages.STAGES.update(saved)
+_fake_attention = fake_attention
+_fake_stage = fake_stage
 
 
 @pytest.fixture
@@ -63,14 +50,7 @@ def cpu_only(monkeypatch):
     monkeypatch.setattr(cli, "_on_gpu", lambda: False)
 
 
-def _run(argv, capsys) -> tuple[int, str, str]:
-    """``python -m harness ARGV`` in-process: (exit code, stdout, stderr); argparse's exits included."""
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:
-        code = e.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+_run = run_cli
 
 
 #: a tiny compare on a fake stage: milliseconds of work, so the tests measure the CLI, not kernels

@@ -16,6 +16,8 @@ import torch
 from harness import cli
 from harness import train as T
 
+from .helpers import run_cli
+
 # the stages run compiled on a GPU (CPU tensors are for the interpreter only)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -131,13 +133,7 @@ def test_model_config_rejects_bad_sizes(kwargs, name):
 
 # ------------------------------------------------------------------------------------------------ CLI
 
-def _run(argv, capsys) -> tuple[int, str, str]:
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:
-        code = e.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+_run = run_cli
 
 
 def test_cli_rejects_an_unknown_stage(capsys):
