@@ -241,12 +241,6 @@ def start_measurement(impl: Impl, cell: CellData, *, run_id: str, on_gpu: bool) 
     return m
 
 
-def pass_flops(problem: Problem, pass_: str) -> float:
-    """FLOPs of one call of ``pass_``: the forward's count (4·B·Hq·Nq·Nk·D, causal: visible pairs),
-    the backward's 2.5× that (the FlashAttention papers' convention), a training step's 3.5×."""
-    return {"fwd": problem.flops, "bwd": problem.bwd_flops, "fwd_bwd": problem.flops + problem.bwd_flops}[pass_]
-
-
 def time_in_turns(measurements: list[Measurement], *, on_gpu: bool, rounds: int) -> None:
     """Step 3: time every measurement still going, in ``rounds`` turns: A B C, then C B A, A B C, ...
     Each turn adds one :func:`timing.samples` (on a GPU ~100 ms of repetitions) to the impl's pool,
@@ -288,7 +282,7 @@ def finish_measurement(m: Measurement, *, on_gpu: bool, energy: bool = False,
         row.update(ms_median=t.ms_median, ms_p20=t.ms_p20, ms_p80=t.ms_p80)
         if m.gpu_times_ms and not m.graph_failed:
             row["ms_gpu"] = timing.summarize(m.gpu_times_ms, on_gpu).ms_median
-        row["tflops"] = pass_flops(p, row["pass"]) / (t.ms_median * 1e-3) / 1e12
+        row["tflops"] = p.pass_flops(row["pass"]) / (t.ms_median * 1e-3) / 1e12
         if row.get("dram_read_model") is not None:
             row["gbps_model"] = (row["dram_read_model"] + row["dram_write_model"]) / (t.ms_median * 1e-3) / 1e9
         if not on_gpu:

@@ -193,22 +193,20 @@ def select(rows: list[dict], **match) -> list[dict]:
 
 #: FLOPs of a pass as a multiple of the forward's (the FlashAttention papers' convention: the
 #: backward does five matmuls to the forward's two; a training step is both).
-PASS_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
-
 #: how the README and the figures state the FLOP convention, written once
 FLOP_CONVENTION = ("FLOPs = 4·B·Hq·Nq·Nk·D for the forward, causal counting only the visible (query, key) "
                    "pairs (about half); the backward 2.5× that, a training step 3.5×")
 
 
 def flops(row: dict) -> float:
-    """FLOPs of one call of the row's pass: 4·B·H·N·Nk·D forward, causal counting only the visible
-    (query, key) pairs (bottom-right aligned; N(N+1)/2 per head when Nk = N), times
-    :data:`PASS_FLOP_FACTOR` for ``bwd`` and ``fwd_bwd``. Same count as ``harness.measure.pass_flops``."""
-    from stages.contract import visible_pairs
+    """FLOPs of one call of the row's pass (:meth:`stages.contract.Problem.pass_flops`: 4·B·Hq·Nq·Nk·D
+    forward, causal counting only the visible (query, key) pairs; backward 2.5×, training step 3.5×)."""
+    from stages.contract import Problem
 
-    Nk = row.get("Nk") or row["N"]
-    forward = 4.0 * row["B"] * row["H"] * visible_pairs(row["N"], Nk, bool(row["causal"])) * row["D"]
-    return forward * PASS_FLOP_FACTOR[row.get("pass") or "fwd"]
+    # (the dtype does not change the count: a row without one is counted as fp16)
+    problem = Problem(row["B"], row["H"], row["N"], row["D"], row.get("dtype") or "fp16", bool(row["causal"]),
+                      row.get("Hkv") or row["H"], row.get("Nk") or row["N"])
+    return problem.pass_flops(row.get("pass") or "fwd")
 
 
 def dram_bytes(row: dict, which: str) -> int | None:

@@ -160,6 +160,11 @@ class Problem:
     def bwd_flops(self) -> float:
         return 2.5 * self.flops
 
+    def pass_flops(self, pass_: str = "fwd") -> float:
+        """FLOPs of one call of a pass: ``fwd`` :attr:`flops`, ``bwd`` :attr:`bwd_flops`, ``fwd_bwd``
+        (a training step) their sum, 3.5× the forward."""
+        return {"fwd": self.flops, "bwd": self.bwd_flops, "fwd_bwd": self.flops + self.bwd_flops}[pass_]
+
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor | None = None, *, causal: bool = False) -> "Problem":
         B, H, N, D = q.shape
