@@ -26,6 +26,7 @@ SHAPES = [
     pytest.param(2, 3, 3, 33, 65, 32, "fp32", False, "bnhd", id="batch-strided-fp32"),
     pytest.param(1, 2, 1, 9, 40, 256, "fp32", True, "bhnd", id="d256-fp32-small-tiles"),
     pytest.param(1, 2, 2, 6, 7, 136, "bf16", False, "bnhd", id="d136-padded-to-256"),
+    pytest.param(1, 2, 1, 45, 70, 200, "fp16", True, "bhnd", id="d200-gqa-several-backward-tiles"),
 ]
 
 
@@ -120,14 +121,19 @@ def test_forward_model_counts_kv_per_query_head():
     assert with_lse.write - gqa.write == B * Hq * Nq * 4 and with_lse.read == gqa.read
 
 
-def test_tiles_shrink_only_where_shared_memory_forces_it():
+def test_tiles_shrink_only_where_registers_force_it():
     full = (kernels.BLOCK_M, kernels.BLOCK_N)
-    assert kernels.tile_shape(256, "bf16") == kernels.tile_shape(128, "fp32") == kernels.tile_shape(8, "fp32") == full
+    assert kernels.tile_shape(256, "bf16") == kernels.tile_shape(128, "fp16") == kernels.tile_shape(8, "bf16") == full
     half = kernels.tile_shape(256, "fp32")
-    assert half == kernels.tile_shape(136, torch.float32) and half[0] < full[0] and half[1] < full[1]
+    assert half == kernels.tile_shape(8, torch.float32) and half[0] < full[0] and half[1] < full[1]
     # the traffic model follows the tile: half-height Q tiles re-read K and V twice as often
-    p = Problem(1, 1, 1024, 256, "fp32")
-    assert kernels.hbm_bytes(p).read == 1024 * 256 * 4 * (1 + 2 * cdiv(1024, half[0]))
+    p = Problem(1, 1, 1024, 64, "fp32")
+    assert kernels.hbm_bytes(p).read == 1024 * 64 * 4 * (1 + 2 * cdiv(1024, half[0]))
+    # the backward's two fp32 accumulators: halved at every D > 128, whatever the input dtype
+    assert kernels.tile_shape(256, "bf16", backward=True) == kernels.tile_shape(136, "fp16", backward=True) == half
+    assert kernels.tile_shape(128, "fp16", backward=True) == full
+    wide, narrow = (kernels.bwd_hbm_bytes(Problem(1, 1, 1024, D, "fp16")) for D in (256, 128))
+    assert wide.read > 2 * narrow.read  # twice the columns, and the Q/dO re-reads of twice the K/V tiles
 
 
 def test_backward_model_follows_its_derivation():
@@ -146,9 +152,10 @@ def test_backward_model_follows_its_derivation():
     # fp32: the atomics add straight into dQ, so there is no cast (and no buffer besides dQ)
     p32 = Problem(B, Hq, Nq, D, "fp32", True, Hkv=Hkv, Nk=Nk)
     row32, kv32 = D * 4, 2 * B * Hkv * Nk * D * 4
+    Tk32 = cdiv(Nk, kernels.tile_shape(D, "fp32", backward=True)[1])  # fp32 runs 32-row tiles
     assert kernels.bwd_hbm_bytes(p32, dq_method="atomic") == HbmTraffic(
-        read=2 * R * row32 + kv32 + Tk * R * (2 * row32 + 8) + Tk * acc,
-        write=4 * R + kv32 + acc + Tk * acc)
+        read=2 * R * row32 + kv32 + Tk32 * R * (2 * row32 + 8) + Tk32 * acc,
+        write=4 * R + kv32 + acc + Tk32 * acc)
     assert kernels.train_workspace_bytes(p) == 8 * R
     assert kernels.train_workspace_bytes(p, dq_method="atomic") == 8 * R + acc
     assert kernels.train_workspace_bytes(p32, dq_method="atomic") == 8 * R

@@ -43,11 +43,7 @@ from ..launch import Launch, compiles_without_interpreter
 
 BLOCK_M = 64   # rows of Q per program (and per step of the dK/dV kernel's loop)
 BLOCK_N = 64   # rows of K/V per loop step (and per dK/dV program)
-#: Triton stages every tl.dot operand through shared memory, so a 64-row tile costs 64·D_PAD·e
-#: bytes per operand. Past this row width (fp32 at D > 128) 64-row tiles no longer fit an A100's
-#: 163 KiB (forward: Q, K, V = 192 KiB) or an H100's 227 KiB (dK/dV: Q, dO, K, V = 272 KiB), so
-#: those problems, and only those, run with 32×32 tiles: see :func:`tile_shape`.
-MAX_ROW_BYTES_FOR_64 = 512
+#: The tile is fixed, except where a 64-row tile cannot work at all (see :func:`tile_shape`).
 NUM_WARPS = 4
 NUM_STAGES = 1  # no software pipelining: each K/V load completes before the math that needs it
 
@@ -288,11 +284,19 @@ def tiled_attention_bwd_dq_kernel(
 # Launch plans: the kernels with their grids and arguments, for running and for compiling.
 # --------------------------------------------------------------------------------------------------
 
-def tile_shape(D: int, dtype: torch.dtype | str) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) for head dim ``D``: the fixed 64×64, halved to 32×32 where a 64-row tile of
-    ``padded_head_dim(D)`` elements would overflow shared memory (fp32 with D > 128)."""
-    e = (DTYPES[dtype] if isinstance(dtype, str) else dtype).itemsize
-    if padded_head_dim(D) * e > MAX_ROW_BYTES_FOR_64:
+def tile_shape(D: int, dtype: torch.dtype | str, *, backward: bool = False) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) for head dim ``D``: the fixed 64×64, halved to 32×32 where a 64-row tile
+    cannot work. Registers force it, not tuning (ptxas, sm_80 and sm_90; ``experiments/resource_check.py``):
+
+    * fp32 inputs, any D: their exact ("ieee") products run on the FMA units, where every thread
+      keeps its slices of both operands in registers across the whole head dim. 64-row tiles
+      spilled 2-35 KB per thread at D = 64; 32-row tiles spill nothing in the forward. (At
+      D > 128, three 64-row fp32 operand tiles would not fit an A100's shared memory either.)
+    * the ``backward`` at D > 128, any dtype: a dK/dV program keeps two fp32 accumulators of
+      BLOCK_N × D_PAD, 64 × 256 × 2 × 4 bytes = 256 registers per thread at 4 warps, more than a
+      thread has (255); the 64-row version spilled 4-7 KB per thread inside its loop."""
+    fp32 = (DTYPES[dtype] if isinstance(dtype, str) else dtype) == torch.float32
+    if fp32 or (backward and padded_head_dim(D) > 128):
         return BLOCK_M // 2, BLOCK_N // 2
     return BLOCK_M, BLOCK_N
 
@@ -334,7 +338,7 @@ def backward_plan(q, k, v, o, do, lse, delta, dq, dk, dv, *, causal: bool, scale
     (``"atomic"``, where ``dq`` is a zero-filled fp32 buffer the dK/dV kernel adds into)."""
     B, H, N_Q, D = q.shape
     H_KV, N_K = k.shape[1], k.shape[2]
-    BM, BN = tile_shape(D, q.dtype)
+    BM, BN = tile_shape(D, q.dtype, backward=True)
     shape = dict(H=H, N_Q=N_Q, D=D, D_PAD=padded_head_dim(D))
     more = dict(N_K=N_K, GROUP=H // H_KV, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=causal,
                 DOT_PRECISION=_dot_precision(q.dtype))
@@ -458,7 +462,7 @@ def hbm_bytes(p: Problem, *, dq_method: str = "separate", write_lse: bool = Fals
     group's K/V head, so each K/V head is read ⌈Nq/BLOCK_M⌉ times *per query head of its group*
     (causal too: stage B visits the tiles above the diagonal as well).  O: written once. Per query
     head, reads = D·e·(Nq + 2·⌈Nq/BLOCK_M⌉·Nk): the N²·D/BLOCK_M term of the seed article
-    (BLOCK_M from :func:`tile_shape`: 64, or 32 for fp32 with D > 128).
+    (BLOCK_M from :func:`tile_shape`: 64, or 32 for fp32).
     ``write_lse`` adds L (4 bytes per query row), written only when a backward pass will follow.
     ``dq_method`` is accepted (and checked) like ``attention``'s; it changes only the backward.
     In practice one head's K and V (2·Nk·D·e, 4 MB at N = 16384, D = 64) stay in the 50+ MB L2 of a
@@ -477,7 +481,7 @@ def bwd_hbm_bytes(p: Problem, *, dq_method: str = "separate") -> HbmTraffic:
     """Bytes requested from device memory by one backward call, given the saved O and L.
 
     With e bytes per element, row = D·e, R = B·Hq·Nq query rows, T_k = ⌈Nk/BLOCK_N⌉, T_q = ⌈Nq/BLOCK_M⌉
-    (the tiles of :func:`tile_shape`):
+    (the backward's tiles of :func:`tile_shape`):
 
     * delta pre-pass: reads O and dO (2·R·row), writes delta (4·R).
     * dK/dV kernel: reads K and V once (2·B·Hkv·Nk·row); each of the T_k programs of a K/V head
@@ -492,7 +496,7 @@ def bwd_hbm_bytes(p: Problem, *, dq_method: str = "separate") -> HbmTraffic:
     _check_dq_method(dq_method)
     row = p.D * p.element_bytes
     rows_q = p.heads * p.N
-    BM, BN = tile_shape(p.D, p.dtype)
+    BM, BN = tile_shape(p.D, p.dtype, backward=True)
     kv_tiles = cdiv(p.Nk, BN)
     kv_once = 2 * p.kv_heads * p.Nk * row
     read = 2 * rows_q * row                                          # delta pre-pass
