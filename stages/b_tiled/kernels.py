@@ -27,8 +27,9 @@ that the forward saves, instead of storing P: three kernels, a delta pre-pass, a
 
 Deliberately left out, because each is one of stage C's lessons: the loads are plain synchronous
 loads (``num_stages=1``: the kernel stalls on every K/V tile), tiles are a fixed 64×64 for every head
-dim and GPU (32×32 only where fp32 rows at D > 128 would overflow shared memory), the softmax uses ``exp`` with a separate scale multiply, and causal attention visits
-every K/V tile and masks, even tiles wholly above the diagonal.
+dim and GPU (32×32 only where registers force it: fp32, and the backward at D > 128), the softmax
+uses ``exp`` with a separate scale multiply, and causal attention visits every K/V tile and masks,
+even tiles wholly above the diagonal.
 """
 
 from __future__ import annotations
