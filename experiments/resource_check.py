@@ -41,8 +41,7 @@ from harness.inspect_code import run_ptxas  # noqa: E402
 from stages import STAGES, launch  # noqa: E402
 from stages.c_optimized import backward as c_backward  # noqa: E402
 from stages.c_optimized.configs import SHARED_MEMORY_LIMIT  # noqa: E402
-from stages.contract import HEAD_DIMS, Problem  # noqa: E402
-from triton.runtime.jit import mangle_type  # noqa: E402
+from stages.contract import HEAD_DIMS, CompiledKernel, Problem  # noqa: E402
 
 #: Spill bytes ptxas may report before a kernel counts as spilling: a value or two kept on the
 #: stack outside the tile loops (tests/test_compiled_code.py finds where the spills are).
@@ -91,18 +90,11 @@ class Checked:
 
 
 def launch_key(one: launch.Launch, arch: int) -> tuple:
-    """What makes two launches compile to the same binary: the kernel, its constexprs, its
-    arguments' types and 16-byte alignment (as Launch.compile specializes them), the options."""
-    parts = []
-    for i, name in enumerate(one.kernel.arg_names):
-        value = one.args[name]
-        if one.kernel.params[i].is_constexpr or value is None:
-            parts.append((name, repr(value)))
-        else:
-            aligned = (hasattr(value, "data_ptr") and value.data_ptr() % 16 == 0) or (
-                isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0)
-            parts.append((name, mangle_type(value), aligned))
-    return (one.kernel.__name__, arch, one.num_warps, one.num_stages, tuple(sorted(one.extra.items())), tuple(parts))
+    """What makes two launches compile to the same binary: the kernel, its specialization (argument
+    types, constexprs, 16-byte alignment: ``Launch.specialization``) and the launch options."""
+    signature, constexprs, attrs = one.specialization()
+    return (one.kernel.__name__, arch, one.num_warps, one.num_stages, tuple(sorted(one.extra.items())),
+            tuple(signature.items()), repr(sorted(constexprs.items())), repr(sorted(attrs.items())))
 
 
 class DistinctCompiles:
@@ -130,7 +122,6 @@ class DistinctCompiles:
             return checker._stub
 
         launch.Launch.compile = compile_once
-        from stages.contract import CompiledKernel
         self._stub = CompiledKernel(name="", asm={}, shared_bytes=0, num_warps=0, num_stages=0)
         return self
 
@@ -148,7 +139,7 @@ class DistinctCompiles:
         except Exception as e:  # noqa: BLE001  (a kernel that does not compile is a finding, not a crash)
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             return Checked(**base, shared_bytes=0, registers=None, spill_bytes=None, error=first[:200])
-        facts = run_ptxas(compiled.asm["ptx"], f"sm_{arch}a" if arch == 90 else f"sm_{arch}")
+        facts = run_ptxas(compiled.asm["ptx"])  # assembled for the PTX's own target (sm_80, sm_90a)
         spills = None if facts.get("spill_stores") is None else facts["spill_stores"] + facts["spill_loads"]
         return Checked(**base, shared_bytes=compiled.shared_bytes, registers=facts.get("registers"),
                        spill_bytes=spills, error=facts.get("ptxas_error", ""))

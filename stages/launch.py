@@ -34,17 +34,15 @@ class Launch:
     def run(self) -> None:
         self.kernel[self.grid](**self.args, num_warps=self.num_warps, num_stages=self.num_stages, **self.extra)
 
-    def compile(self, arch: int) -> CompiledKernel:
-        """Compile for ``cuda:arch`` (80 or 90), specializing arguments as the JIT would on a GPU.
-
-        Like Triton's launcher, pointers to 16-byte aligned memory and integers divisible by 16 are
-        marked ``tt.divisibility = 16``: that is what licenses 16-byte vector loads and ``cp.async``.
-        """
-        fn = self.kernel
+    def specialization(self) -> tuple[dict, dict, dict]:
+        """(signature, constexprs, attrs) as Triton's launcher would specialize this launch: each
+        argument's type, the constexpr values, and ``tt.divisibility = 16`` for pointers to 16-byte
+        aligned memory and integers divisible by 16. Two launches with equal specializations and
+        options compile to the same binary."""
         signature, constexprs, attrs = {}, {}, {}
-        for i, name in enumerate(fn.arg_names):
+        for i, name in enumerate(self.kernel.arg_names):
             value = self.args[name]
-            if fn.params[i].is_constexpr or value is None:  # None arguments are constexpr to the JIT too
+            if self.kernel.params[i].is_constexpr or value is None:  # None arguments are constexpr to the JIT too
                 signature[name] = "constexpr"
                 constexprs[name] = value
                 continue
@@ -53,6 +51,16 @@ class Launch:
                 isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0)
             if aligned:
                 attrs[(i,)] = [["tt.divisibility", 16]]
+        return signature, constexprs, attrs
+
+    def compile(self, arch: int) -> CompiledKernel:
+        """Compile for ``cuda:arch`` (80 or 90), specializing arguments as the JIT would on a GPU.
+
+        Like Triton's launcher, pointers to 16-byte aligned memory and integers divisible by 16 are
+        marked ``tt.divisibility = 16``: that is what licenses 16-byte vector loads and ``cp.async``.
+        """
+        fn = self.kernel
+        signature, constexprs, attrs = self.specialization()
         source = ASTSource
         if getattr(fn, "is_gluon", lambda: False)():
             from triton.experimental.gluon._runtime import GluonASTSource as source

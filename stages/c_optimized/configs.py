@@ -132,10 +132,8 @@ def candidate_configs(D: int, dtype: torch.dtype, arch: int, warp_specialization
         # before spilled 0.3-3 KB per thread at D = 32-64 and 6-22 KB at D = 128-256 on sm_90, and
         # 68-148 KB at D = 128-256 on sm_80; the first candidates here spill nothing (D = 256 on
         # sm_90: ~0.9 KB, the least of every shape tried). experiments/resource_check.py checks them.
-        if arch >= 90:
-            shapes = [Config(32, 32, 8, 2), Config(16, 32, 4, 2)] if D <= 64 else [Config(16, 16, 8, 2)]
-        else:
-            shapes = [Config(32, 32, 8, 2), Config(16, 32, 4, 2)]
+        wide_on_hopper = arch >= 90 and D > 64
+        shapes = [Config(16, 16, 8, 2)] if wide_on_hopper else [Config(32, 32, 8, 2), Config(16, 32, 4, 2)]
     elif arch >= 90:
         # Hopper: wgmma wants BLOCK_M a multiple of 64 per warpgroup; 8 warps = 2 warpgroups.
         shapes = {
