@@ -51,7 +51,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {}
 #: commands provided by optional modules (written separately); loaded when the module exists.
 OPTIONAL_SUBCOMMANDS: dict[str, str] = {"plot": "harness.plots", "report": "harness.report",
                                          "pc-sampling": "harness.pc_sampling", "train": "harness.train",
-                                         "latency": "harness.latency"}
+                                         "latency": "harness.latency", "generate": "harness.generate",
+                                         "decode": "harness.decode_loop"}
 
 
 def register_subcommand(name: str, help: str, add_arguments, run, hidden: bool = False, add_parser=None) -> None:

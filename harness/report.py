@@ -26,7 +26,11 @@ named cell, eager and CUDA-graph times, and each suite run's tally), ``shapes`` 
 cells, ``<results>/shapes/runs.csv``: GQA prefill, head dims 80/96 and decode against the fastest SDPA
 backend, decode's GB/s against the measured copy bandwidth), ``backward`` (the ``pass = bwd``
 rows: stage C against SDPA FLASH and CUDNN, min/median/max and the D × causal × N grid) and
-``latency`` (``<results>/latency.csv``: host µs per call beside an empty Triton kernel). A block
+``latency`` (``<results>/latency.csv``: host µs per call beside an empty Triton kernel), and
+``generate`` (``<results>/generate/runs.csv``: small transformers models decoding and training with
+each attention) and ``decode`` (``<results>/decode.csv``: attention in a decode loop whose cache grows
+by one key per call, against a fixed cache), each refilled only when its file exists (see
+:data:`BLOCK_DATA`). A block
 whose data is not there says which command produces it. ``--readme`` may be given several
 times; each file gets every block whose markers it holds.
 
@@ -784,11 +788,33 @@ def render_latency_block(results_dir, readme_dir=".", *, dtype: str = "fp16") ->
     return "\n\n".join([note, text, latency_table(rows)]) + "\n"
 
 
+def render_generate_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> str:
+    """``harness generate``'s latest run (``results_dir/generate/runs.csv``): decode tokens/s and
+    training step time of small transformers models with each attention, against transformers'
+    SDPA (harness/generate.py renders it). ``dtype`` is not used: the rows carry their own."""
+    from .generate import render_block as render
+
+    return render(results_dir, readme_dir)
+
+
+def render_decode_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> str:
+    """``harness decode``'s latest run (``results_dir/decode.csv``): attention in a decode loop whose
+    cache grows by one key per call, against a fixed cache (harness/decode_loop.py renders it)."""
+    from .decode_loop import DECODE_CSV, render_block as render
+
+    return render(Path(results_dir) / DECODE_CSV) + "\n"
+
+
 #: The blocks a file may hold, by marker name.
 BLOCKS = {"results": render_block, "ratio": render_ratio_block, "ablation": render_ablation_block,
           "twins": render_twins_block, "models": render_models_block, "shapes": render_shapes_block,
           "backward": render_backward_block,
-          "latency": render_latency_block}
+          "latency": render_latency_block, "generate": render_generate_block, "decode": render_decode_block}
+
+#: Blocks refilled only when their data is there: without it a file keeps the block it has (the
+#: generate runs are measured separately, and a results folder without them says nothing about them).
+BLOCK_DATA = {"generate": lambda results_dir: (Path(results_dir) / "generate" / "runs.csv").exists(),
+              "decode": lambda results_dir: (Path(results_dir) / "decode.csv").exists()}
 
 
 def markers(name: str) -> tuple[str, str]:
@@ -826,6 +852,8 @@ def expected_readme(readme_path, results_dir, *, dtype: str = "fp16") -> tuple[s
     if not present:
         _split(current, readme_path, "results")  # raises, naming the results markers
     for name in present:
+        if name in BLOCK_DATA and not BLOCK_DATA[name](results_dir):
+            continue
         block = BLOCKS[name](results_dir, readme_path.parent, dtype=dtype)
         new = readme_with_block(new, block, readme_path, name)
     return current, new

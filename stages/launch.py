@@ -22,6 +22,10 @@ from triton.runtime.jit import mangle_type
 from .contract import CompiledKernel
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass
 class Launch:
     kernel: triton.JITFunction
@@ -37,18 +41,22 @@ class Launch:
     def specialization(self) -> tuple[dict, dict, dict]:
         """(signature, constexprs, attrs) as Triton's launcher would specialize this launch: each
         argument's type, the constexpr values, and ``tt.divisibility = 16`` for pointers to 16-byte
-        aligned memory and integers divisible by 16. Two launches with equal specializations and
-        options compile to the same binary."""
+        aligned memory and integers divisible by 16. An integer equal to 1 becomes a constexpr, as
+        Triton 3.6 makes it; parameters the kernel lists in ``do_not_specialize`` (sequence lengths,
+        head counts) keep only their type. Two launches with equal specializations and options
+        compile to the same binary."""
         signature, constexprs, attrs = {}, {}, {}
         for i, name in enumerate(self.kernel.arg_names):
             value = self.args[name]
-            if self.kernel.params[i].is_constexpr or value is None:  # None arguments are constexpr to the JIT too
-                signature[name] = "constexpr"
+            param = self.kernel.params[i]
+            specialize = not param.do_not_specialize
+            if param.is_constexpr or value is None or (specialize and _is_int(value) and value == 1):
+                signature[name] = "constexpr"  # None arguments and integers equal to 1 are constexpr to the JIT
                 constexprs[name] = value
                 continue
             signature[name] = mangle_type(value)
             aligned = (isinstance(value, torch.Tensor) and value.data_ptr() % 16 == 0) or (
-                isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0)
+                specialize and _is_int(value) and value % 16 == 0)
             if aligned:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         return signature, constexprs, attrs
@@ -107,21 +115,25 @@ def _driver_getters():
 
 
 class FastLaunch:
-    """A launch of ``kernel`` whose grid, options and every argument but a few per-call ``dynamic``
-    ones are fixed, called as ``launch(*values)`` with those values (tensors first: ``pointers``
-    of them are pointer arguments).
+    """A launch of ``kernel`` whose options and every argument but a few per-call ``dynamic`` ones
+    are fixed, called as ``launch(grid, *values)`` with the grid and those values (tensors first:
+    ``pointers`` of them are pointer arguments).
 
     The first call goes through ``kernel[grid](...)``, which compiles if needed and returns the
     CompiledKernel; it is kept, and later calls hand the arguments (every parameter in order,
     constexprs included, exactly what ``JITFunction.run`` passes) to its launcher directly.
 
     A kept kernel is reused only where Triton would pick the same one. Triton specializes each
-    argument on its type and value facts: pointers on their dtype and 16-byte alignment, integers on
-    divisibility by 16 and == 1, None and constexprs on their value. The fixed arguments are the
-    same at every call; the pointers' alignment and the current device are this cache's key. The
-    caller guarantees the rest (a recipe keyed by shapes, strides and dtype does): each dynamic value
-    specializes the same way at every call: pointers of the same dtype, descriptors of the same
-    dtype and block shape, Python floats (scales); no integers.
+    argument on its type and value facts: pointers on their dtype and 16-byte alignment; integers
+    on being 1 (then a constexpr), divisible by 16, or wider than 32 bits, except the parameters
+    the kernel declares ``do_not_specialize``, which keep only their type; None and constexprs on
+    their value. So this cache's key is the current device, the pointers' alignment and those
+    integer facts of the dynamic integers: a sequence length declared ``do_not_specialize`` can
+    change at every call and still find its kernel, which is what lets a decode loop whose KV cache
+    grows by one key per call launch as cheaply as a fixed-shape one. A call with an integer wider
+    than 32 bits takes Triton's own path (rare: strides of tensors past 2^31 elements). The caller
+    guarantees the rest: the other dynamic values specialize the same way at every call (pointers
+    of one dtype, descriptors of one dtype and block shape, Python floats).
 
     Not taken (``kernel[grid](...)`` instead): under the interpreter, while launch hooks are active
     or Triton's debug mode is on (:func:`launch_hooks_active`), for a kernel with pre-run hooks. Two
@@ -129,7 +141,7 @@ class FastLaunch:
     it was compiled, and the cache invalidation of edits to the kernel's source while running.
     """
 
-    def __init__(self, kernel, grid: tuple, static: dict, dynamic: tuple, *, pointers: int, num_warps: int = 4,
+    def __init__(self, kernel, static: dict, dynamic: tuple, *, pointers: int, num_warps: int = 4,
                  num_stages: int = 1, extra: dict | None = None, fast: bool | None = None):
         from . import interpreted
 
@@ -144,18 +156,16 @@ class FastLaunch:
                              f"once (those with defaults may be left out); got static {sorted(static)}, dynamic "
                              f"{list(dynamic)}")
         self.kernel = kernel
-        self.grid = tuple(grid)
         self.names = names
         self.dynamic = tuple(dynamic)
         self.options = dict(num_warps=num_warps, num_stages=num_stages, **(extra or {}))
         self._template = [static.get(name) for name in names]    # dynamic slots are filled per call
         self._slots = tuple(names.index(name) for name in dynamic)
         self._pointers = pointers
-        padded = self.grid + (1, 1)
-        self._grid3 = (padded[0], padded[1], padded[2])
         self._fast = (not interpreted()) if fast is None else fast
-        self._compiled = {}  # (device, pointer facts) -> (launcher, function handle, packed metadata)
+        self._compiled = {}  # (device, pointer facts, integer facts) -> (launcher, function handle, packed metadata)
         self._get_device = self._get_stream = None
+        self._int_slots = None  # (specialized, unspecialized) positions of integer values, found on the first call
 
     def arguments(self, *values) -> list:
         """Every kernel argument in parameter order, for these dynamic ``values``."""
@@ -164,26 +174,48 @@ class FastLaunch:
             args[slot] = value
         return args
 
-    def __call__(self, *values) -> None:
+    def _integer_facts(self, values) -> tuple | None:
+        """What Triton's specialization reads off the dynamic integers: per specialized one 0 (== 1),
+        1 (divisible by 16) or 2 (neither); None when any integer is wider than 32 bits."""
+        if self._int_slots is None:
+            params = getattr(self.kernel, "params", None)
+            specialized, unspecialized = [], []
+            for i, value in enumerate(values):
+                if _is_int(value):
+                    dns = params is not None and params[self._slots[i]].do_not_specialize
+                    (unspecialized if dns else specialized).append(i)
+            self._int_slots = (tuple(specialized), tuple(specialized + unspecialized))
+        specialized, every = self._int_slots
+        if every:
+            ints = [values[i] for i in every]
+            if max(ints) > 0x7FFFFFFF or min(ints) < -0x80000000:
+                return None
+        return tuple([0 if x == 1 else (1 if x % 16 == 0 else 2) for x in [values[i] for i in specialized]])
+
+    def __call__(self, grid: tuple, *values) -> None:
         args = self.arguments(*values)
         key = None
         if self._fast and fast_launch_enabled and not launch_hooks_active():
-            # Of what Triton keys its kernels on, only the pointers' 16-byte alignment varies here.
-            key = (self._get_device() if self._get_device is not None else None,
-                   tuple([t.data_ptr() % 16 == 0 for t in values[:self._pointers]]))
-            entry = self._compiled.get(key)
-            if entry is not None:
-                launcher, function, packed_metadata = entry
-                device = key[0]
-                g0, g1, g2 = self._grid3
-                # What JITFunction.run ends with, less the launch metadata and hooks (none listen).
-                launcher(g0, g1, g2, self._get_stream(device), function, packed_metadata, None, None, None, *args)
-                return
-        compiled = self.kernel[self.grid](**dict(zip(self.names, args)), **self.options)
+            facts = self._integer_facts(values)
+            if facts is not None:
+                # Of what Triton keys its kernels on, only these vary between calls here.
+                key = (self._get_device() if self._get_device is not None else None,
+                       tuple([t.data_ptr() % 16 == 0 for t in values[:self._pointers]]), facts)
+                entry = self._compiled.get(key)
+                if entry is not None:
+                    launcher, function, packed_metadata = entry
+                    device = key[0]
+                    g0 = grid[0]
+                    g1 = grid[1] if len(grid) > 1 else 1
+                    g2 = grid[2] if len(grid) > 2 else 1
+                    # What JITFunction.run ends with, less the launch metadata and hooks (none listen).
+                    launcher(g0, g1, g2, self._get_stream(device), function, packed_metadata, None, None, None, *args)
+                    return
+        compiled = self.kernel[tuple(grid)](**dict(zip(self.names, args)), **self.options)
         if key is not None and compiled is not None and not getattr(self.kernel, "pre_run_hooks", None):
             if self._get_device is None:
                 self._get_device, self._get_stream = _driver_getters()
-                key = (self._get_device(), key[1])
+                key = (self._get_device(), *key[1:])
             self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
 
 

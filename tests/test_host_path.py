@@ -1,11 +1,13 @@
-"""Stage C's lean host path (``stages.launch.FastLaunch``): after the first call of a recipe, the
+"""Stage C's lean host path (``stages.launch.FastLaunch``): after the first call of a kernel key, the
 compiled kernel's launcher is called directly, with exactly the arguments ``JITFunction.run``
-would pass, and only where Triton would have picked the same compiled kernel.
+would pass, and only where Triton would have picked the same compiled kernel. And the key is what
+changes the kernel, never the sizes: a decode loop whose KV cache grows by one key per call
+compiles nothing new after its first calls.
 
 The CPU tests put a recording stand-in where Triton's ``JITFunction.run`` is: it binds the
-arguments with Triton's own binder (what ``run`` does first) and returns a fake compiled kernel
-whose launcher records what it receives. GPU-marked tests compare the two paths' outputs and host
-times on the real thing."""
+arguments with Triton's own binder (what ``run`` does first: its specialization list is what
+Triton keys compiled kernels on) and returns a fake compiled kernel whose launcher records what it
+receives. GPU-marked tests compare the two paths' outputs and host times on the real thing."""
 
 from __future__ import annotations
 
@@ -36,44 +38,70 @@ PATHS = {
 }
 
 
+def _jit_function(kernel) -> JITFunction:
+    """The compiling JITFunction of a kernel (an interpreted kernel: one built from the same function,
+    with the same ``do_not_specialize`` list)."""
+    if isinstance(kernel, JITFunction):
+        return kernel
+    return JITFunction(kernel.fn, **{k: v for k, v in kernel.kwargs.items() if k.startswith("do_not_specialize")})
+
+
 class RecordingJit:
     """Stands in for ``JITFunction.run`` of one kernel: binds the call with Triton's binder (so the
-    bound values are exactly those ``run`` would hand to the launcher) and returns a fake compiled
-    kernel whose ``run`` (the launcher) records its arguments."""
+    bound values are exactly those ``run`` would hand to the launcher, and the specialization is
+    what Triton would key the compiled kernel on) and returns a fake compiled kernel whose ``run``
+    (the launcher) records its arguments."""
 
     def __init__(self, kernel):
-        fn = kernel.fn
-        jit = kernel if isinstance(kernel, JITFunction) else JITFunction(fn)  # interpreted kernels: the same fn
+        jit = _jit_function(kernel)
         self.binder = create_function_from_signature(jit.signature, jit.params, make_backend(GPUTarget("cuda", 90, 32)))
         self.arg_names = jit.arg_names
-        self.fn = fn
-        self.bound = []      # per ordinary call: (grid, every bound value in parameter order)
-        self.launched = []   # per direct launcher call: its positional arguments
+        self.params = jit.params
+        self.fn = jit.fn
+        self.bound = []            # per ordinary call: (grid, every bound value in parameter order)
+        self.specializations = []  # per ordinary call: Triton's specialization of the arguments
+        self.launched = []         # per direct launcher call: its positional arguments
         self.compiled = dataclasses.make_dataclass("FakeCompiled", ["run", "function", "packed_metadata"])(
             run=lambda *args: self.launched.append(args), function="function-handle", packed_metadata="packed")
 
     def __getitem__(self, grid):
         def run(*args, **kwargs):
-            bound, _, _ = self.binder(*args, **kwargs)
+            bound, specialization, _ = self.binder(*args, **kwargs)
             self.bound.append((grid, list(bound.values())))
+            self.specializations.append(tuple(specialization))
             return self.compiled
         return run
 
 
-def _recording_recipe(monkeypatch, path: str, causal: bool = False):
-    """Stage C's recipe for ``path`` on CPU tensors, its kernels replaced by RecordingJit stand-ins
-    and its launches set to take the lean path (the stream: 7, the device: 0)."""
-    arch, options, Nq, Nk = PATHS[path]
-    q, k, v = make_qkv(1, 4, Nq, 64, torch.float16, "cpu", Hkv=2, Nk=Nk)
-    o = new_output(q)
+def _recording(monkeypatch, recipe):
+    """The recipe with its kernels replaced by RecordingJit stand-ins and its launches set to take the
+    lean path (the stream: 7, the device: 0)."""
     monkeypatch.setattr(launch, "_driver_getters", lambda: ((lambda: 0), (lambda device: 7)))
-    recipe = kernels._recipe_for(q, k, v, o, None, causal, arch, 132, **options)
     launches = []
     for r in recipe.launches:
         r = dataclasses.replace(r, kernel=RecordingJit(r.kernel))
         r.launcher._fast = True  # as on a GPU
         launches.append(r)
-    return recipe, launches, kernels._call_tensors(recipe, q, k, v, o, None)
+    return dataclasses.replace(recipe, launches=tuple(launches))
+
+
+def _call(recipe, choice, q, k, v, o, scale=0.125, tensors=None):
+    """One call's launches, as stage C's forward makes them (``tensors``: the call's, workspace
+    included; by default allocated here)."""
+    workspace, runs = recipe.runtime(q, k, v, o, choice)
+    if tensors is None:
+        tensors = kernels._call_tensors(workspace, q, k, v, o, None)
+    for r, (grid, ints) in zip(recipe.launches, runs):
+        r.launch(grid, tensors, ints, scale)
+    return tensors, runs
+
+
+def _recording_recipe(monkeypatch, path: str, causal: bool = False):
+    arch, options, Nq, Nk = PATHS[path]
+    q, k, v = make_qkv(1, 4, Nq, 64, torch.float16, "cpu", Hkv=2, Nk=Nk)
+    o = new_output(q)
+    choice, recipe = kernels._plan_call(q, k, v, o, None, causal, arch, 132, **options)
+    return choice, _recording(monkeypatch, recipe), (q, k, v, o)
 
 
 def _same(a, b) -> bool:
@@ -88,63 +116,142 @@ def _same(a, b) -> bool:
 
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_the_lean_launch_passes_what_jit_run_would(monkeypatch, path):
-    recipe, launches, tensors = _recording_recipe(monkeypatch, path)
+    choice, recipe, (q, k, v, o) = _recording_recipe(monkeypatch, path)
     expected_kernels = {"tl-pointers": 1, "tl-tma": 1, "ws": 1, "split": 2}[path]
-    assert recipe.choice.path == path.split("-")[0] and len(launches) == expected_kernels
-    for r in launches:
+    assert choice.path == recipe.path == path.split("-")[0] and len(recipe.launches) == expected_kernels
+    tensors, _ = _call(recipe, choice, q, k, v, o)  # first call: Triton's ordinary path, returning the kernel
+    tensors, runs = _call(recipe, choice, q, k, v, o, tensors=tensors)  # second: straight to the launcher
+    for r, (grid, _) in zip(recipe.launches, runs):
         jit = r.kernel
-        r.launch(tensors, 0.125)    # first call: Triton's ordinary path, which returns the compiled kernel
-        r.launch(tensors, 0.125)    # second: straight to the launcher
         assert len(jit.bound) == 1 and len(jit.launched) == 1
-        grid, bound = jit.bound[0]
+        bound_grid, bound = jit.bound[0]
+        assert tuple(bound_grid) == tuple(grid)
         head, args = jit.launched[0][:9], jit.launched[0][9:]
         g = tuple(grid) + (1, 1)
         assert head == (g[0], g[1], g[2], 7, "function-handle", "packed", None, None, None)
         assert len(args) == len(jit.arg_names) == len(bound)  # every parameter, constexprs included
         mismatched = [name for name, a, b in zip(jit.arg_names, args, bound) if not _same(a, b)]
         assert not mismatched, f"{path}: arguments differ from JITFunction.run's: {mismatched}"
-        if r.descs:  # the descriptors carry this call's tensors
-            assert any(getattr(a, "base", None) is tensors["q"] for a in args)
+        if r.descs:  # the descriptors carry this call's tensors and shapes
+            desc = next(a for a in args if getattr(a, "base", None) is tensors["q"])
+            assert desc.shape == list(q.shape) and desc.strides == list(q.stride())
 
 
 def test_a_new_pointer_alignment_goes_back_to_triton(monkeypatch):
     """Triton compiles a kernel per pointer alignment (16-byte or not): a misaligned tensor must not
     reuse the kernel compiled for aligned ones, and an aligned one must find its kernel again."""
-    recipe, (r,), tensors = _recording_recipe(monkeypatch, "tl-pointers")
-    jit = r.kernel
-    buffer = torch.zeros(tensors["q"].numel() + 8, dtype=torch.float16)
-    shifted = buffer[1:1 + tensors["q"].numel()].view(tensors["q"].shape)  # 2 bytes past a 16-byte boundary
-    assert shifted.data_ptr() % 16 and shifted.stride() == tensors["q"].stride()
-    r.launch(tensors, 0.1)
-    r.launch({**tensors, "q": shifted}, 0.1)
+    choice, recipe, (q, k, v, o) = _recording_recipe(monkeypatch, "tl-pointers")
+    jit = recipe.launches[0].kernel
+    buffer = torch.zeros(q.numel() + 8, dtype=torch.float16)
+    shifted = buffer[1:1 + q.numel()].view(q.shape)  # 2 bytes past a 16-byte boundary
+    assert shifted.data_ptr() % 16 and shifted.stride() == q.stride()
+    _call(recipe, choice, q, k, v, o)
+    _call(recipe, choice, shifted, k, v, o)
     assert (len(jit.bound), len(jit.launched)) == (2, 0)
-    r.launch(tensors, 0.1)
-    r.launch({**tensors, "q": shifted}, 0.1)
+    _call(recipe, choice, q, k, v, o)
+    _call(recipe, choice, shifted, k, v, o)
     assert (len(jit.bound), len(jit.launched)) == (2, 2)
     assert jit.launched[1][9:][0] is shifted
 
 
-def test_the_recipe_key_holds_alignment_and_strides():
+def test_a_stride_that_specializes_differently_goes_back_to_triton(monkeypatch):
+    """Strides keep Triton's divisibility-by-16 specialization: a layout whose strides change that
+    fact must not reuse the other layout's kernel."""
+    choice, recipe, (q, k, v, o) = _recording_recipe(monkeypatch, "tl-pointers")
+    jit = recipe.launches[0].kernel
+    padded = torch.zeros(q.shape[0], q.shape[1], q.shape[2], 72, dtype=q.dtype)[..., :64]  # row stride 72
+    padded.copy_(q)
+    _call(recipe, choice, q, k, v, o)
+    _call(recipe, choice, padded, k, v, o)
+    _call(recipe, choice, padded, k, v, o)
+    assert (len(jit.bound), len(jit.launched)) == (2, 1)
+    assert jit.specializations[0] != jit.specializations[1]
+
+
+def test_an_integer_past_32_bits_takes_triton_s_own_path(monkeypatch):
+    choice, recipe, (q, k, v, o) = _recording_recipe(monkeypatch, "tl-pointers")
+    r = recipe.launches[0]
+    workspace, ((grid, ints),) = recipe.runtime(q, k, v, o, choice)
+    tensors = kernels._call_tensors(workspace, q, k, v, o, None)
+    wide = (2 ** 33,) + ints[1:]
+    for _ in range(2):
+        r.launch(grid, tensors, wide, 0.1)
+    assert (len(r.kernel.bound), len(r.kernel.launched)) == (2, 0)
+
+
+def test_the_recipe_key_holds_alignment_and_strides_not_sizes():
     q, k, v = make_qkv(1, 4, 64, 64, torch.float16, "cpu")
     o = new_output(q)
     buffer = torch.zeros(q.numel() + 8, dtype=torch.float16)
     shifted = buffer[1:1 + q.numel()].view(q.shape)
-    strided = make_qkv(1, 4, 64, 64, torch.float16, "cpu", layout="bnhd")[0]
-    assert strided.stride() != q.stride()
-    recipe = kernels._recipe_for(q, k, v, o, None, False, 90, 132)
-    assert kernels._recipe_for(q, k, v, o, None, False, 90, 132) is recipe
-    misaligned = kernels._recipe_for(shifted, k, v, o, None, False, 90, 132)
-    restrided = kernels._recipe_for(strided, k, v, o, None, False, 90, 132)
-    assert misaligned is not recipe and restrided is not recipe and misaligned is not restrided
-    # TMA needs 16-byte aligned bases: the misaligned recipe reads through pointers.
+    choice, recipe = kernels._plan_call(q, k, v, o, None, False, 90, 132)
+    assert kernels._plan_call(q, k, v, o, None, False, 90, 132)[1] is recipe
+    # TMA needs 16-byte aligned bases: the misaligned call reads through pointers, another kernel.
+    misaligned = kernels._plan_call(shifted, k, v, o, None, False, 90, 132)[1]
+    assert misaligned is not recipe
     assert recipe.launches[0].descs and not misaligned.launches[0].descs
+    # Other sizes and another layout of the same problem: the same kernel key, the same recipe.
+    q2, k2, v2 = make_qkv(3, 4, 50, 64, torch.float16, "cpu", Nk=77, layout="bnhd")
+    assert kernels._plan_call(q2, k2, v2, new_output(q2), None, False, 90, 132, split_kv=1)[1] is recipe
+
+
+def _decode_loop(path_options: dict, D: int, Hq: int, Hkv: int, nks: range, arch: int = 90, causal=True):
+    """Stage C's host path for a growing KV cache: q [2, Hq, 1, D] against k, v [2, Hkv, Nk, D], one
+    call per Nk, the cache a fresh contiguous tensor each time (as a concatenating cache gives it)."""
+    calls = []
+    for nk in nks:
+        q, k, v = make_qkv(2, Hq, 1, D, torch.float16, "cpu", Hkv=Hkv, Nk=nk)
+        o = new_output(q)
+        calls.append(((q, k, v, o), kernels._plan_call(q, k, v, o, None, causal, arch, 132, **path_options)))
+    return calls
+
+
+@pytest.mark.parametrize("D", [64, 24])  # 24: the cache's head stride (Nk·D) flips its divisibility by 16
+@pytest.mark.parametrize("Hq,Hkv,options", [(12, 12, {}), (16, 4, {}), (8, 8, dict(split_kv=1))],
+                         ids=["mha", "gqa", "mha-unsplit"])
+def test_a_growing_kv_cache_compiles_nothing_new(monkeypatch, D, Hq, Hkv, options):
+    """A decode loop over Nk = 420 ... 483 (where a split of the keys starts to pay: the split count
+    changes within the loop): one recipe for every call, and the specializations that Triton would
+    compile a kernel for stop growing after the first two calls (at most two values of the cache's
+    head-stride divisibility; the sizes and the split count are runtime values)."""
+    calls = _decode_loop(options, D, Hq, Hkv, range(420, 484))
+    assert len({choice.config.splits for _, (choice, _) in calls if choice.path == "split"}) in ((0,) if options else (2,))
+    recipes = {id(recipe) for _, (_, recipe) in calls}
+    assert len(recipes) == 1
+    recipe = _recording(monkeypatch, calls[0][1][1])
+    seen_after = []
+    for (q, k, v, o), (choice, _) in calls:
+        _call(recipe, choice, q, k, v, o)
+        seen_after.append(tuple(len(set(r.kernel.specializations)) for r in recipe.launches))
+    assert seen_after[-1] == seen_after[1], f"new specializations after the second call: {seen_after}"
+    assert all(n <= 2 for n in seen_after[-1])
+    # ... and the launcher was called directly for the rest.
+    assert all(len(r.kernel.launched) >= len(calls) - 2 for r in recipe.launches)
+
+
+def test_the_sizes_reach_the_kernels_unspecialized():
+    """Every size argument of stage C's kernels is ``do_not_specialize``: Triton would otherwise make
+    a size equal to 1 a constexpr and key kernels on divisibility by 16."""
+    from stages.c_optimized import backward, decode
+
+    sizes = {"H", "Hq", "Hkv", "N", "N_Q", "N_K", "Nq", "Nk", "CAUSAL_OFFSET", "CHUNK", "ROWS_TOTAL", "SPLITS",
+             "n_m", "total"}
+    for kernel in (kernels.optimized_attention_kernel, decode.split_kv_attention_kernel,
+                   decode.merge_splits_kernel, hopper_ws.ws_attention_kernel, backward.attention_bwd_delta_kernel,
+                   backward.attention_bwd_dkdv_kernel, backward.attention_bwd_dq_kernel):
+        jit = _jit_function(kernel)
+        for param in jit.params:
+            if param.name in sizes:
+                assert param.do_not_specialize, f"{jit.fn.__name__}: {param.name} is specialized"
+            if param.name.startswith("stride_"):
+                assert not param.do_not_specialize, f"{jit.fn.__name__}: {param.name} lost its alignment facts"
 
 
 @pytest.mark.parametrize("how", ["enter hook", "exit hook", "debug", "switched off"])
 def test_hooks_debug_and_the_switch_force_the_ordinary_path(monkeypatch, how):
-    recipe, (r,), tensors = _recording_recipe(monkeypatch, "tl-tma")
-    jit = r.kernel
-    r.launch(tensors, 0.1)  # compiled and kept
+    choice, recipe, (q, k, v, o) = _recording_recipe(monkeypatch, "tl-tma")
+    jit = recipe.launches[0].kernel
+    _call(recipe, choice, q, k, v, o)  # compiled and kept
     hook = lambda metadata: None  # noqa: E731
     if how == "enter hook":
         knobs.runtime.launch_enter_hook.add(hook)
@@ -156,15 +263,15 @@ def test_hooks_debug_and_the_switch_force_the_ordinary_path(monkeypatch, how):
         monkeypatch.setattr(launch, "fast_launch_enabled", False)
     try:
         assert launch.launch_hooks_active() == (how != "switched off")
-        r.launch(tensors, 0.1)
-        r.launch(tensors, 0.1)
+        _call(recipe, choice, q, k, v, o)
+        _call(recipe, choice, q, k, v, o)
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert (len(jit.bound), len(jit.launched)) == (3, 0)
     monkeypatch.undo()
     monkeypatch.setattr(launch, "_driver_getters", lambda: ((lambda: 0), (lambda device: 7)))
     assert not launch.launch_hooks_active()
-    r.launch(tensors, 0.1)
+    _call(recipe, choice, q, k, v, o)
     assert (len(jit.bound), len(jit.launched)) == (3, 1)
 
 
@@ -173,7 +280,7 @@ def test_the_interpreter_never_takes_the_lean_path():
     q, k, v = make_qkv(1, 2, 40, 16, torch.float32, "cpu")
     o = kernels.attention(q, k, v, causal=True)
     check_against_reference(o, q, k, v, causal=True, dtype_name="fp32")
-    recipe = kernels._recipe_for(q, k, v, new_output(q), None, True, 80, kernels._arch_and_sms(q)[1])
+    _, recipe = kernels._plan_call(q, k, v, new_output(q), None, True, 80, kernels._arch_and_sms(q)[1])
     assert all(not r.launcher._compiled for r in recipe.launches)
 
 
@@ -181,10 +288,10 @@ def test_a_launch_must_name_every_parameter_once():
     kernel = kernels.decode.merge_splits_kernel
     names = list(kernel.arg_names)
     with pytest.raises(ValueError, match="each parameter"):
-        launch.FastLaunch(kernel, (1,), {n: 1 for n in names[1:]}, (), pointers=0)
+        launch.FastLaunch(kernel, {n: 1 for n in names[1:]}, (), pointers=0)
     with pytest.raises(ValueError, match="each parameter"):
-        launch.FastLaunch(kernel, (1,), {n: 1 for n in names}, (names[0],), pointers=1)
-    fl = launch.FastLaunch(kernel, (1,), {n: i for i, n in enumerate(names[1:])}, (names[0],), pointers=1)
+        launch.FastLaunch(kernel, {n: 1 for n in names}, (names[0],), pointers=1)
+    fl = launch.FastLaunch(kernel, {n: i for i, n in enumerate(names[1:])}, (names[0],), pointers=1)
     assert fl.arguments("x") == ["x", *range(len(names) - 1)]
 
 
@@ -216,9 +323,9 @@ def test_gpu_lean_path_matches_the_ordinary_path(monkeypatch, path):
     monkeypatch.setattr(launch, "fast_launch_enabled", False)
     ordinary = kernels.attention(q, k, v, causal=causal, **options)
     monkeypatch.setattr(launch, "fast_launch_enabled", True)
-    recipe = kernels._recipe_for(q, k, v, ordinary, None, causal, *kernels._arch_and_sms(q),
-                                 **{**dict(config=None, split_kv=None, ws_rung=None), **options})
-    assert recipe.choice.path == path
+    choice, recipe = kernels._plan_call(q, k, v, ordinary, None, causal, *kernels._arch_and_sms(q),
+                                        **{**dict(config=None, split_kv=None, ws_rung=None), **options})
+    assert choice.path == recipe.path == path
     kernels.attention(q, k, v, causal=causal, **options)  # keeps the compiled kernels
     calls = _counting(monkeypatch, recipe)
     for _ in range(3):
@@ -231,6 +338,22 @@ def test_gpu_lean_path_matches_the_ordinary_path(monkeypatch, path):
         calls.clear()
         assert torch.equal(lean, ordinary_now)
         check_against_reference(lean, q, k, v, causal=causal, dtype_name="fp16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hq,Hkv,D", [(12, 12, 64), (16, 4, 128), (8, 8, 72)])
+def test_gpu_growing_kv_cache_neither_compiles_nor_leaves_the_lean_path(monkeypatch, Hq, Hkv, D):
+    """On the GPU: a decode loop, Nk growing by one key per call, is right at every step and, after
+    its first two calls, never goes through Triton's ordinary path (so never compiles)."""
+    calls = []
+    for nk in range(500, 540):
+        q, k, v = make_qkv(4, Hq, 1, D, torch.bfloat16, "cuda", Hkv=Hkv, Nk=nk)
+        if nk == 502:
+            _, recipe = kernels._plan_call(q, k, v, new_output(q), None, True, *kernels._arch_and_sms(q))
+            calls = _counting(monkeypatch, recipe)
+        o = kernels.attention(q, k, v, causal=True)
+        check_against_reference(o, q, k, v, causal=True, dtype_name="bf16")
+    assert not calls, f"{len(calls)} calls went through JITFunction.run after the first two"
 
 
 @pytest.mark.gpu

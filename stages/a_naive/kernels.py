@@ -34,9 +34,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
-from .. import contract
+from .. import contract, ops
 from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_output, padded_head_dim, validate_inputs
 from ..launch import Launch, compiles_without_interpreter
 
@@ -45,7 +44,7 @@ from ..launch import Launch, compiles_without_interpreter
 SCORE_BLOCK_M, SCORE_BLOCK_N, SCORE_BLOCK_K = 64, 64, 32   # S = Q Kᵀ and dP = dO Vᵀ
 PV_BLOCK_M, PV_BLOCK_K = 64, 64                            # O = P V and dQ = dS K
 KV_BLOCK_N, KV_BLOCK_M = 64, 64                            # dV = Pᵀ dO and dK = dSᵀ Q
-SOFTMAX_BLOCK = 1024  # columns of a row processed per step of the two row kernels
+SOFTMAX_BLOCK = 1024  # columns of a row per step of the two row kernels; fixed, so no kernel is compiled per Nk
 
 
 def _num_warps(d_pad: int) -> int:
@@ -58,7 +57,9 @@ def _num_warps(d_pad: int) -> int:
 # Forward kernels
 # --------------------------------------------------------------------------------------------------
 
-@triton.jit
+# N_Q is a runtime value (no kernel per query length). N_K is also the row stride of S and P, so it keeps
+# Triton's divisibility-by-16 fact (16-byte vector loads of S and P rows): at most two kernels per cache.
+@triton.jit(do_not_specialize=["N_Q"])
 def naive_scores_kernel(
     Q, K, S, scale,
     stride_qb, stride_qh, stride_qn,
@@ -96,7 +97,7 @@ def naive_scores_kernel(
     tl.store(s_ptrs, (acc * scale).to(S.dtype.element_ty), mask=(rows[:, None] < N_Q) & (cols[None, :] < N_K))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_Q"])
 def naive_softmax_kernel(S, P, N_Q, N_K, CAUSAL: tl.constexpr, BLOCK: tl.constexpr):
     """P[bh, m, :] = softmax(S[bh, m, :]), one row per program. Causal (bottom-right aligned): row m
     sees column n iff n <= m + N_K - N_Q; every other entry of P is written as 0.
@@ -149,7 +150,7 @@ def naive_softmax_kernel(S, P, N_Q, N_K, CAUSAL: tl.constexpr, BLOCK: tl.constex
         tl.store(P + base + cols, p.to(P.dtype.element_ty), mask=cols < N_K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_Q"])
 def naive_pv_kernel(
     P, V, O, scale,
     stride_vb, stride_vh, stride_vn,
@@ -188,7 +189,7 @@ def naive_pv_kernel(
 # Backward kernels (the two matmuls of the forward are reused: dP = dO Vᵀ and dQ = scale · dS K)
 # --------------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_Q"])
 def naive_grad_kv_kernel(
     A, Y, OUT, scale,
     stride_yb, stride_yh, stride_ym,
@@ -309,16 +310,12 @@ def _grad_kv_launch(a, y, out, scale: float) -> Launch:
         num_warps=_num_warps(d_pad))
 
 
-def _row_block(n_k: int) -> int:
-    return min(SOFTMAX_BLOCK, triton.next_power_of_2(n_k))
-
-
 def forward_plan(q, k, v, s, p, o, *, causal: bool, scale: float) -> list[Launch]:
     """The three forward launches, in order (s and p are the caller's [B·Hq, Nq, Nk] buffers)."""
     B, H, N_Q, _ = q.shape
     N_K = k.shape[2]
     softmax = Launch(naive_softmax_kernel, (B * H * N_Q,),
-                     dict(S=s, P=p, N_Q=N_Q, N_K=N_K, CAUSAL=causal, BLOCK=_row_block(N_K)), num_warps=4)
+                     dict(S=s, P=p, N_Q=N_Q, N_K=N_K, CAUSAL=causal, BLOCK=SOFTMAX_BLOCK), num_warps=4)
     return [_scores_launch(q, k, s, scale), softmax, _pv_launch(p, v, o, 1.0)]
 
 
@@ -327,7 +324,7 @@ def backward_plan(q, k, v, p, do, dp, ds, dq, dk, dv, *, scale: float) -> list[L
     B, H, N_Q, _ = q.shape
     N_K = k.shape[2]
     softmax_bwd = Launch(naive_softmax_bwd_kernel, (B * H * N_Q,),
-                         dict(P=p, DP=dp, DS=ds, N_K=N_K, BLOCK=_row_block(N_K)), num_warps=4)
+                         dict(P=p, DP=dp, DS=ds, N_K=N_K, BLOCK=SOFTMAX_BLOCK), num_warps=4)
     return [
         _grad_kv_launch(p, do, dv, 1.0),     # dV = Pᵀ dO
         _scores_launch(do, v, dp, 1.0),      # dP = dO Vᵀ
@@ -350,46 +347,88 @@ def _new_gradient(like: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class NaiveAttention(torch.autograd.Function):
-    """Forward: three kernels, keeps P. Backward: five kernels from the saved P, with dP and dS
-    materialized as [B·Hq, Nq, Nk] buffers, the textbook way autograd would run it."""
+def _forward(q, k, v, causal: bool, scale: float):
+    """O and P: three kernels, P kept (what the custom op and the eager path both run)."""
+    B, H, N_Q, _ = q.shape
+    N_K = k.shape[2]
+    # The two N_Q×N_K intermediates: this is the allocation that runs out of memory at large N.
+    s = torch.empty((B * H, N_Q, N_K), dtype=q.dtype, device=q.device)
+    p = torch.empty_like(s)
+    o = new_output(q)
+    for launch in forward_plan(q, k, v, s, p, o, causal=causal, scale=scale):
+        launch.run()
+    # S dies here; P stays alive until the backward: N_Q·N_K elements per query head held for the
+    # whole time between the forward and the backward of a training step.
+    return o, p
 
-    @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float):
-        B, H, N_Q, _ = q.shape
-        N_K = k.shape[2]
-        # The two N_Q×N_K intermediates: this is the allocation that runs out of memory at large N.
-        s = torch.empty((B * H, N_Q, N_K), dtype=q.dtype, device=q.device)
-        p = torch.empty_like(s)
-        o = new_output(q)
-        for launch in forward_plan(q, k, v, s, p, o, causal=causal, scale=scale):
-            launch.run()
-        # S dies here; P stays alive until the backward: N_Q·N_K elements per query head held for
-        # the whole time between the forward and the backward of a training step.
-        ctx.save_for_backward(q, k, v, p)
-        ctx.scale = scale
-        return o
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, do):
-        q, k, v, p = ctx.saved_tensors
-        if do.stride(-1) != 1:  # the kernels address the head dim as contiguous (e.g. an expanded dO)
-            do = do.contiguous()
-        dp = torch.empty_like(p)  # the backward's own two N_Q×N_K buffers
-        ds = torch.empty_like(p)
-        dq, dk, dv = _new_gradient(q), _new_gradient(k), _new_gradient(v)
-        for launch in backward_plan(q, k, v, p, do, dp, ds, dq, dk, dv, scale=ctx.scale):
-            launch.run()
-        return dq, dk, dv, None, None
+@torch.library.custom_op(f"{ops.LIBRARY}::a_forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, causal, scale)
+
+
+@_forward_op.register_fake
+def _(q, k, v, causal, scale):
+    B, H, N_Q, _ = q.shape
+    return ops.empty_output(q), q.new_empty((B * H, N_Q, k.shape[2]))
+
+
+def _backward(do, q, k, v, p, scale: float):
+    """Five kernels from the saved P, with dP and dS materialized as [B·Hq, Nq, Nk] buffers, the
+    textbook way autograd would run it."""
+    do = ops.maybe_contiguous(do)  # the kernels address the head dim as contiguous (e.g. an expanded dO)
+    dp = torch.empty_like(p)  # the backward's own two N_Q×N_K buffers
+    ds = torch.empty_like(p)
+    dq, dk, dv = _new_gradient(q), _new_gradient(k), _new_gradient(v)
+    for launch in backward_plan(q, k, v, p, do, dp, ds, dq, dk, dv, scale=scale):
+        launch.run()
+    return dq, dk, dv
+
+
+@torch.library.custom_op(f"{ops.LIBRARY}::a_backward", mutates_args=())
+def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: torch.Tensor,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(do, q, k, v, p, scale)
+
+
+@_backward_op.register_fake
+def _(do, q, k, v, p, scale):
+    return ops.empty_output(q), ops.empty_output(k), ops.empty_output(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, causal, scale = inputs
+    _, p = output
+    ctx.save_for_backward(q, k, v, p)
+    ctx.mark_non_differentiable(p)
+    ctx.scale = scale
+
+
+def _grad(ctx, do, dp):
+    q, k, v, p = ctx.saved_tensors
+    backward = _backward_op if ops.traced(do, q) else _backward
+    dq, dk, dv = backward(do, q, k, v, p, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+_forward_op.register_autograd(_grad, setup_context=_setup_context)
+#: the eager path's autograd node: the same forward, saved P and backward as the op's
+NaiveAttention = ops.autograd_function("NaiveAttention", _forward, _setup_context, _grad)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               sm_scale: float | None = None) -> torch.Tensor:
     """Textbook attention: S and P materialized in device memory. q [B, Hq, Nq, D], k and v
-    [B, Hkv, Nk, D]; returns O [B, Hq, Nq, D], differentiable through stage A's backward kernels."""
+    [B, Hkv, Nk, D]; returns O [B, Hq, Nq, D], differentiable through stage A's backward kernels.
+    Traced (``torch.compile``) the call is the custom op ``torch.ops.attention_lab.a_forward``; eager,
+    the same implementation without the dispatcher."""
     scale = validate_inputs(q, k, v, causal=causal, sm_scale=sm_scale)
-    return NaiveAttention.apply(q, k, v, causal, scale)
+    if ops.traced(q, k, v):
+        return _forward_op(q, k, v, causal, scale)[0]
+    if ops.needs_grad(q, k, v):
+        return NaiveAttention.apply(q, k, v, causal, scale)[0]
+    return _forward(q, k, v, causal, scale)[0]
 
 
 @compiles_without_interpreter

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .. import register
+from .. import ops, register
 from ..contract import HbmTraffic, Problem, Stage, cdiv, new_output, validate_inputs
 
 SOURCE = Path(__file__).with_name("flash_b.cu")
@@ -213,11 +213,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if not isinstance(smem_pad, bool):
         raise TypeError(f"smem_pad must be a bool, got {type(smem_pad).__name__} {smem_pad!r}")
     require_cuda(q, "b_cuda")
+    if ops.traced(q, k, v):
+        return _forward_op(q, k, v, causal, scale, smem_pad)
+    return _forward(q, k, v, causal, scale, smem_pad)
+
+
+def _forward(q, k, v, causal: bool, scale: float, smem_pad: bool) -> torch.Tensor:
     q, k, v = (aligned(t, 2) for t in (q, k, v))  # 4-byte (2-element) vector loads
     o = new_output(q)
     lib = load_library(SOURCE, torch.cuda.get_device_capability(q.device), "b_cuda", "flash_b_forward")
     call_launcher(lib, "flash_b_forward", q, k, v, o, scale, causal, int(smem_pad), "b_cuda")
     return o
+
+
+# The twin as a custom op (forward only: the twins teach the forward's mechanics), so a traced
+# program holds it as one node; see stages/ops.py.
+@torch.library.custom_op(f"{ops.LIBRARY}::b_cuda_forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                smem_pad: bool) -> torch.Tensor:
+    return _forward(q, k, v, causal, scale, smem_pad)
+
+
+@_forward_op.register_fake
+def _(q, k, v, causal, scale, smem_pad):
+    return ops.empty_output(q)
 
 
 def hbm_bytes(problem: Problem, **_layout) -> HbmTraffic:

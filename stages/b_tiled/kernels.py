@@ -21,7 +21,7 @@ sees key j iff j <= i + Nk - Nq), so a row may see no key at all and must output
 is padded to a power of two D_PAD inside the kernel (``tl.arange`` needs one) with the columns past
 D masked on every load and store.
 
-The backward pass (``_TiledAttentionFunction``) recomputes P from Q, K and the row log-sum-exp L
+The backward pass (``_backward``, autograd's formula for the stage's custom op) recomputes P from Q, K and the row log-sum-exp L
 that the forward saves, instead of storing P: three kernels, a delta pre-pass, a dK/dV kernel and
 (by default) a dQ kernel; see README.md for the derivation.
 
@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import ops
 from ..contract import (DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_output, padded_head_dim,
                         validate_inputs)
 from ..launch import Launch, compiles_without_interpreter
@@ -57,7 +58,8 @@ STAT_BYTES = 4  # L and delta are one fp32 per query row
 # Forward
 # --------------------------------------------------------------------------------------------------
 
-@triton.jit
+# Sizes are runtime values (no kernel per sequence length); strides keep their divisibility facts.
+@triton.jit(do_not_specialize=["N_Q", "N_K"])
 def tiled_attention_kernel(
     Q, K, V, O, LSE, scale,
     stride_qb, stride_qh, stride_qn,
@@ -129,7 +131,7 @@ def tiled_attention_kernel(
 # where delta_i = Σ_j P_ij dP_ij = rowsum(dO_i ∘ O_i). P is recomputed tile by tile as exp(S − L).
 # --------------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_Q"])
 def tiled_attention_bwd_delta_kernel(
     O, DO, DELTA,
     stride_ob, stride_oh, stride_on,
@@ -151,7 +153,7 @@ def tiled_attention_bwd_delta_kernel(
     tl.store(DELTA + bh.to(tl.int64) * N_Q + rows, delta, mask=rows < N_Q)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_Q", "N_K"])
 def tiled_attention_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, scale,
     stride_qb, stride_qh, stride_qn,
@@ -227,7 +229,7 @@ def tiled_attention_bwd_dkdv_kernel(
              + dims[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_Q", "N_K"])
 def tiled_attention_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, scale,
     stride_qb, stride_qh, stride_qn,
@@ -376,35 +378,78 @@ def _row_stats(q: torch.Tensor) -> torch.Tensor:
     return torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
 
 
-class _TiledAttentionFunction(torch.autograd.Function):
-    """Forward saves O and L (not P); backward recomputes P tile by tile in stage B's own kernels."""
+def _forward(q, k, v, causal: bool, scale: float, store_lse: bool, dq_method: str):
+    """O, and the fp32 row log-sum-exp L [B, Hq, Nq] when ``store_lse`` (an empty tensor otherwise):
+    what the custom op and the eager path both run. ``dq_method`` is the backward's, carried here so
+    the autograd formula sees it among the inputs."""
+    o = new_output(q)
+    lse = _row_stats(q) if store_lse else None
+    for launch in forward_plan(q, k, v, o, lse, causal=causal, scale=scale):
+        launch.run()
+    return o, (lse if lse is not None else q.new_empty(0, dtype=torch.float32))
 
-    @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, dq_method: str):
-        o, lse = new_output(q), _row_stats(q)
-        for launch in forward_plan(q, k, v, o, lse, causal=causal, scale=scale):
-            launch.run()
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.dq_method = causal, scale, dq_method
-        return o
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # the kernels' outputs carry no graph of their own
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        if do.stride(-1) != 1:  # e.g. the broadcast gradient of o.sum(): the kernels need unit stride
-            do = do.contiguous()
-        delta = _row_stats(q)
-        dk, dv = new_output(k), new_output(v)
-        atomic = ctx.dq_method == "atomic"
-        # Atomics need a zeroed fp32 buffer to add into; for fp32 inputs that buffer is dQ itself.
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else new_output(q)
-        for launch in backward_plan(q, k, v, o, do, lse, delta, dq, dk, dv, causal=ctx.causal, scale=ctx.scale,
-                                    dq_method=ctx.dq_method):
-            launch.run()
-        if atomic and q.dtype != torch.float32:
-            dq = dq.to(q.dtype)
-        return dq, dk, dv, None, None, None
+@torch.library.custom_op(f"{ops.LIBRARY}::b_forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, store_lse: bool,
+                dq_method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, causal, scale, store_lse, dq_method)
+
+
+@_forward_op.register_fake
+def _(q, k, v, causal, scale, store_lse, dq_method):
+    return ops.empty_output(q), q.new_empty(q.shape[:3] if store_lse else (0,), dtype=torch.float32)
+
+
+def _backward(do, q, k, v, o, lse, causal: bool, scale: float, dq_method: str):
+    """The backward: recompute P tile by tile from the saved O and L (``backward_plan``)."""
+    do = ops.maybe_contiguous(do)  # e.g. the broadcast gradient of o.sum(): the kernels need unit stride
+    delta = _row_stats(q)
+    dk, dv = new_output(k), new_output(v)
+    atomic = dq_method == "atomic"
+    # Atomics need a zeroed fp32 buffer to add into; for fp32 inputs that buffer is dQ itself.
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else new_output(q)
+    for launch in backward_plan(q, k, v, o, do, lse, delta, dq, dk, dv, causal=causal, scale=scale,
+                                dq_method=dq_method):
+        launch.run()
+    if atomic and q.dtype != torch.float32:
+        dq = dq.to(q.dtype)
+    return dq, dk, dv
+
+
+@torch.library.custom_op(f"{ops.LIBRARY}::b_backward", mutates_args=())
+def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                 lse: torch.Tensor, causal: bool, scale: float,
+                 dq_method: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(do, q, k, v, o, lse, causal, scale, dq_method)
+
+
+@_backward_op.register_fake
+def _(do, q, k, v, o, lse, causal, scale, dq_method):
+    return ops.empty_output(q), ops.empty_output(k), ops.empty_output(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    """The forward saves O and L, not P (the backward recomputes P from them)."""
+    q, k, v, causal, scale, store_lse, dq_method = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.mark_non_differentiable(lse)
+    ctx.args = (causal, scale, dq_method)
+
+
+def _grad(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    if lse.numel() == 0 and q.numel():
+        raise RuntimeError("attention_lab::b_forward ran with store_lse=False, so it kept no row log-sum-exp for "
+                           "the backward to rebuild P from: call it with store_lse=True when gradients are wanted")
+    backward = _backward_op if ops.traced(do, q) else _backward
+    dq, dk, dv = backward(do, q, k, v, o, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None
+
+
+_forward_op.register_autograd(_grad, setup_context=_setup_context)
+#: the eager path's autograd node: the same forward, saved tensors and backward as the op's
+_TiledAttention = ops.autograd_function("StageBAttention", _forward, _setup_context, _grad)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -414,16 +459,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ``dq_method`` picks how the backward pass gets dQ: ``"separate"`` (a kernel of its own,
     deterministic) or ``"atomic"`` (added by the dK/dV kernel with fp32 atomics: fewer FLOPs, not
     bitwise reproducible). When no input requires a gradient, only the forward kernel runs and the
-    row log-sum-exp is not written.
+    row log-sum-exp is not written. Traced (``torch.compile``) the call is the custom op
+    ``torch.ops.attention_lab.b_forward``; eager, the same implementation without the dispatcher.
     """
     scale = validate_inputs(q, k, v, causal=causal, sm_scale=sm_scale)
     _check_dq_method(dq_method)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _TiledAttentionFunction.apply(q, k, v, causal, scale, dq_method)
-    o = new_output(q)
-    for launch in forward_plan(q, k, v, o, None, causal=causal, scale=scale):
-        launch.run()
-    return o
+    store_lse = ops.needs_grad(q, k, v)
+    if ops.traced(q, k, v):
+        return _forward_op(q, k, v, causal, scale, store_lse, dq_method)[0]
+    if store_lse:
+        return _TiledAttention.apply(q, k, v, causal, scale, True, dq_method)[0]
+    return _forward(q, k, v, causal, scale, False, dq_method)[0]
 
 
 @compiles_without_interpreter

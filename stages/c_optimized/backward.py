@@ -72,6 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import ops
 from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_output, padded_head_dim, \
     validate_inputs
 from ..launch import Launch, compiles_without_interpreter
@@ -181,7 +182,7 @@ def backward_config(D: int, dtype: torch.dtype, arch: int, tuned_tiles: bool = T
 
 # ------------------------------------------------------------------------------------------ kernels
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "N"])
 def attention_bwd_delta_kernel(
     O, DO, DELTA, DQ_ACC,
     stride_ob, stride_oh, stride_on,
@@ -278,33 +279,20 @@ def _dkdv_visit_q_tiles(
 
 
 @triton.jit
-def attention_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC, qk_scale, sm_scale,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_don,
-    stride_dkb, stride_dkh, stride_dkn,
-    stride_dvb, stride_dvh, stride_dvn,
-    Hq, Hkv, Nq, Nk,
+def _dkdv_visit_group(
+    dk, dv, k, v, cols, start_n, b, h_kv,
+    Q, DO, LSE, DELTA, DQ_ACC,
+    stride_qb, stride_qh, stride_qn, stride_dob, stride_doh, stride_don,
+    Hq, Nq, Nk, qk_scale, sm_scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, CAUSAL_SKIP: tl.constexpr,
-    EVEN_NQ: tl.constexpr, EVEN_NK: tl.constexpr, EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, CAUSAL_SKIP: tl.constexpr, MASK_NK: tl.constexpr,
+    EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_n, bh = tl.program_id(0), tl.program_id(1)
-    b, h_kv = bh // Hkv, bh % Hkv
-    start_n = pid_n * BLOCK_N
-    cols = start_n + tl.arange(0, BLOCK_N)
-    ds = tl.arange(0, D_PAD)
-    MASK_D: tl.constexpr = D != D_PAD
-    k = _load_tile(K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh + cols[:, None] * stride_kn
-                   + ds[None, :], cols, Nk, ds, D, not EVEN_NK, MASK_D)
-    v = _load_tile(V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh + cols[:, None] * stride_vn
-                   + ds[None, :], cols, Nk, ds, D, not EVEN_NK, MASK_D)
-    dk = tl.zeros((BLOCK_N, D_PAD), tl.float32)
-    dv = tl.zeros((BLOCK_N, D_PAD), tl.float32)
+    """Fold every Q tile of every query head of the K/V head's group into dK, dV. Each head's Q tiles
+    split at run time into the masked ones (the diagonal band, the ragged last tile) and the
+    mask-free rest, so no kernel is compiled per sequence length."""
     causal_offset = Nk - Nq
-
+    nq_full = Nq // BLOCK_M * BLOCK_M  # whole Q tiles; the ragged rest needs the Nq mask
     # GQA: the query heads h_kv·GROUP ... h_kv·GROUP + GROUP − 1 all read this K/V head; their
     # contributions are summed here, in registers, in a fixed order.
     for g in range(GROUP):
@@ -326,28 +314,75 @@ def attention_bwd_dkdv_kernel(
             dk, dv = _dkdv_visit_q_tiles(dk, dv, k, v, cols, Q_h, DO_h, LSE_h, DELTA_h, DQ_h,
                                          stride_qn, stride_don, first, tl.minimum(unmasked, Nq), Nq, Nk,
                                          causal_offset, qk_scale, sm_scale, D, D_PAD, BLOCK_M,
-                                         True, not EVEN_NK, not EVEN_NQ, EXP2, DOT_PRECISION)
+                                         True, MASK_NK, True, EXP2, DOT_PRECISION)
             dk, dv = _dkdv_visit_q_tiles(dk, dv, k, v, cols, Q_h, DO_h, LSE_h, DELTA_h, DQ_h,
-                                         stride_qn, stride_don, unmasked, Nq, Nq, Nk,
+                                         stride_qn, stride_don, unmasked, nq_full, Nq, Nk,
                                          causal_offset, qk_scale, sm_scale, D, D_PAD, BLOCK_M,
-                                         False, not EVEN_NK, not EVEN_NQ, EXP2, DOT_PRECISION)
+                                         False, MASK_NK, False, EXP2, DOT_PRECISION)
+            dk, dv = _dkdv_visit_q_tiles(dk, dv, k, v, cols, Q_h, DO_h, LSE_h, DELTA_h, DQ_h,
+                                         stride_qn, stride_don, tl.maximum(unmasked, nq_full), Nq, Nq, Nk,
+                                         causal_offset, qk_scale, sm_scale, D, D_PAD, BLOCK_M,
+                                         False, MASK_NK, True, EXP2, DOT_PRECISION)
         else:
-            # Every Q tile, masked like stage B when causal.
+            # Every Q tile, masked like stage B when causal; the ragged last one with the Nq mask.
             dk, dv = _dkdv_visit_q_tiles(dk, dv, k, v, cols, Q_h, DO_h, LSE_h, DELTA_h, DQ_h,
-                                         stride_qn, stride_don, 0, Nq, Nq, Nk,
+                                         stride_qn, stride_don, 0, nq_full, Nq, Nk,
                                          causal_offset, qk_scale, sm_scale, D, D_PAD, BLOCK_M,
-                                         CAUSAL, not EVEN_NK, not EVEN_NQ, EXP2, DOT_PRECISION)
+                                         CAUSAL, MASK_NK, False, EXP2, DOT_PRECISION)
+            dk, dv = _dkdv_visit_q_tiles(dk, dv, k, v, cols, Q_h, DO_h, LSE_h, DELTA_h, DQ_h,
+                                         stride_qn, stride_don, nq_full, Nq, Nq, Nk,
+                                         causal_offset, qk_scale, sm_scale, D, D_PAD, BLOCK_M,
+                                         CAUSAL, MASK_NK, True, EXP2, DOT_PRECISION)
+    return dk, dv
+
+
+#: Sizes are runtime values (``do_not_specialize``): no kernel is compiled per sequence length. Strides
+#: keep their divisibility facts (16-byte vector loads).
+@triton.jit(do_not_specialize=["Hq", "Hkv", "Nq", "Nk"])
+def attention_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC, qk_scale, sm_scale,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    Hq, Hkv, Nq, Nk,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, CAUSAL_SKIP: tl.constexpr,
+    EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_n, bh = tl.program_id(0), tl.program_id(1)
+    b, h_kv = bh // Hkv, bh % Hkv
+    start_n = pid_n * BLOCK_N
+    cols = start_n + tl.arange(0, BLOCK_N)
+    ds = tl.arange(0, D_PAD)
+    MASK_D: tl.constexpr = D != D_PAD
+    # The K and V tiles are loaded once per program: masked always (cheap here); the Nk mask of the
+    # inner loop, per score, only in the one program whose tile is ragged.
+    k = _load_tile(K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh + cols[:, None] * stride_kn
+                   + ds[None, :], cols, Nk, ds, D, True, MASK_D)
+    v = _load_tile(V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh + cols[:, None] * stride_vn
+                   + ds[None, :], cols, Nk, ds, D, True, MASK_D)
+    dk = tl.zeros((BLOCK_N, D_PAD), tl.float32)
+    dv = tl.zeros((BLOCK_N, D_PAD), tl.float32)
+    if start_n + BLOCK_N <= Nk:
+        dk, dv = _dkdv_visit_group(dk, dv, k, v, cols, start_n, b, h_kv, Q, DO, LSE, DELTA, DQ_ACC,
+                                   stride_qb, stride_qh, stride_qn, stride_dob, stride_doh, stride_don,
+                                   Hq, Nq, Nk, qk_scale, sm_scale, D, D_PAD, BLOCK_M, BLOCK_N, GROUP, CAUSAL,
+                                   CAUSAL_SKIP, False, EXP2, DOT_PRECISION)
+    else:
+        dk, dv = _dkdv_visit_group(dk, dv, k, v, cols, start_n, b, h_kv, Q, DO, LSE, DELTA, DQ_ACC,
+                                   stride_qb, stride_qh, stride_qn, stride_dob, stride_doh, stride_don,
+                                   Hq, Nq, Nk, qk_scale, sm_scale, D, D_PAD, BLOCK_M, BLOCK_N, GROUP, CAUSAL,
+                                   CAUSAL_SKIP, True, EXP2, DOT_PRECISION)
 
     dk = dk * sm_scale  # dK = scale · dS^T Q: the scale once per element, not once per tile pair
     dk_ptrs = DK + b.to(tl.int64) * stride_dkb + h_kv.to(tl.int64) * stride_dkh + cols[:, None] * stride_dkn + ds[None, :]
     dv_ptrs = DV + b.to(tl.int64) * stride_dvb + h_kv.to(tl.int64) * stride_dvh + cols[:, None] * stride_dvn + ds[None, :]
-    if EVEN_NK and not MASK_D:
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty))
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
-    else:
-        mask = (cols[:, None] < Nk) & (ds[None, :] < D)
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=mask)
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask)
+    mask = (cols[:, None] < Nk) & (ds[None, :] < D)
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=mask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -381,7 +416,7 @@ def _dq_visit_kv_tiles(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Hq", "Nq", "Nk"])
 def attention_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, DELTA, qk_scale, sm_scale,
     stride_qb, stride_qh, stride_qn,
@@ -392,7 +427,7 @@ def attention_bwd_dq_kernel(
     Hq, Nq, Nk,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, CAUSAL_SKIP: tl.constexpr,
-    EVEN_NQ: tl.constexpr, EVEN_NK: tl.constexpr, EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Deterministic dQ: one program per (Q tile of BLOCK_M rows, batch·query head), K/V tiles of
     BLOCK_N rows visited in a fixed order."""
@@ -408,9 +443,9 @@ def attention_bwd_dq_kernel(
     ds = tl.arange(0, D_PAD)
     MASK_D: tl.constexpr = D != D_PAD
     q = _load_tile(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + rows[:, None] * stride_qn
-                   + ds[None, :], rows, Nq, ds, D, not EVEN_NQ, MASK_D)
+                   + ds[None, :], rows, Nq, ds, D, True, MASK_D)  # once per program: always masked
     do = _load_tile(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + rows[:, None] * stride_don
-                    + ds[None, :], rows, Nq, ds, D, not EVEN_NQ, MASK_D)
+                    + ds[None, :], rows, Nq, ds, D, True, MASK_D)
     lse = tl.load(LSE + bh.to(tl.int64) * Nq + rows, mask=rows < Nq, other=float("inf"))
     delta = tl.load(DELTA + bh.to(tl.int64) * Nq + rows, mask=rows < Nq, other=0.0)
     K_h = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
@@ -427,21 +462,18 @@ def attention_bwd_dq_kernel(
                                 False, False, EXP2, DOT_PRECISION)
         dq = _dq_visit_kv_tiles(dq, q, do, lse, delta, rows, K_h, V_h, stride_kn, stride_vn,
                                 unmasked, tl.minimum(start_m + BLOCK_M + causal_offset, Nk), Nk, causal_offset,
-                                qk_scale, D, D_PAD, BLOCK_N, True, not EVEN_NK, EXP2, DOT_PRECISION)
+                                qk_scale, D, D_PAD, BLOCK_N, True, True, EXP2, DOT_PRECISION)
     else:
         dq = _dq_visit_kv_tiles(dq, q, do, lse, delta, rows, K_h, V_h, stride_kn, stride_vn,
                                 0, n_full, Nk, causal_offset, qk_scale, D, D_PAD, BLOCK_N,
                                 CAUSAL, False, EXP2, DOT_PRECISION)
-        if not EVEN_NK:
-            dq = _dq_visit_kv_tiles(dq, q, do, lse, delta, rows, K_h, V_h, stride_kn, stride_vn,
-                                    n_full, Nk, Nk, causal_offset, qk_scale, D, D_PAD, BLOCK_N,
-                                    CAUSAL, True, EXP2, DOT_PRECISION)
+        # The ragged last K/V tile: a loop that runs zero times when Nk is a multiple of BLOCK_N.
+        dq = _dq_visit_kv_tiles(dq, q, do, lse, delta, rows, K_h, V_h, stride_kn, stride_vn,
+                                n_full, Nk, Nk, causal_offset, qk_scale, D, D_PAD, BLOCK_N,
+                                CAUSAL, True, EXP2, DOT_PRECISION)
     dq = dq * sm_scale
     dq_ptrs = DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + rows[:, None] * stride_dqn + ds[None, :]
-    if EVEN_NQ and not MASK_D:
-        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
-    else:
-        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(rows[:, None] < Nq) & (ds[None, :] < D))
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(rows[:, None] < Nq) & (ds[None, :] < D))
 
 
 # ------------------------------------------------------------------------------------------ host side
@@ -503,8 +535,7 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
              stride_dob=do.stride(0), stride_doh=do.stride(1), stride_don=do.stride(2),
              stride_dkb=dk.stride(0), stride_dkh=dk.stride(1), stride_dkn=dk.stride(2),
              stride_dvb=dv.stride(0), stride_dvh=dv.stride(1), stride_dvn=dv.stride(2),
-             Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, BLOCK_M=BM, BLOCK_N=BN,
-             EVEN_NQ=Nq % BM == 0, EVEN_NK=Nk % BN == 0, **common),
+             Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, BLOCK_M=BM, BLOCK_N=BN, **common),
         num_warps=config.num_warps, num_stages=config.num_stages))
     if deterministic:
         # The resident tile is the big one here too: block_n Q rows, block_m K/V rows per step.
@@ -516,8 +547,7 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
                  stride_vb=v.stride(0), stride_vh=v.stride(1), stride_vn=v.stride(2),
                  stride_dob=do.stride(0), stride_doh=do.stride(1), stride_don=do.stride(2),
                  stride_dqb=dq.stride(0), stride_dqh=dq.stride(1), stride_dqn=dq.stride(2),
-                 Hq=Hq, Nq=Nq, Nk=Nk, BLOCK_M=BN, BLOCK_N=BM,
-                 EVEN_NQ=Nq % BN == 0, EVEN_NK=Nk % BM == 0, **common),
+                 Hq=Hq, Nq=Nq, Nk=Nk, BLOCK_M=BN, BLOCK_N=BM, **common),
             num_warps=config.num_warps, num_stages=config.num_stages))
     return launches
 
@@ -531,8 +561,11 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     ``o`` is the forward's output and ``lse`` its fp32 ``[B, Hq, Nq]`` row log-sum-exp in base 2 of
     the scaled scores (+inf for a row that sees no key). ``deterministic=True`` computes dQ without
     atomics (bitwise reproducible, ~40 % more FLOPs); the other switches are the ablation's (module
-    docstring).
+    docstring). ``do`` may come in any layout (the gradient of ``o.sum()`` is an expanded tensor):
+    it is made contiguous where the kernels need that.
     """
+    if isinstance(do, torch.Tensor):
+        do = ops.maybe_contiguous(do)
     _check_backward_inputs(do, q, k, v, o, lse, scale)
     B, Hq, Nq, D = q.shape
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)

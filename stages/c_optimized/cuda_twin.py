@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .. import register
+from .. import ops, register
 from ..b_tiled.cuda_twin import aligned, call_launcher, load_library, require_cuda
 from ..contract import HbmTraffic, Problem, Stage, cdiv, new_output, validate_inputs
 
@@ -56,12 +56,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if smem_pad and swizzle:
         raise ValueError("choose one shared-memory layout: smem_pad=True or swizzle=True (with smem_pad=False)")
     require_cuda(q, "c_cuda")
+    layout = PADDED if smem_pad else (SWIZZLED if swizzle else UNPADDED)
+    if ops.traced(q, k, v):
+        return _forward_op(q, k, v, causal, scale, layout)
+    return _forward(q, k, v, causal, scale, layout)
+
+
+def _forward(q, k, v, causal: bool, scale: float, layout: int) -> torch.Tensor:
     q, k, v = (aligned(t, 8) for t in (q, k, v))  # 16-byte (8-element) cp.async copies
     o = new_output(q)
-    layout = PADDED if smem_pad else (SWIZZLED if swizzle else UNPADDED)
     lib = load_library(SOURCE, torch.cuda.get_device_capability(q.device), "c_cuda", "flash_c_forward")
     call_launcher(lib, "flash_c_forward", q, k, v, o, scale, causal, layout, "c_cuda")
     return o
+
+
+# The twin as a custom op (forward only), so a traced program holds it as one node; see stages/ops.py.
+@torch.library.custom_op(f"{ops.LIBRARY}::c_cuda_forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                layout: int) -> torch.Tensor:
+    return _forward(q, k, v, causal, scale, layout)
+
+
+@_forward_op.register_fake
+def _(q, k, v, causal, scale, layout):
+    return ops.empty_output(q)
 
 
 def kv_rows_read(problem: Problem) -> int:

@@ -93,7 +93,9 @@ def choose_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: i
 
     * Decoding (every query row of a KV head's group fits one BLOCK_M tile, e.g. one new token per
       sequence): the work is reading the cache once, a bandwidth problem, and the unsplit grid has
-      one program per KV head. Split so the grid holds about :data:`DECODE_WAVES` programs per SM.
+      one program per KV head. Split so the grid holds about :data:`DECODE_WAVES` programs per SM
+      (one chunk while the cache is too short for more: the path does not change as it grows);
+      multi-head decoding whose unsplit grid already fills the GPU runs the one-pass kernel.
     * Otherwise split only when the unsplit programs fill at most half the SMs: ``sms // items``
       chunks then fill about one wave; with more items, a second wave of split programs would take
       as long as the unsplit ones, so the one-pass kernel runs instead.
@@ -105,10 +107,14 @@ def choose_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: i
     decoding = group * Nq <= block_m
     wanted = round(DECODE_WAVES * sms / items) if decoding else sms // items
     splits = min(wanted, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS)
-    if decoding and group > 1:
-        # Grouped-query decoding takes this kernel even unsplit: its program holds all the query
-        # heads of a KV head, so the cache is read once per KV head, where the one-pass kernel
-        # reads it once per query head (B=64, Hq=32, Hkv=8 on the H200: 0.44x of cuDNN that way).
+    if decoding and (group > 1 or wanted >= 2):
+        # Decoding keeps this kernel at every cache length, even unsplit while the cache is short
+        # (one chunk, then the merge): whether a decode step splits depends on the batch and heads,
+        # never on Nk, so a loop whose cache grows by a key per call never switches kernels (and so
+        # never compiles one) halfway through. Grouped-query decoding takes it even on a full GPU:
+        # its program holds all the query heads of a KV head, so the cache is read once per KV
+        # head, where the one-pass kernel reads it once per query head (B=64, Hq=32, Hkv=8 on the
+        # H200: 0.44x of cuDNN that way).
         return forced_splits(group, Nq, Nk, D, max(1, splits))
     if splits < 2:
         return None
@@ -124,7 +130,10 @@ def forced_splits(group: int, Nq: int, Nk: int, D: int, splits: int) -> SplitCon
     return SplitConfig(block_m, block_n, cdiv(tiles, chunk_tiles), chunk_tiles * block_n)
 
 
-@triton.jit
+#: Sizes are runtime values (``do_not_specialize``): a KV cache that grows by one key per call changes
+#: N_K, CAUSAL_OFFSET and the chunk at every call, and Triton would compile a kernel whenever one of
+#: them became 1 or a multiple of 16. Strides keep their divisibility facts (16-byte vector loads).
+@triton.jit(do_not_specialize=["Hq", "Hkv", "N_Q", "N_K", "CAUSAL_OFFSET", "CHUNK", "ROWS_TOTAL"])
 def split_kv_attention_kernel(
     Q, K, V, O_PART, LSE_PART, qk_scale,
     stride_qb, stride_qh, stride_qn,
@@ -190,7 +199,7 @@ def split_kv_attention_kernel(
     tl.store(LSE_PART + part, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ROWS_TOTAL", "SPLITS"])
 def merge_splits_kernel(
     O_PART, LSE_PART, O, LSE, ROWS_TOTAL, SPLITS,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, STORE_LSE: tl.constexpr,

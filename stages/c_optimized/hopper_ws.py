@@ -568,7 +568,7 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURN
     tma.store_wait(0)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["H", "N", "n_m", "total"])
 def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, Q, stride_qb, stride_qh, stride_qn, qk_scale, H, N, n_m,
                         total,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
@@ -712,8 +712,30 @@ def static_plan(B: int, H: int, N: int, D: int, q_stride: tuple, *, causal: bool
                 consumers: int = 2, pingpong: bool = True, persistent: bool = True, num_sms: int = 132,
                 prefetch_l2: bool = True, lazy_rescale: bool = True, group: int = 1, lane_row_sums: bool = True,
                 register_realloc: bool = True) -> tuple[tuple, dict, dict]:
-    """The parts of the launch that depend on shapes only: (grid, every argument but the tensors and
-    descriptors, launch options). Stage C caches them per shape (``kernels._recipe``).
+    """The launch but its tensors and descriptors: (grid, every other argument, launch options), the
+    union of :func:`kernel_constants` (what the compiled kernel is keyed on) and
+    :func:`runtime_args` (what each call computes from its shapes)."""
+    constants, extra = kernel_constants(causal=causal, block_n=block_n, stages=stages, consumers=consumers,
+                                        pingpong=pingpong, persistent=persistent, prefetch_l2=prefetch_l2,
+                                        lazy_rescale=lazy_rescale, group=group, lane_row_sums=lane_row_sums,
+                                        register_realloc=register_realloc, even_n=N % block_n == 0)
+    grid, ints = runtime_args(B, H, N, q_stride, causal=causal, consumers=consumers, persistent=persistent,
+                              num_sms=num_sms)
+    return grid, {**dict(zip(RUNTIME_ARGS, ints)), **constants}, extra
+
+
+#: The kernel's integer arguments that each call supplies (in :func:`runtime_args`' order). The sizes
+#: are ``do_not_specialize``: a new sequence length is a new value, not a new kernel.
+RUNTIME_ARGS = ("stride_qb", "stride_qh", "stride_qn", "H", "N", "n_m", "total")
+
+
+def kernel_constants(*, causal: bool, block_n: int, stages: int, consumers: int = 2, pingpong: bool = True,
+                     persistent: bool = True, prefetch_l2: bool = True, lazy_rescale: bool = True, group: int = 1,
+                     lane_row_sums: bool = True, register_realloc: bool = True,
+                     even_n: bool = True) -> tuple[dict, dict]:
+    """(constexpr arguments, launch options): everything about the launch that no size changes, but
+    ``even_n`` (N a multiple of ``block_n``: the consumers' K/V loop then runs without the ragged-N
+    mask, the one length fact this kernel is compiled for; two variants at most).
 
     ``consumers``: 1, 2 or 3 consumer warpgroups (64 query rows each). ``register_realloc``: the
     producer keeps ``PRODUCER_REGS`` registers per thread and the consumers take the rest (240
@@ -721,13 +743,7 @@ def static_plan(B: int, H: int, N: int, D: int, q_stride: tuple, *, causal: bool
     consumer that share is the hardware's per-thread limit already, so it is always off)."""
     if consumers not in (1, 2, 3):
         raise ValueError(f"consumers must be 1, 2 or 3, got {consumers}")
-    n_m = -(-N // (ROWS_PER_CONSUMER * consumers))
-    total = n_m * B * H
     zigzag = causal and persistent
-    # A persistent program walks items round-robin; causal ones in pairs (see _tile_coords), so a
-    # pair is the unit of work a program is dealt.
-    units = -(-total // 2) if zigzag else total
-    grid = (min(units, num_sms) if persistent else total,)
     # 4 warps run the default partition (consumer 0); the workers add 4 per further consumer and 1
     # producer warp, rounded up to whole warpgroups. maxnreg sets the register pool they share:
     # 65536 registers over all the threads (at most 256 each: setmaxnreg's ceiling).
@@ -737,14 +753,26 @@ def static_plan(B: int, H: int, N: int, D: int, q_stride: tuple, *, causal: bool
         consumer_regs, producer_regs = (240 if consumers == 2 else 160), PRODUCER_REGS
     else:  # every partition asks for the even share: the default partition is left the same
         consumer_regs = producer_regs = maxnreg
-    args = dict(stride_qb=q_stride[0], stride_qh=q_stride[1], stride_qn=q_stride[2], H=H, N=N, n_m=n_m,
-                total=total, BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, CAUSAL=causal,
-                EVEN_N=(N % block_n == 0), ZIGZAG=zigzag, Q_BUFS=q_buffers(persistent),
-                CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-                ISSUE_TURNS=pingpong and consumers == 3,
-                EXP_TURNS=pingpong and consumers == 2, PREFETCH_L2=prefetch_l2, LAZY_RESCALE=lazy_rescale,
-                GROUP=group, LANE_ROW_SUMS=lane_row_sums)
-    return grid, args, {"maxnreg": maxnreg}
+    constants = dict(BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, CAUSAL=causal,
+                     EVEN_N=even_n, ZIGZAG=zigzag, Q_BUFS=q_buffers(persistent),
+                     CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+                     ISSUE_TURNS=pingpong and consumers == 3,
+                     EXP_TURNS=pingpong and consumers == 2, PREFETCH_L2=prefetch_l2, LAZY_RESCALE=lazy_rescale,
+                     GROUP=group, LANE_ROW_SUMS=lane_row_sums)
+    return constants, {"maxnreg": maxnreg}
+
+
+def runtime_args(B: int, H: int, N: int, q_stride: tuple, *, causal: bool, consumers: int, persistent: bool,
+                 num_sms: int) -> tuple[tuple, tuple]:
+    """(grid, the :data:`RUNTIME_ARGS` values) of one call: the work items of ``consumers × 64``
+    query rows, and the persistent grid's size (one program per SM, at most one per unit of work)."""
+    n_m = -(-N // (ROWS_PER_CONSUMER * consumers))
+    total = n_m * B * H
+    # A persistent program walks items round-robin; causal ones in pairs (see _tile_coords), so a
+    # pair is the unit of work a program is dealt.
+    units = -(-total // 2) if causal and persistent else total
+    grid = (min(units, num_sms) if persistent else total,)
+    return grid, (q_stride[0], q_stride[1], q_stride[2], H, N, n_m, total)
 
 
 def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int, consumers: int = 2,
@@ -755,8 +783,8 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
     This runs on every call, on the host, before the GPU sees the kernel, so it is kept short: when
     it takes longer than the work queued ahead of it on the stream, the GPU idles and a small problem
     measures the host instead of the kernel (``do_bench`` times from the event before the call).
-    Stage C's own path goes further: it caches ``static_plan`` per shape and builds only the
-    descriptors per call.
+    Stage C's own path goes further: it keeps ``kernel_constants`` per kernel key and computes only
+    ``runtime_args`` and the descriptors per call.
 
     ``pingpong``: the consumers take turns, two at the exponentials (named barriers), three at
     wgmma issue (mbarriers); see the module docstring.

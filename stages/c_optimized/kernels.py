@@ -36,8 +36,8 @@ Always on (no switch, because Triton gives no way to turn them off): tensor-core
 P·V product accumulated in place (``tl.dot(p, v, acc)``); swizzled shared-memory layouts, which
 Triton picks so that ``ldmatrix``/``wgmma`` reads are bank-conflict free (the padding trick of the
 seed article, done by XOR-ing addresses instead of wasting bytes; ``harness inspect`` prints them);
-16-byte vectorized global accesses (pointer alignment is specialized at launch); masks compiled
-out when N is a multiple of the tile (``EVEN_N``).
+16-byte vectorized global accesses (pointer alignment is specialized at launch); the K/V loop split
+into mask-free whole tiles and a masked ragged tail at run time (no kernel per sequence length).
 
 With every switch off, stage C does what stage B does; the ablation (``python -m harness compare
 --ablation``) walks from there to all-on one switch at a time.
@@ -45,14 +45,15 @@ With every switch off, stage C does what stage B does; the ablation (``python -m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
-from .. import contract
+from .. import contract, ops
 from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_output, padded_head_dim, validate_inputs
 from ..launch import FastLaunch, Launch, compiles_without_interpreter
 from . import decode, hopper_ws
@@ -121,7 +122,12 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+#: The sizes reach the kernel as runtime values: Triton would otherwise compile a new kernel whenever
+#: one of them turns 1 or a multiple of 16, so a decode loop whose KV cache grows by a key per call
+#: would keep compiling. Strides keep their divisibility-by-16 facts (they are the layout, and they
+#: license 16-byte vector loads); only a K/V head's stride changes as a cache grows, and it takes
+#: at most two values of that fact.
+@triton.jit(do_not_specialize=["H", "N_Q", "N_K", "CAUSAL_OFFSET"])
 def optimized_attention_kernel(
     Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, qk_scale,
     stride_qb, stride_qh, stride_qn,
@@ -130,8 +136,7 @@ def optimized_attention_kernel(
     stride_ob, stride_oh, stride_on,
     H, N_Q, N_K, CAUSAL_OFFSET,
     D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, CAUSAL_SKIP: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    USE_TMA: tl.constexpr, EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
+    CAUSAL: tl.constexpr, CAUSAL_SKIP: tl.constexpr, USE_TMA: tl.constexpr, EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     bh = tl.program_id(1)
     if CAUSAL and CAUSAL_SKIP:
@@ -147,16 +152,14 @@ def optimized_attention_kernel(
     ds = tl.arange(0, BLOCK_D)  # the head dim padded to a power of two; columns >= D are masked
     K_bh = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh
     V_bh = V + b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh
-    MASK_D: tl.constexpr = D != BLOCK_D
 
     if USE_TMA:
         q = q_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
     else:
+        # Masked once per program (the row mask is constant along the head dim, so the loads stay
+        # 16-byte vectors); it is the K/V loop that must run mask-free.
         q_ptrs = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + rows[:, None] * stride_qn + ds[None, :]
-        if EVEN_M and not MASK_D:
-            q = tl.load(q_ptrs)
-        else:
-            q = tl.load(q_ptrs, mask=(rows[:, None] < N_Q) & (ds[None, :] < D), other=0.0)
+        q = tl.load(q_ptrs, mask=(rows[:, None] < N_Q) & (ds[None, :] < D), other=0.0)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -171,22 +174,23 @@ def optimized_attention_kernel(
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, K_bh, V_bh, k_desc, v_desc, b, kv_h, stride_kn, stride_vn,
                                       rows, 0, mid, N_K, CAUSAL_OFFSET, qk_scale, D, BLOCK_D, BLOCK_N,
                                       False, False, USE_TMA, EXP2, DOT_PRECISION)
-        # 2) the diagonal band: causal mask (and the ragged-Nk mask on the last one). Tiles past it
-        #    are never visited.
+        # 2) the diagonal band: causal mask and the ragged-Nk mask (which only the last tile needs;
+        #    on the others it is one more compare per score of a diagonal tile). Tiles past it are
+        #    never visited.
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, K_bh, V_bh, k_desc, v_desc, b, kv_h, stride_kn, stride_vn,
                                       rows, mid, hi, N_K, CAUSAL_OFFSET, qk_scale, D, BLOCK_D, BLOCK_N,
-                                      True, not EVEN_N, USE_TMA, EXP2, DOT_PRECISION)
+                                      True, True, USE_TMA, EXP2, DOT_PRECISION)
     else:
         # Whole tiles mask-free (unless causal without skipping, which masks everything like stage
-        # B), then the ragged last tile with the Nk mask.
+        # B), then the ragged last tile with the Nk mask: a loop that runs zero times when Nk is a
+        # multiple of BLOCK_N, decided at run time, so no kernel is compiled per Nk.
         n_full = (N_K // BLOCK_N) * BLOCK_N
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, K_bh, V_bh, k_desc, v_desc, b, kv_h, stride_kn, stride_vn,
                                       rows, 0, n_full, N_K, CAUSAL_OFFSET, qk_scale, D, BLOCK_D, BLOCK_N,
                                       CAUSAL, False, USE_TMA, EXP2, DOT_PRECISION)
-        if not EVEN_N:
-            acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, K_bh, V_bh, k_desc, v_desc, b, kv_h, stride_kn,
-                                          stride_vn, rows, n_full, N_K, N_K, CAUSAL_OFFSET, qk_scale, D, BLOCK_D,
-                                          BLOCK_N, CAUSAL, True, USE_TMA, EXP2, DOT_PRECISION)
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, K_bh, V_bh, k_desc, v_desc, b, kv_h, stride_kn,
+                                      stride_vn, rows, n_full, N_K, N_K, CAUSAL_OFFSET, qk_scale, D, BLOCK_D,
+                                      BLOCK_N, CAUSAL, True, USE_TMA, EXP2, DOT_PRECISION)
 
     if CAUSAL:
         # A row that saw no key (causal, Nq > Nk) has l = 0 and acc = 0: output 0, not 0/0.
@@ -208,10 +212,7 @@ def optimized_attention_kernel(
         o_desc.store([b, h, start_m, 0], out.reshape(1, 1, BLOCK_M, BLOCK_D))
     else:
         o_ptrs = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None] * stride_on + ds[None, :]
-        if EVEN_M and not MASK_D:
-            tl.store(o_ptrs, out)
-        else:
-            tl.store(o_ptrs, out, mask=(rows[:, None] < N_Q) & (ds[None, :] < D))
+        tl.store(o_ptrs, out, mask=(rows[:, None] < N_Q) & (ds[None, :] < D))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -336,100 +337,157 @@ def _ws_rung_choice(B, Hq, Nq, Nk, D, dtype, causal, arch, sms, tma_ok, config, 
 
 @dataclass(frozen=True)
 class _LaunchRecipe:
-    """One launch with its tensors left out: ``static`` holds every argument that is not a tensor or
-    descriptor; ``tensors`` maps argument names to the call's tensors by role (``"q"``, ``"o"``,
-    ``"lse"``, ``"o_part"``, ...); ``descs`` lists the TMA descriptors to build as (argument, role,
-    block shape, gluon)."""
+    """One launch with everything a call's sizes do not change: the kernel, its constexpr and fixed
+    arguments (``static``), which arguments are the call's tensors (``tensors``: argument name and
+    role, ``"q"``, ``"o"``, ``"lse"``, ``"o_part"``, ...), the TMA descriptors to build over them
+    (``descs``: argument, role, block shape, gluon) and ``ints``, the names of the integer arguments
+    (sizes and strides) each call supplies, in the order its recipe's ``runtime`` gives them."""
 
     kernel: object
-    grid: tuple
     static: tuple
     tensors: tuple
     descs: tuple
+    ints: tuple
     num_warps: int
     num_stages: int
     extra: tuple = ()
     scale_factor: float | None = LOG2E  # qk_scale = scale · scale_factor (None: no qk_scale argument)
-    #: per entry of ``descs``: (descriptor class, its fields but ``base``), from the shapes and strides
-    #: of the key; filled in by ``_recipe`` (``_desc_templates``)
-    desc_templates: tuple = ()
+    dtype: torch.dtype | None = None    # the inputs' (the warp-specialized kernel's descriptors carry a layout of it)
     launcher: FastLaunch = field(init=False, compare=False, repr=False)
+    #: per entry of ``descs``: (descriptor class, its fields but ``base``, ``shape`` and ``strides``)
+    desc_templates: tuple = field(init=False, compare=False, repr=False)
 
     def __post_init__(self):
-        # The per-call values, in the order `launch` passes them: tensors (the pointer arguments),
-        # descriptors, the scale. Everything else is fixed for the recipe's key.
-        dynamic = tuple(name for name, _ in self.tensors) + tuple(name for name, *_ in self.descs)
-        if self.scale_factor is not None:
-            dynamic += ("qk_scale",)
-        static = {name: value for name, value in self.static if name not in dynamic}
+        # The per-call values, in the order `values` returns them: tensors (the pointer arguments),
+        # descriptors, the sizes and strides, the scale. Everything else is fixed for the recipe.
+        static = {name: value for name, value in self.static}
         object.__setattr__(self, "launcher", FastLaunch(
-            self.kernel, self.grid, static, dynamic, pointers=len(self.tensors), num_warps=self.num_warps,
+            self.kernel, static, self.dynamic, pointers=len(self.tensors), num_warps=self.num_warps,
             num_stages=self.num_stages, extra=dict(self.extra)))
+        object.__setattr__(self, "desc_templates", tuple(_desc_template(block, gluon, self.dtype)
+                                                         for _, _, block, gluon in self.descs))
 
-    def launch(self, tensors: dict, scale: float) -> None:
-        """Launch with this call's tensors (by role), descriptors built over them, and ``scale``."""
+    @property
+    def dynamic(self) -> tuple:
+        names = tuple(name for name, _ in self.tensors) + tuple(name for name, *_ in self.descs) + self.ints
+        return names + ("qk_scale",) if self.scale_factor is not None else names
+
+    def values(self, tensors: dict, ints: tuple, scale: float) -> list:
+        """The dynamic arguments of one call: its tensors (by role), descriptors built over them, its
+        sizes and strides, and the scale."""
         values = [tensors[role] for _, role in self.tensors]
         for (_, role, _, _), (cls, fields) in zip(self.descs, self.desc_templates):
             # A descriptor without its class's checks (the recipe checked strides and block for this
-            # key; the key holds the pointers' alignment), its lists shared between calls: Triton's
-            # launcher only reads them.
+            # key; the launcher keys on the pointers' alignment), its fixed lists shared between calls:
+            # Triton's launcher only reads them.
+            t = tensors[role]
             desc = object.__new__(cls)
             desc.__dict__.update(fields)
-            desc.base = tensors[role]
+            desc.base, desc.shape, desc.strides = t, list(t.shape), list(t.stride())
             values.append(desc)
+        values.extend(ints)
         if self.scale_factor is not None:
             values.append(scale * self.scale_factor)
-        self.launcher(*values)
+        return values
+
+    def launch(self, grid: tuple, tensors: dict, ints: tuple, scale: float) -> None:
+        self.launcher(grid, *self.values(tensors, ints, scale))
+
+    def bind(self, grid: tuple, tensors: dict, ints: tuple, scale: float) -> Launch:
+        """The same launch as data (every argument by name), for ``compile`` and the tests."""
+        args = dict(self.static)
+        args.update(zip(self.dynamic, self.values(tensors, ints, scale)))
+        return Launch(self.kernel, grid, args, num_warps=self.num_warps, num_stages=self.num_stages,
+                      extra=dict(self.extra))
 
 
 @dataclass(frozen=True)
 class _Recipe:
-    choice: Choice
+    """The launches of one kernel key, and ``runtime(q, k, v, o, choice) -> (workspace, runs)``: what
+    a call computes from its sizes, the fp32 buffers to allocate as (role, shape) and per launch
+    its (grid, integer arguments)."""
+
+    path: str
     launches: tuple
-    workspace: tuple = ()  # (role, shape) of the fp32 buffers the split-KV path allocates
+    runtime: object
 
 
-def _strides(role: str, shape: tuple, strides: tuple) -> dict:
-    return {f"stride_{role}b": strides[0], f"stride_{role}h": strides[1], f"stride_{role}n": strides[2]}
+def _strides(role: str) -> tuple:
+    return (f"stride_{role}b", f"stride_{role}h", f"stride_{role}n")
+
+
+#: The tl kernel's integer arguments, in the order ``_tl_runtime`` gives them.
+_TL_INTS = (*_strides("q"), *_strides("k"), *_strides("v"), *_strides("o"), "H", "N_Q", "N_K", "CAUSAL_OFFSET")
+
+
+def _tl_runtime(q, k, v, o, choice: Choice) -> tuple:
+    B, Hq, Nq, _ = q.shape
+    Nk = k.shape[2]
+    grid = (cdiv(Nq, choice.config.block_m), B * Hq)
+    ints = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], Hq, Nq, Nk, Nk - Nq)
+    return (), ((grid, ints),)
+
+
+def _ws_runtime(q, k, v, o, choice: Choice, sms: int, causal: bool) -> tuple:
+    B, Hq, Nq, _ = q.shape
+    options = choice.config.ws_options(choice.ws_rung)
+    grid, ints = hopper_ws.runtime_args(B, Hq, Nq, q.stride(), causal=causal, consumers=options["consumers"],
+                                        persistent=options["persistent"], num_sms=sms)
+    return (), ((grid, ints),)
+
+
+_SPLIT_INTS = (*_strides("q"), *_strides("k"), *_strides("v"), "Hq", "Hkv", "N_Q", "N_K", "CAUSAL_OFFSET", "CHUNK",
+               "ROWS_TOTAL")
+
+
+def _split_runtime(q, k, v, o, choice: Choice) -> tuple:
+    split = choice.config
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    rows_total = B * Hq * Nq
+    first = ((split.splits, B * Hkv, cdiv(group * Nq, split.block_m)),
+             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], Hq, Hkv, Nq, Nk, Nk - Nq, split.chunk, rows_total))
+    merge = ((cdiv(rows_total, decode.MERGE_ROWS),), (rows_total, split.splits))
+    o_shape, lse_shape = decode.workspace_shapes(B, Hq, Nq, D, split.splits)
+    return (("o_part", o_shape), ("lse_part", lse_shape)), (first, merge)
+
+
+def _kernel_config(choice: Choice):
+    """The part of a choice that the compiled kernels depend on: the split path's count and chunk of
+    keys are runtime values (they follow Nk), the rest of every config is compiled in."""
+    if choice.path == "split":
+        return replace(choice.config, splits=0, chunk=0)
+    return choice.config
 
 
 @lru_cache(maxsize=1024)
-def _recipe(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_stride: tuple, o_stride: tuple,
-            dtype: torch.dtype, arch: int, sms: int, aligned: bool, causal: bool, config: Config | None,
-            switches: tuple, split_kv: int | None, store_lse: bool, ws_rung: int | None = None) -> _Recipe:
-    """Everything about a call's launches that does not depend on the data pointers (cached)."""
+def _recipe(path: str, config, dtype: torch.dtype, D: int, group: int, causal: bool, arch: int, sms: int,
+            use_tma: bool, store_lse: bool, switches: tuple, ws_rung: int | None, even_n: bool) -> _Recipe:
+    """The launches for one kernel key: what changes the compiled kernels (path and config, dtype,
+    head dim, GQA group, causal, the GPU, TMA or pointers, whether the log-sum-exp is stored, the
+    ablation switches; for the warp-specialized kernel whether N is a whole number of K/V tiles),
+    never the sizes themselves. Cached: a call looks its recipe up and computes only its runtime
+    arguments."""
     on = dict(zip(SWITCH_NAMES, switches))
-    B, Hq, Nq, D = q_shape
-    _, Hkv, Nk, _ = k_shape
-    e = torch.tensor([], dtype=dtype).element_size()
-    tma_ok = arch >= 90 and aligned and all(_strides_tma_ok(s, e) for s in (q_stride, k_stride, v_stride, o_stride))
-    choice = select(B, Hq, Hkv, Nq, Nk, D, dtype, causal, arch, sms, tma_ok=tma_ok, config=config,
-                    split_kv=split_kv, store_lse=store_lse, ws_rung=ws_rung, **on)
     dot_precision = "ieee" if dtype == torch.float32 else "tf32"  # fp32 inputs get exact fp32 products
-    layouts = {"q": (q_shape, q_stride), "k": (k_shape, k_stride), "v": (k_shape, v_stride), "o": (q_shape, o_stride)}
-    if choice.path == "split":
-        return _split_recipe(choice, q_shape, q_stride, k_shape, k_stride, v_stride, causal, dot_precision,
-                             store_lse)
-    config = choice.config
-    if choice.path == "ws":
-        grid, static, extra = hopper_ws.static_plan(B, Hq, Nq, D, q_stride, causal=causal, num_sms=sms,
-                                                    group=Hq // Hkv, **config.ws_options(choice.ws_rung))
+    if path == "split":
+        return _split_recipe(config, dtype, D, group, causal, dot_precision, store_lse)
+    if path == "ws":
+        options = config.ws_options(ws_rung)
+        constants, extra = hopper_ws.kernel_constants(causal=causal, group=group, even_n=even_n, **options)
         block_n = config.block_n
         descs = (("q_desc", "q", (1, 1, hopper_ws.ROWS_PER_CONSUMER, D), True),
                  ("k_desc", "k", (1, 1, block_n, D), True), ("v_desc", "v", (1, 1, block_n, D), True),
                  ("o_desc", "o", (1, 1, hopper_ws.ROWS_PER_CONSUMER, D), True))
-        launch = _LaunchRecipe(hopper_ws.ws_attention_kernel, grid, tuple(static.items()), (("Q", "q"),), descs,
-                               num_warps=4, num_stages=1, extra=tuple(extra.items()),
-                               desc_templates=_desc_templates(descs, layouts, dtype))
-        return _Recipe(choice, (launch,))
+        launch = _LaunchRecipe(hopper_ws.ws_attention_kernel, tuple(constants.items()), (("Q", "q"),), descs,
+                               hopper_ws.RUNTIME_ARGS, num_warps=4, num_stages=1, extra=tuple(extra.items()),
+                               dtype=dtype)
+        return _Recipe(path, (launch,), functools.partial(_ws_runtime, sms=sms, causal=causal))
     BM, BN, BD = config.block_m, config.block_n, padded_head_dim(D)
-    use_tma = on["tma"] and tma_ok
-    static = dict(H=Hq, N_Q=Nq, N_K=Nk, CAUSAL_OFFSET=Nk - Nq, D=D, BLOCK_D=BD, GROUP=Hq // Hkv,
-                  BLOCK_M=BM, BLOCK_N=BN, CAUSAL=causal, CAUSAL_SKIP=on["causal_skip"],
-                  EVEN_M=Nq % BM == 0, EVEN_N=Nk % BN == 0, USE_TMA=use_tma, EXP2=on["exp2"],
-                  DOT_PRECISION=dot_precision, STORE_LSE=store_lse,
-                  **_strides("q", q_shape, q_stride), **_strides("k", k_shape, k_stride),
-                  **_strides("v", k_shape, v_stride), **_strides("o", q_shape, o_stride))
+    static = dict(D=D, BLOCK_D=BD, GROUP=group, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=causal,
+                  CAUSAL_SKIP=on["causal_skip"], USE_TMA=use_tma, EXP2=on["exp2"],
+                  DOT_PRECISION=dot_precision, STORE_LSE=store_lse)
     if use_tma:
         # 4-D descriptors over each tensor's own [B, H, N, D] with its own strides: strided views
         # work, K/V descriptors span the Hkv heads (the kernel asks for head h // GROUP), the N bound
@@ -445,86 +503,86 @@ def _recipe(q_shape: tuple, q_stride: tuple, k_shape: tuple, k_stride: tuple, v_
         tensors += (("LSE", "lse"),)
     else:
         static["LSE"] = None
-    launch = _LaunchRecipe(optimized_attention_kernel, (cdiv(Nq, BM), B * Hq), tuple(static.items()), tensors,
-                           descs, config.num_warps, config.num_stages,
+    launch = _LaunchRecipe(optimized_attention_kernel, tuple(static.items()), tensors, descs, _TL_INTS,
+                           config.num_warps, config.num_stages,
                            # exp2 folds log2(e) into the scale once; exp keeps the natural scale.
-                           scale_factor=LOG2E if on["exp2"] else 1.0,
-                           desc_templates=_desc_templates(descs, layouts, dtype))
-    return _Recipe(choice, (launch,))
+                           scale_factor=LOG2E if on["exp2"] else 1.0, dtype=dtype)
+    return _Recipe(path, (launch,), _tl_runtime)
 
 
-def _split_recipe(choice, q_shape, q_stride, k_shape, k_stride, v_stride, causal, dot_precision, store_lse):
-    split = choice.config
-    B, Hq, Nq, D = q_shape
-    _, Hkv, Nk, _ = k_shape
-    group = Hq // Hkv
-    rows_total = B * Hq * Nq
+def _split_recipe(split, dtype, D, group, causal, dot_precision, store_lse) -> _Recipe:
     BD = padded_head_dim(D)
     first = _LaunchRecipe(
-        decode.split_kv_attention_kernel, (split.splits, B * Hkv, cdiv(group * Nq, split.block_m)),
-        tuple(dict(Hq=Hq, Hkv=Hkv, N_Q=Nq, N_K=Nk, CAUSAL_OFFSET=Nk - Nq, CHUNK=split.chunk, ROWS_TOTAL=rows_total,
-                   GROUP=group, D=D, BLOCK_D=BD, BLOCK_M=split.block_m, BLOCK_N=split.block_n, CAUSAL=causal,
-                   DOT_PRECISION=dot_precision, **_strides("q", q_shape, q_stride),
-                   **_strides("k", k_shape, k_stride), **_strides("v", k_shape, v_stride)).items()),
-        (("Q", "q"), ("K", "k"), ("V", "v"), ("O_PART", "o_part"), ("LSE_PART", "lse_part")), (),
+        decode.split_kv_attention_kernel,
+        tuple(dict(GROUP=group, D=D, BLOCK_D=BD, BLOCK_M=split.block_m, BLOCK_N=split.block_n, CAUSAL=causal,
+                   DOT_PRECISION=dot_precision).items()),
+        (("Q", "q"), ("K", "k"), ("V", "v"), ("O_PART", "o_part"), ("LSE_PART", "lse_part")), (), _SPLIT_INTS,
         split.num_warps, split.num_stages)
-    merge_static = dict(ROWS_TOTAL=rows_total, SPLITS=split.splits, D=D, BLOCK_D=BD, BLOCK_R=decode.MERGE_ROWS,
-                        STORE_LSE=store_lse)
+    merge_static = dict(D=D, BLOCK_D=BD, BLOCK_R=decode.MERGE_ROWS, STORE_LSE=store_lse)
     merge_tensors = (("O_PART", "o_part"), ("LSE_PART", "lse_part"), ("O", "o"))
     if store_lse:
         merge_tensors += (("LSE", "lse"),)
     else:
         merge_static["LSE"] = None
-    merge = _LaunchRecipe(decode.merge_splits_kernel, (cdiv(rows_total, decode.MERGE_ROWS),),
-                          tuple(merge_static.items()), merge_tensors, (), 4, 1, scale_factor=None)
-    o_shape, lse_shape = decode.workspace_shapes(B, Hq, Nq, D, split.splits)
-    return _Recipe(choice, (first, merge), (("o_part", o_shape), ("lse_part", lse_shape)))
+    merge = _LaunchRecipe(decode.merge_splits_kernel, tuple(merge_static.items()), merge_tensors, (),
+                          ("ROWS_TOTAL", "SPLITS"), 4, 1, scale_factor=None)
+    return _Recipe("split", (first, merge), _split_runtime)
 
 
-def _desc_template(shape: tuple, strides: tuple, dtype: torch.dtype, block: tuple, gluon: bool) -> tuple:
-    """(descriptor class, every field but ``base``) of a TMA descriptor over a tensor of this shape,
-    strides and dtype with tile ``block``: Triton's host ``TensorDescriptor``, or Gluon's (which
-    also carries the shared-memory layout) for the warp-specialized kernel."""
+def _desc_template(block: tuple, gluon: bool, dtype: torch.dtype) -> tuple:
+    """(descriptor class, its fields but ``base``, ``shape`` and ``strides``) of a TMA descriptor with
+    tile ``block``: Triton's host ``TensorDescriptor``, or Gluon's (which also carries the
+    shared-memory layout) for the warp-specialized kernel."""
     if gluon:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
         extra = {"layout": hopper_ws.smem_layout(block, dtype)}
     else:
         from triton.tools.tensor_descriptor import TensorDescriptor
         extra = {}
-    return TensorDescriptor, dict(shape=list(shape), strides=list(strides), block_shape=list(block), padding="zero",
-                                  **extra)
+    return TensorDescriptor, dict(block_shape=list(block), padding="zero", **extra)
 
 
-def _desc_templates(descs: tuple, layouts: dict, dtype: torch.dtype) -> tuple:
-    """``_desc_template`` for each (argument, role, block, gluon) of ``descs``; ``layouts`` maps a
-    role to its tensor's (shape, strides)."""
-    return tuple(_desc_template(*layouts[role], dtype, block, gluon) for _, role, block, gluon in descs)
+def _plan_call(q, k, v, o, lse, causal: bool, arch: int, sms: int, config: Config | None = None,
+               split_kv: int | None = None, tuned_tiles: bool = True, pipelining: bool = True, tma: bool = True,
+               exp2: bool = True, causal_skip: bool = True, warp_specialization: bool = True,
+               ws_rung: int | None = None) -> tuple[Choice, _Recipe]:
+    """The choice for this call (path and config, from its sizes) and the cached recipe of its kernel
+    key (``plan``'s keywords). The sizes pick a config; only the config, never the sizes, picks the
+    compiled kernel."""
+    switches = (tuned_tiles, pipelining, tma, exp2, causal_skip, warp_specialization)
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    tma_ok = False
+    if arch >= 90:
+        # All four base pointers 16-byte aligned, in one test: their OR is then a multiple of 16 too
+        # (a meta tensor's data_ptr() is 0); and every stride but the last a multiple of 16 bytes.
+        e = q.element_size()
+        tma_ok = ((q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()) % 16 == 0
+                  and _strides_tma_ok(q.stride(), e) and _strides_tma_ok(k.stride(), e)
+                  and _strides_tma_ok(v.stride(), e) and _strides_tma_ok(o.stride(), e))
+    store_lse = lse is not None
+    choice = _select(B, Hq, Hkv, Nq, Nk, D, q.dtype, causal, arch, sms, tma_ok, config, split_kv, store_lse,
+                     switches, ws_rung)
+    even_n = choice.path == "ws" and Nq % choice.config.block_n == 0
+    recipe = _recipe(choice.path, _kernel_config(choice), q.dtype, D, Hq // Hkv, causal, arch, sms,
+                     tma and tma_ok, store_lse, switches, choice.ws_rung, even_n)
+    return choice, recipe
 
 
-def _descriptor(t: torch.Tensor, block: tuple, gluon: bool):
-    """A TMA descriptor of ``t`` with tile ``block``, built without the descriptor classes' own
-    checks: the recipe already checked the strides and block shape for this key, and the key holds
-    the pointers' 16-byte alignment. Those checks were ~3/4 of the host path's time at sm_90."""
-    cls, fields = _desc_template(t.shape, t.stride(), t.dtype, block, gluon)
-    desc = object.__new__(cls)
-    desc.__dict__.update(base=t, **fields)
-    return desc
+@lru_cache(maxsize=4096)
+def _select(B, Hq, Hkv, Nq, Nk, D, dtype, causal, arch, sms, tma_ok, config, split_kv, store_lse, switches,
+            ws_rung) -> Choice:
+    """``select`` with the call's arguments, cached (a fixed-shape loop asks it the same question)."""
+    return select(B, Hq, Hkv, Nq, Nk, D, dtype, causal, arch, sms, tma_ok=tma_ok, config=config,
+                  split_kv=split_kv, store_lse=store_lse, ws_rung=ws_rung, **dict(zip(SWITCH_NAMES, switches)))
 
 
-def _bind(recipe: _Recipe, tensors: dict, scale: float) -> list[Launch]:
-    """The recipe's launches with this call's tensors, descriptors and scale filled in."""
-    launches = []
-    for r in recipe.launches:
-        args = dict(r.static)
-        for name, role in r.tensors:
-            args[name] = tensors[role]
-        for name, role, block, gluon in r.descs:
-            args[name] = _descriptor(tensors[role], block, gluon)
-        if r.scale_factor is not None:
-            args["qk_scale"] = scale * r.scale_factor
-        launches.append(Launch(r.kernel, r.grid, args, num_warps=r.num_warps, num_stages=r.num_stages,
-                               extra=dict(r.extra)))
-    return launches
+def _call_tensors(workspace: tuple, q, k, v, o, lse) -> dict:
+    """The call's tensors by role, with the fp32 workspace the recipe asks for (split-KV) allocated."""
+    tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse}
+    for role, shape in workspace:
+        tensors[role] = torch.empty(shape, dtype=torch.float32, device=q.device)
+    return tensors
 
 
 def plan(q, k, v, o, *, causal: bool, scale: float, arch: int, config: Config | None = None, lse=None,
@@ -533,35 +591,16 @@ def plan(q, k, v, o, *, causal: bool, scale: float, arch: int, config: Config | 
          warp_specialization: bool = True, ws_rung: int | None = None) -> list[Launch]:
     """The launches that compute ``o`` (and, given an fp32 ``lse`` [B, Hq, Nq], the row
     log-sum-exps) for these tensors on an sm_``arch`` GPU with ``sms`` SMs (default: the device's,
-    ``configs.DEFAULT_SMS`` off a GPU). The split-KV path allocates its fp32 partials here."""
+    ``configs.DEFAULT_SMS`` off a GPU), as data: what a call runs, for ``compile`` and the tests.
+    The split-KV path allocates its fp32 partials here."""
     if sms is None:
         sms = sm_count(q.device)
-    recipe = _recipe_for(q, k, v, o, lse, causal, arch, sms, config=config, split_kv=split_kv, tuned_tiles=tuned_tiles,
-                         pipelining=pipelining, tma=tma, exp2=exp2, causal_skip=causal_skip,
-                         warp_specialization=warp_specialization, ws_rung=ws_rung)
-    return _bind(recipe, _call_tensors(recipe, q, k, v, o, lse), scale)
-
-
-def _recipe_for(q, k, v, o, lse, causal: bool, arch: int, sms: int, config: Config | None = None,
-                split_kv: int | None = None, tuned_tiles: bool = True, pipelining: bool = True, tma: bool = True,
-                exp2: bool = True, causal_skip: bool = True, warp_specialization: bool = True,
-                ws_rung: int | None = None) -> _Recipe:
-    """The cached recipe for these tensors' shapes, strides, dtype and pointer alignment and these
-    options (``plan``'s keywords)."""
-    switches = (tuned_tiles, pipelining, tma, exp2, causal_skip, warp_specialization)
-    # All four base pointers 16-byte aligned, in one test: their OR is then a multiple of 16 too
-    # (a meta tensor's data_ptr() is 0).
-    aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()) % 16 == 0
-    return _recipe(tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), v.stride(), o.stride(), q.dtype,
-                   arch, sms, aligned, causal, config, switches, split_kv, lse is not None, ws_rung)
-
-
-def _call_tensors(recipe: _Recipe, q, k, v, o, lse) -> dict:
-    """The call's tensors by role, with the fp32 workspace the recipe asks for (split-KV) allocated."""
-    tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse}
-    for role, shape in recipe.workspace:
-        tensors[role] = torch.empty(shape, dtype=torch.float32, device=q.device)
-    return tensors
+    choice, recipe = _plan_call(q, k, v, o, lse, causal, arch, sms, config=config, split_kv=split_kv,
+                                tuned_tiles=tuned_tiles, pipelining=pipelining, tma=tma, exp2=exp2,
+                                causal_skip=causal_skip, warp_specialization=warp_specialization, ws_rung=ws_rung)
+    workspace, runs = recipe.runtime(q, k, v, o, choice)
+    tensors = _call_tensors(workspace, q, k, v, o, lse)
+    return [r.bind(grid, tensors, ints, scale) for r, (grid, ints) in zip(recipe.launches, runs)]
 
 
 #: device index (``Tensor.get_device()``: -1 for the CPU) -> (compute capability, SMs): asked once,
@@ -578,7 +617,7 @@ def _arch_and_sms(q: torch.Tensor) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------------------------------------
-# The public entry point: a torch.autograd.Function when a gradient is wanted.
+# The public entry point, the custom ops and the autograd formula.
 # --------------------------------------------------------------------------------------------------
 
 def _check_options(split_kv, deterministic, ws_rung=None) -> None:
@@ -595,81 +634,160 @@ def _check_options(split_kv, deterministic, ws_rung=None) -> None:
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
 
 
-def _forward(q, k, v, causal: bool, scale: float, options: dict, store_lse: bool):
-    """Run the forward: O, and the fp32 row log-sum-exp [B, Hq, Nq] (base 2) when ``store_lse``."""
+def _check_config(config) -> None:
+    if config is not None and not isinstance(config, (Config, str)):
+        raise TypeError(f"config must be None, a Config or its name (e.g. 'M128-N64-w4-s3'), got "
+                        f"{type(config).__name__} {config!r}")
+    if isinstance(config, str):
+        Config.parse(config)  # a ValueError naming the allowed forms
+
+
+@lru_cache(maxsize=256)
+def _parse_config(text: str) -> Config:
+    return Config.parse(text)
+
+
+def _forward(q, k, v, causal: bool, scale: float, store_lse: bool, config, split_kv, ws_rung, tuned_tiles,
+             pipelining, tma, exp2, causal_skip, warp_specialization, deterministic):
+    """The forward: O and the fp32 row log-sum-exp [B, Hq, Nq] (base 2) when ``store_lse`` (an empty
+    tensor otherwise). The custom op's implementation and the eager path alike; ``deterministic``
+    is the backward's, carried here so the autograd formula sees it among the inputs."""
+    if isinstance(config, str):
+        config = _parse_config(config)
     o = new_output(q)
     lse = None
     if store_lse:
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         if contract.poison_outputs:
             lse.fill_(float("nan"))
-    # The lean path: the cached recipe's launches, each a FastLaunch that, after its first call,
-    # hands the arguments straight to the compiled kernel's launcher (stages/launch.py).
+    # The lean path: the recipe of this call's kernel key, each launch a FastLaunch that, after its
+    # first call, hands the arguments straight to the compiled kernel's launcher (stages/launch.py).
     arch, sms = _arch_and_sms(q)
-    recipe = _recipe_for(q, k, v, o, lse, causal, arch, sms, **options)
-    tensors = _call_tensors(recipe, q, k, v, o, lse)
-    for launch in recipe.launches:
-        launch.launch(tensors, scale)
-    return o, lse
+    choice, recipe = _plan_call(q, k, v, o, lse, causal, arch, sms, config=config, split_kv=split_kv,
+                                tuned_tiles=tuned_tiles, pipelining=pipelining, tma=tma, exp2=exp2,
+                                causal_skip=causal_skip, warp_specialization=warp_specialization, ws_rung=ws_rung)
+    workspace, runs = recipe.runtime(q, k, v, o, choice)
+    tensors = _call_tensors(workspace, q, k, v, o, lse)
+    for launch, (grid, ints) in zip(recipe.launches, runs):
+        launch.launch(grid, tensors, ints, scale)
+    return o, (lse if lse is not None else q.new_empty(0, dtype=torch.float32))
 
 
-class _Attention(torch.autograd.Function):
-    """Stage C as an autograd op: the forward saves q, k, v, o and the row log-sum-exp; the
-    backward recomputes P from them in the stage's own kernels (``backward.py``)."""
+@torch.library.custom_op(f"{ops.LIBRARY}::c_forward", mutates_args=(), device_types=None)
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, store_lse: bool,
+                config: str | None, split_kv: int | None, ws_rung: int | None, tuned_tiles: bool, pipelining: bool,
+                tma: bool, exp2: bool, causal_skip: bool, warp_specialization: bool,
+                deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, causal, scale, store_lse, config, split_kv, ws_rung, tuned_tiles, pipelining, tma,
+                    exp2, causal_skip, warp_specialization, deterministic)
 
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, options, deterministic):
-        o, lse = _forward(q, k, v, causal, scale, options, store_lse=True)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.deterministic, ctx.options = causal, scale, deterministic, options
-        return o
 
-    @staticmethod
-    def backward(ctx, do):
-        from .backward import attention_backward  # imported here: the forward does not need it
+@_forward_op.register_fake
+def _(q, k, v, causal, scale, store_lse, *options):
+    lse_shape = q.shape[:3] if store_lse else (0,)
+    return ops.empty_output(q), q.new_empty(lse_shape, dtype=torch.float32)
 
-        q, k, v, o, lse = ctx.saved_tensors
-        # The ablation switches that the backward has too (the forward's tiles and TMA do not carry
-        # over: the backward has its own configs and reads through pointers).
-        switches = {name: ctx.options[name] for name in ("tuned_tiles", "pipelining", "exp2", "causal_skip")}
-        dq, dk, dv = attention_backward(do, q, k, v, o, lse, causal=ctx.causal, scale=ctx.scale,
-                                        deterministic=ctx.deterministic, **switches)
-        return dq, dk, dv, None, None, None, None
+
+def _backward(do, q, k, v, o, lse, causal: bool, scale: float, deterministic: bool, tuned_tiles: bool,
+              pipelining: bool, exp2: bool, causal_skip: bool):
+    from .backward import attention_backward  # imported here: the forward does not need it
+
+    return attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale,
+                              deterministic=deterministic, tuned_tiles=tuned_tiles, pipelining=pipelining,
+                              exp2=exp2, causal_skip=causal_skip)
+
+
+@torch.library.custom_op(f"{ops.LIBRARY}::c_backward", mutates_args=(), device_types=None)
+def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                 lse: torch.Tensor, causal: bool, scale: float, deterministic: bool, tuned_tiles: bool,
+                 pipelining: bool, exp2: bool, causal_skip: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(do, q, k, v, o, lse, causal, scale, deterministic, tuned_tiles, pipelining, exp2, causal_skip)
+
+
+@_backward_op.register_fake
+def _(do, q, k, v, o, lse, *options):
+    return ops.empty_output(q), ops.empty_output(k), ops.empty_output(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, causal, scale, store_lse, config, split_kv, ws_rung, tuned_tiles, pipelining, tma, exp2, causal_skip, \
+        warp_specialization, deterministic = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.mark_non_differentiable(lse)
+    # The ablation switches that the backward has too (the forward's tiles and TMA do not carry
+    # over: the backward has its own configs and reads through pointers).
+    ctx.args = (causal, scale, deterministic, tuned_tiles, pipelining, exp2, causal_skip)
+
+
+def _grad(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    if lse.numel() == 0 and q.numel():
+        raise RuntimeError("attention_lab::c_forward ran with store_lse=False, so it kept no row log-sum-exp for "
+                           "the backward to rebuild P from: call it with store_lse=True when gradients are wanted")
+    if ops.traced(do, q):
+        dq, dk, dv = _backward_op(do, q, k, v, o, lse, *ctx.args)
+    else:
+        dq, dk, dv = _backward(do, q, k, v, o, lse, *ctx.args)
+    return dq, dk, dv, *(None,) * 13
+
+
+_forward_op.register_autograd(_grad, setup_context=_setup_context)
+#: the eager path's autograd node: the same forward, saved tensors and backward as the op's
+_Attention = ops.autograd_function("StageCAttention", _forward, _setup_context, _grad)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-              sm_scale: float | None = None, config: Config | None = None, tuned_tiles: bool = True,
+              sm_scale: float | None = None, config: Config | str | None = None, tuned_tiles: bool = True,
               pipelining: bool = True, tma: bool = True, exp2: bool = True,
               causal_skip: bool = True, warp_specialization: bool = True, split_kv: int | None = None,
               deterministic: bool = False, ws_rung: int | None = None) -> torch.Tensor:
     """Optimized fused attention. q ``[B, Hq, Nq, D]``, k and v ``[B, Hkv, Nk, D]``; returns O
     ``[B, Hq, Nq, D]``, differentiable (``o.backward(do)`` runs ``backward.py``'s kernels).
 
-    ``config`` forces a tile configuration (the tests run every candidate); the six switches turn
-    single optimizations off for the ablation (see the module docstring); ``split_kv`` forces
-    (n >= 2) or forbids (1) the split-KV path of ``decode.py`` (None: chosen from the work);
-    ``deterministic`` asks the backward for a fixed summation order; ``ws_rung`` k (1..6) runs the
-    warp-specialized kernel with rungs 1..k of its ladder on (``hopper_ws.LADDER``; sm_90, fp16/bf16,
-    D 64/128, Nq == Nk, forward only: a ValueError elsewhere).
+    ``config`` forces a tile configuration (a ``Config`` or its name; the tests run every
+    candidate); the six switches turn single optimizations off for the ablation (see the module
+    docstring); ``split_kv`` forces (n >= 2) or forbids (1) the split-KV path of ``decode.py``
+    (None: chosen from the work); ``deterministic`` asks the backward for a fixed summation order;
+    ``ws_rung`` k (1..6) runs the warp-specialized kernel with rungs 1..k of its ladder on
+    (``hopper_ws.LADDER``; sm_90, fp16/bf16, D 64/128, Nq == Nk, forward only: a ValueError elsewhere).
+
+    Traced (``torch.compile``, ``torch.export``) the call is the custom op
+    ``torch.ops.attention_lab.c_forward``; eager, the same implementation without the dispatcher
+    (``stages/ops.py`` says why).
     """
     scale = validate_inputs(q, k, v, causal=causal, sm_scale=sm_scale)
     _check_options(split_kv, deterministic, ws_rung)
-    options = dict(config=config, split_kv=split_kv, tuned_tiles=tuned_tiles, pipelining=pipelining, tma=tma,
-                   exp2=exp2, causal_skip=causal_skip, warp_specialization=warp_specialization, ws_rung=ws_rung)
-    if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
-        return _Attention.apply(q, k, v, causal, scale, options, deterministic)
-    return _forward(q, k, v, causal, scale, options, store_lse=False)[0]
+    _check_config(config)
+    store_lse = ops.needs_grad(q, k, v)
+    if ops.traced(q, k, v):
+        name = None if config is None else str(config)
+        return _forward_op(q, k, v, causal, scale, store_lse, name, split_kv, ws_rung, tuned_tiles, pipelining,
+                           tma, exp2, causal_skip, warp_specialization, deterministic)[0]
+    if store_lse:
+        return _Attention.apply(q, k, v, causal, scale, True, config, split_kv, ws_rung, tuned_tiles, pipelining,
+                                tma, exp2, causal_skip, warp_specialization, deterministic)[0]
+    return _forward(q, k, v, causal, scale, False, config, split_kv, ws_rung, tuned_tiles, pipelining, tma, exp2,
+                    causal_skip, warp_specialization, deterministic)[0]
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                       sm_scale: float | None = None, **options) -> tuple[torch.Tensor, torch.Tensor]:
+                       sm_scale: float | None = None, config: Config | str | None = None, split_kv: int | None = None,
+                       ws_rung: int | None = None, tuned_tiles: bool = True, pipelining: bool = True,
+                       tma: bool = True, exp2: bool = True, causal_skip: bool = True,
+                       warp_specialization: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward with its row log-sum-exp: (O, lse), lse fp32 ``[B, Hq, Nq]`` in base 2 of the
     scaled scores, ``lse_i = log2 Σ_j 2^(q_i·k_j · scale · log2 e)``; +inf for a row that sees no key.
-    No autograd (this is what the training forward saves). ``options`` as for ``attention``."""
+    No autograd (this is what the training forward saves). Options as for ``attention``."""
     scale = validate_inputs(q, k, v, causal=causal, sm_scale=sm_scale)
-    _check_options(options.get("split_kv"), False, options.get("ws_rung"))
+    _check_options(split_kv, False, ws_rung)
+    _check_config(config)
+    args = (q, k, v, causal, scale, True, config, split_kv, ws_rung, tuned_tiles, pipelining, tma, exp2,
+            causal_skip, warp_specialization, False)
     with torch.no_grad():
-        return _forward(q, k, v, causal, scale, options, store_lse=True)
+        if ops.traced(q, k, v):
+            return _forward_op(*args[:6], None if config is None else str(config), *args[7:])
+        return _forward(*args)
 
 
 @compiles_without_interpreter

@@ -1,0 +1,318 @@
+"""The stages inside transformers models (stages/hf.py): tiny random Llama (grouped-query attention)
+and GPT-2 models whose attention runs through ``attn_implementation="lab_<stage>"``, checked against
+transformers' own ``"sdpa"`` on the same weights and tokens: logits, every parameter's gradient,
+greedy ``generate()`` with the KV cache, a prompt fed in two chunks; and the clear refusals
+(padding, dropout, sliding windows, a stage without a backward).
+
+CPU: the stages run in the Triton interpreter, so the models are tiny (2 layers, hidden 64, head
+dim 16, a dozen tokens).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is the optional [hf] extra")
+
+import stages  # noqa: E402
+from stages import hf  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+VOCAB = 128
+TOKENS = 12
+
+#: Relative error bounds against SDPA on the same weights, by the model's dtype. fp32: both compute
+#: exact attention in fp32 and differ only in summation order (measured here: 2e-7 on the logits,
+#: 5e-7 on the worst parameter's gradient). bf16: every activation is rounded to 8 significant bits
+#: along the way, in different places by the two (measured: up to 5e-3 on the logits, 1e-2 on a
+#: gradient, stage A's unfused softmax the furthest).
+LOGITS_REL_ERR = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+GRAD_REL_ERR = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
+
+
+def llama_config(**overrides):
+    """A tiny Llama with grouped-query attention: 4 query heads share 2 K/V heads, head dim 16."""
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+               attention_dropout=0.0)
+    return transformers.LlamaConfig(**{**cfg, **overrides})
+
+
+def gpt2_config(**overrides):
+    """A tiny GPT-2: 4 heads of head dim 16, no dropout (the kernels have none)."""
+    cfg = dict(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+               attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    return transformers.GPT2Config(**{**cfg, **overrides})
+
+
+MODELS = {"llama": (transformers.LlamaForCausalLM, llama_config),
+          "gpt2": (transformers.GPT2LMHeadModel, gpt2_config)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    return hf.register()
+
+
+def make_model(kind: str, dtype=torch.float32, **overrides):
+    cls, config = MODELS[kind]
+    torch.manual_seed(0)
+    return cls(config(**overrides)).to(DEVICE, dtype).eval()
+
+
+def token_ids(batch: int = 2, n: int = TOKENS, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, n), generator=g).to(DEVICE)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def logits(model, impl: str, ids, **kwargs) -> torch.Tensor:
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model(ids, **kwargs).logits.float()
+
+
+# ------------------------------------------------------------------------------------------ registering
+
+def test_register_names_every_runnable_stage():
+    names = hf.register()
+    assert names == [f"lab_{n}" for n in hf.runnable_stage_names()]
+    assert {"lab_a", "lab_b", "lab_c"} <= set(names)
+    assert hf.register(["c"]) == ["lab_c"] and hf.register("b,c") == ["lab_b", "lab_c"]
+
+
+def test_register_is_idempotent():
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    hf.register()
+    first = AttentionInterface._global_mapping["lab_c"]
+    hf.register()
+    hf.register(["c"])
+    assert AttentionInterface._global_mapping["lab_c"] is first
+    assert AttentionMaskInterface._global_mapping["lab_c"] is hf.lab_mask
+    model = make_model("llama")
+    ids = token_ids()
+    assert rel_err(logits(model, "lab_c", ids), logits(model, "sdpa", ids)) < LOGITS_REL_ERR[torch.float32]
+
+
+def test_register_refuses_unknown_and_cuda_only_stages():
+    with pytest.raises(ValueError, match="unknown stage .zz.; registered stages: a, b, "):
+        hf.register(["zz"])
+    cuda_only = [n for n, s in stages.STAGES.items() if s.requires_cuda]
+    if cuda_only and not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA GPU"):
+            hf.register([cuda_only[0]])
+
+
+def test_import_stages_does_not_import_transformers():
+    code = "import sys, stages; sys.exit(1 if 'transformers' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300).returncode == 0
+
+
+def test_from_config_takes_the_lab_name():
+    cls, config = MODELS["llama"]
+    model = cls._from_config(config(), attn_implementation="lab_c")
+    assert model.config._attn_implementation == "lab_c"
+
+
+# ------------------------------------------------------------------------------------- forward and backward
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("stage", ["c", "b", "a"])
+def test_logits_match_sdpa(kind, stage):
+    model = make_model(kind)
+    ids = token_ids()
+    err = rel_err(logits(model, f"lab_{stage}", ids), logits(model, "sdpa", ids))
+    assert err < LOGITS_REL_ERR[torch.float32], err
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_logits_match_sdpa_bf16(kind):
+    model = make_model(kind, torch.bfloat16)
+    ids = token_ids()
+    err = rel_err(logits(model, "lab_c", ids), logits(model, "sdpa", ids))
+    assert err < LOGITS_REL_ERR[torch.bfloat16], err
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_attention_is_causal(kind):
+    """A token's logits cannot depend on later tokens; with is_causal=False they do, so the check
+    has teeth (and the non-causal run still matches SDPA's non-causal one)."""
+    model = make_model(kind)
+    ids = token_ids()
+    changed = ids.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % VOCAB
+    before, after = logits(model, "lab_c", ids), logits(model, "lab_c", changed)
+    assert torch.equal(before[:, :-1], after[:, :-1])
+    full = logits(model, "lab_c", ids, is_causal=False)
+    assert rel_err(full, before) > 1e-2
+    assert rel_err(full, logits(model, "sdpa", ids, is_causal=False)) < LOGITS_REL_ERR[torch.float32]
+
+
+def gradients(model, impl: str, ids) -> dict[str, torch.Tensor]:
+    model.set_attn_implementation(impl)
+    model.zero_grad(set_to_none=True)
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kind, stage, dtype", [(kind, stage, torch.float32) for kind in ("llama", "gpt2")
+                                                for stage in ("c", "b", "a")]
+                         + [("llama", "c", torch.bfloat16), ("gpt2", "c", torch.bfloat16)])
+def test_gradients_match_sdpa(kind, stage, dtype):
+    model = make_model(kind, dtype).train()  # no dropout in these configs: train mode changes nothing else
+    ids = token_ids()
+    mine, ref = gradients(model, f"lab_{stage}", ids), gradients(model, "sdpa", ids)
+    assert mine.keys() == ref.keys() and len(ref) == len(list(model.parameters()))
+    errors = {name: rel_err(mine[name], ref[name]) for name in ref}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < GRAD_REL_ERR[dtype], (worst, errors[worst])
+    # the attention's own weights get gradients only through the stage's backward
+    attn = [n for n in ref if ("q_proj" in n or "k_proj" in n or "c_attn" in n)]
+    assert attn and all(mine[n].abs().sum() > 0 for n in attn)
+
+
+# -------------------------------------------------------------------------------------------- the KV cache
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("stage", ["c", "b", "a"])
+def test_generate_with_kv_cache_matches_sdpa(kind, stage):
+    """Greedy decoding: the prefill (Nq = Nk = prompt) then one-token steps against a cache that
+    grows by one key per step, all with causal=True (bottom-right: one query sees every key)."""
+    model = make_model(kind)
+    ids = token_ids()
+
+    def greedy(impl):
+        model.set_attn_implementation(impl)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5,
+                             do_sample=False, pad_token_id=0)
+        return out[:, ids.shape[1]:]
+
+    mine, ref = greedy(f"lab_{stage}"), greedy("sdpa")
+    assert mine.shape == (2, 5) and torch.equal(mine, ref)
+
+
+def test_prompt_in_two_chunks_matches_sdpa():
+    """The second chunk's 5 queries against 12 keys: causal bottom-right (query i sees the 7 cached
+    keys and its own chunk up to i). SDPA needs a materialized mask here; the lab mask needs none."""
+    model = make_model("llama")
+    ids = token_ids()
+
+    def second_chunk(impl):
+        model.set_attn_implementation(impl)
+        cache = transformers.DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids[:, :7], past_key_values=cache, use_cache=True)
+            return model(ids[:, 7:], past_key_values=cache, use_cache=True).logits
+
+    whole = logits(model, "sdpa", ids)[:, 7:]
+    mine = second_chunk("lab_c")
+    assert rel_err(mine, second_chunk("sdpa")) < LOGITS_REL_ERR[torch.float32]
+    assert rel_err(mine, whole) < LOGITS_REL_ERR[torch.float32]
+
+
+# --------------------------------------------------------------------------------------------- the mask
+
+def test_mask_is_none_without_padding_and_for_the_growing_cache():
+    ones = torch.ones(2, 12, dtype=torch.bool)
+    assert hf.lab_mask(2, 12, 12) is None
+    assert hf.lab_mask(2, 12, 12, attention_mask=ones) is None
+    assert hf.lab_mask(2, 1, 12, q_offset=11, attention_mask=ones) is None      # a decode step
+    assert hf.lab_mask(2, 5, 12, q_offset=7, attention_mask=ones) is None       # a chunk after a cache
+
+
+def test_mask_is_materialized_for_padding_and_a_static_cache():
+    padded = torch.ones(2, 12, dtype=torch.bool)
+    padded[0, :3] = False
+    mask = hf.lab_mask(2, 12, 12, attention_mask=padded)
+    assert mask is not None and mask.shape == (2, 1, 12, 12) and not mask[0, 0, :, :3].any()
+    # a static cache: 16 slots of which the first 12 hold tokens; bottom-right alignment would be wrong
+    assert hf.lab_mask(2, 12, 16, attention_mask=torch.ones(2, 12, dtype=torch.bool)) is not None
+
+
+# ------------------------------------------------------------------------------------------ the refusals
+
+def one_line_error(excinfo) -> str:
+    text = str(excinfo.value)
+    assert "\n" not in text
+    return text
+
+
+def test_padding_mask_is_refused_in_one_line():
+    model = make_model("llama")
+    ids = token_ids()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    model.set_attn_implementation("lab_c")
+    with pytest.raises(hf.UnsupportedAttention) as excinfo:
+        model(ids, attention_mask=mask)
+    text = one_line_error(excinfo)
+    assert "lab_c" in text and "without padding" in text and "pad-free" in text and '"sdpa"' in text
+
+
+def test_dropout_in_training_is_refused():
+    model = make_model("gpt2", attn_pdrop=0.1).train()
+    model.set_attn_implementation("lab_c")
+    with pytest.raises(hf.UnsupportedAttention) as excinfo:
+        model(token_ids())
+    assert "dropout p=0.1" in one_line_error(excinfo)
+    model.eval()  # no dropout at inference: fine
+    with torch.no_grad():
+        model(token_ids())
+
+
+@pytest.mark.parametrize("kwarg, value", [("sliding_window", 4), ("softcap", 30.0), ("s_aux", torch.zeros(4)),
+                                          ("position_bias", torch.zeros(1, 4, 3, 3)),
+                                          ("cu_seq_lens_q", torch.tensor([0, 3])), ("output_attentions", True)])
+def test_math_changing_kwargs_are_refused(kwarg, value):
+    forward = hf.attention_forward("c")
+    q = k = v = torch.randn(1, 4, 3, 16, device=DEVICE)
+    with pytest.raises(hf.UnsupportedAttention) as excinfo:
+        forward(torch.nn.Module(), q, k, v, None, **{kwarg: value})
+    assert kwarg in one_line_error(excinfo)
+    # None (a full-attention layer of a model that has windows elsewhere) is fine
+    if kwarg != "output_attentions":
+        out, weights = forward(torch.nn.Module(), q, k, v, None, **{kwarg: None}, position_ids=None, use_cache=True)
+        assert out.shape == (1, 3, 4, 16) and weights is None
+
+
+def test_a_stage_without_a_backward_is_refused_under_grad(fake_stages):
+    from dataclasses import replace
+
+    c = stages.get_stage("c")
+    fake_stages(replace(c, name="nobwd", attention=lambda q, k, v, **kw: c.attention(q, k, v, **kw).detach()))
+    forward = hf.attention_forward("nobwd")
+    q = torch.randn(1, 2, 3, 16, device=DEVICE, requires_grad=True)
+    with pytest.raises(hf.UnsupportedAttention, match="no backward"):
+        forward(torch.nn.Module(), q, q, q, None)
+    with torch.no_grad():
+        forward(torch.nn.Module(), q, q, q, None)  # inference needs none
+
+
+# ---------------------------------------------------------------------------------------------- on a GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_cuda_twins_serve_a_model_and_refuse_to_train_it(kind):
+    """The CUDA C++ twins have no backward: a model decodes with them and gives SDPA's logits, and a
+    training step is refused instead of training without the attention's gradients."""
+    twins = [n for n, s in stages.STAGES.items() if s.requires_cuda]
+    assert twins, "no CUDA twin registered"
+    model = make_model(kind, torch.bfloat16)
+    ids = token_ids()
+    ref = logits(model, "sdpa", ids)
+    for twin in twins:
+        err = rel_err(logits(model, f"lab_{twin}", ids), ref)
+        assert err < LOGITS_REL_ERR[torch.bfloat16], (twin, err)
+        model.train()
+        with pytest.raises(hf.UnsupportedAttention, match="no backward"):
+            gradients(model, f"lab_{twin}", ids)
+        model.eval()
