@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The kernels inside real models, on one GPU: the GPU tests of the shape-stable host path, the custom
-# ops (torch.compile, CUDA graphs) and the transformers integration; then the measurements into
+# ops (torch.compile, CUDA graphs) and the transformers integration (every test of those files runs
+# on the GPU, not only the gpu-marked ones); then the measurements into
 # results/<gpu>/: the decode loop with a growing cache against a fixed one (decode.csv), generate()
 # and a training step of GPT-2- and Llama-shaped transformers models (generate/runs.csv), and the
 # stage C cells of the forward and backward grid at N = 4096 beside cuDNN and FA2 (runs.csv), so a
@@ -24,7 +25,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw,temperature.gpu 
 $py -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
     >> "$log" 2>&1
 if has tests; then
-  run timeout ${TEST_S:-420} $py -m pytest -q -n 8 -p no:cacheprovider -m gpu tests/test_host_path.py \
+  run timeout ${TEST_S:-420} $py -m pytest -q -n 8 -p no:cacheprovider -m "not slow" tests/test_host_path.py \
       tests/test_custom_ops.py tests/test_hf.py tests/test_stage_c_backward.py tests/test_stage_c_shapes.py \
       tests/test_backward.py tests/test_generate_cli.py
 fi
