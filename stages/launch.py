@@ -175,8 +175,8 @@ class FastLaunch:
         return args
 
     def _integer_facts(self, values) -> tuple | None:
-        """What Triton's specialization reads off the dynamic integers: per specialized one 0 (== 1),
-        1 (divisible by 16) or 2 (neither); None when any integer is wider than 32 bits."""
+        """What Triton's specialization reads off the dynamic integers, per specialized one: equal to 1,
+        divisible by 16, or neither; None when any integer is wider than 32 bits."""
         if self._int_slots is None:
             params = getattr(self.kernel, "params", None)
             specialized, unspecialized = [], []
@@ -190,7 +190,26 @@ class FastLaunch:
             ints = [values[i] for i in every]
             if max(ints) > 0x7FFFFFFF or min(ints) < -0x80000000:
                 return None
-        return tuple([0 if x == 1 else (1 if x % 16 == 0 else 2) for x in [values[i] for i in specialized]])
+        # True (== 1), 2 (divisible by 16) or False (neither): three facts that compare unequal
+        return tuple([x == 1 or (x % 16 == 0 and 2) for x in [values[i] for i in specialized]])
+
+    def prepare(self, grid: tuple, *values) -> None:
+        """Compile (without launching) the kernel a call with these values would take, and keep it:
+        for a kernel a loop will need only later (the merge of split-KV decoding, first needed
+        when the cache grows long enough to split), so its compilation is not paid mid-loop."""
+        if not (self._fast and fast_launch_enabled and not launch_hooks_active()):
+            return
+        facts = self._integer_facts(values)
+        if facts is None:
+            return
+        if self._get_device is None:
+            self._get_device, self._get_stream = _driver_getters()
+        key = (self._get_device(), tuple([t.data_ptr() % 16 == 0 for t in values[:self._pointers]]), facts)
+        if key not in self._compiled and not getattr(self.kernel, "pre_run_hooks", None):
+            args = self.arguments(*values)
+            compiled = self.kernel.warmup(**dict(zip(self.names, args)), grid=tuple(grid), **self.options)
+            if compiled is not None:
+                self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
 
     def __call__(self, grid: tuple, *values) -> None:
         args = self.arguments(*values)

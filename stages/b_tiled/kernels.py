@@ -379,20 +379,21 @@ def _row_stats(q: torch.Tensor) -> torch.Tensor:
 
 
 def _forward(q, k, v, causal: bool, scale: float, store_lse: bool, dq_method: str):
-    """O, and the fp32 row log-sum-exp L [B, Hq, Nq] when ``store_lse`` (an empty tensor otherwise):
+    """O, and the fp32 row log-sum-exp L [B, Hq, Nq] when ``store_lse`` (None otherwise):
     what the custom op and the eager path both run. ``dq_method`` is the backward's, carried here so
     the autograd formula sees it among the inputs."""
     o = new_output(q)
     lse = _row_stats(q) if store_lse else None
     for launch in forward_plan(q, k, v, o, lse, causal=causal, scale=scale):
         launch.run()
-    return o, (lse if lse is not None else q.new_empty(0, dtype=torch.float32))
+    return o, lse
 
 
 @torch.library.custom_op(f"{ops.LIBRARY}::b_forward", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, store_lse: bool,
                 dq_method: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, causal, scale, store_lse, dq_method)
+    o, lse = _forward(q, k, v, causal, scale, store_lse, dq_method)
+    return o, (lse if lse is not None else q.new_empty(0, dtype=torch.float32))  # an op returns tensors
 
 
 @_forward_op.register_fake

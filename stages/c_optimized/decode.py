@@ -43,6 +43,7 @@ when Nk is long (the only case this path is chosen for).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import triton
@@ -60,7 +61,9 @@ MAX_SPLITS = 256
 @dataclass(frozen=True)
 class SplitConfig:
     """Tiles of the split kernel: ``block_m`` query rows (of the flattened group·Nq rows) by
-    ``block_n`` keys, ``splits`` chunks of ``chunk`` keys each."""
+    ``block_n`` keys, ``splits`` chunks of ``chunk`` keys each. ``splits = 0`` means "counted per
+    call from Nk" (a decoding call's kernel config: the count follows the cache, the kernel does
+    not), of ``forced`` chunks if given (``split_kv``), else as many as :func:`decode_splits` wants."""
 
     block_m: int
     block_n: int
@@ -68,6 +71,7 @@ class SplitConfig:
     chunk: int
     num_warps: int = 4
     num_stages: int = 2
+    forced: int | None = None
 
 
 def tiles_for(group: int, Nq: int, D: int) -> tuple[int, int]:
@@ -79,6 +83,15 @@ def tiles_for(group: int, Nq: int, D: int) -> tuple[int, int]:
     return block_m, block_n
 
 
+#: A call is *decoding* when all the query rows of a KV head's group (group · Nq) fit one tile and
+#: they come after a cache (Nq < Nk): a new token, or a few, against the keys so far.
+DECODE_ROWS = 64
+
+
+def is_decoding(group: int, Nq: int, Nk: int) -> bool:
+    return group * Nq <= DECODE_ROWS and Nq < Nk
+
+
 #: Programs per SM the split-KV grid aims at when the query rows of each KV head fit one tile
 #: (decoding): measured on the H200, 4 waves of split programs read the cache fastest (B=16, Hq=32,
 #: Hkv=8, Nk=8192: 2 splits 0.149 ms, 4 splits 0.140, 8 splits 0.151; B=8, Nk=16384: 8 splits best),
@@ -86,48 +99,81 @@ def tiles_for(group: int, Nq: int, D: int) -> tuple[int, int]:
 DECODE_WAVES = 4
 
 
+@lru_cache(maxsize=1024)  # asked on every decoding call, with the same arguments a whole loop long
+def _wanted_splits(B: int, Hkv: int, group: int, Nq: int, D: int, sms: int) -> int:
+    """Splits that would fill the GPU, before the keys limit them: about :data:`DECODE_WAVES` programs
+    per SM when decoding, about one wave otherwise."""
+    block_m, _ = tiles_for(group, Nq, D)
+    items = B * Hkv * cdiv(group * Nq, block_m)
+    return round(DECODE_WAVES * sms / items) if group * Nq <= DECODE_ROWS else sms // items
+
+
+def decoding_splits_keys(B: int, Hkv: int, group: int, Nq: int, D: int, sms: int) -> bool:
+    """Whether a decoding call takes the split kernel, at every cache length: grouped-query decoding
+    always (its program holds all the query heads of a KV head, so the cache is read once per KV
+    head, where the one-pass kernel reads it once per query head: B=64, Hq=32, Hkv=8 on the H200
+    ran at 0.44x of cuDNN that way); multi-head decoding unless its unsplit grid already fills the
+    GPU. The answer depends on the batch and heads, never on Nk, so a loop whose cache grows by a
+    key per call never switches kernels (and so never compiles one) halfway through."""
+    return group > 1 or _wanted_splits(B, Hkv, group, Nq, D, sms) >= 2
+
+
+def decode_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: int) -> int:
+    """The chunks a decoding call splits its ``Nk`` keys into: :func:`_wanted_splits`, at most one
+    per ``MIN_TILES_PER_SPLIT`` tiles and :data:`MAX_SPLITS`, at least 1 (a short cache: one chunk,
+    the same kernel)."""
+    block_n = 64 if D <= 128 else 32  # tiles_for's
+    wanted = _wanted_splits(B, Hkv, group, Nq, D, sms)
+    return max(1, min(wanted, cdiv(Nk, block_n) // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+
+
 def choose_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: int) -> SplitConfig | None:
     """The split-KV configuration for this problem, or None when splitting does not pay.
 
     Programs without splitting: ``items = B·Hkv·⌈group·Nq/BLOCK_M⌉``.
 
-    * Decoding (every query row of a KV head's group fits one BLOCK_M tile, e.g. one new token per
-      sequence): the work is reading the cache once, a bandwidth problem, and the unsplit grid has
+    * Decoding (every query row of a KV head's group fits one BLOCK_M tile, after a cache: e.g. one
+      new token per sequence): the work is reading the cache once, a bandwidth problem, and the unsplit grid has
       one program per KV head. Split so the grid holds about :data:`DECODE_WAVES` programs per SM
-      (one chunk while the cache is too short for more: the path does not change as it grows);
-      multi-head decoding whose unsplit grid already fills the GPU runs the one-pass kernel.
+      (one chunk while the cache is too short for more: the path does not change as it grows,
+      :func:`decoding_splits_keys`); multi-head decoding whose unsplit grid already fills the GPU
+      runs the one-pass kernel.
     * Otherwise split only when the unsplit programs fill at most half the SMs: ``sms // items``
       chunks then fill about one wave; with more items, a second wave of split programs would take
       as long as the unsplit ones, so the one-pass kernel runs instead.
 
     Never more chunks than the K/V tiles allow at ``MIN_TILES_PER_SPLIT`` tiles each."""
-    block_m, block_n = tiles_for(group, Nq, D)
-    items = B * Hkv * cdiv(group * Nq, block_m)
-    tiles = cdiv(Nk, block_n)
-    decoding = group * Nq <= block_m
-    wanted = round(DECODE_WAVES * sms / items) if decoding else sms // items
-    splits = min(wanted, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS)
-    if decoding and (group > 1 or wanted >= 2):
-        # Decoding keeps this kernel at every cache length, even unsplit while the cache is short
-        # (one chunk, then the merge): whether a decode step splits depends on the batch and heads,
-        # never on Nk, so a loop whose cache grows by a key per call never switches kernels (and so
-        # never compiles one) halfway through. Grouped-query decoding takes it even on a full GPU:
-        # its program holds all the query heads of a KV head, so the cache is read once per KV
-        # head, where the one-pass kernel reads it once per query head (B=64, Hq=32, Hkv=8 on the
-        # H200: 0.44x of cuDNN that way).
-        return forced_splits(group, Nq, Nk, D, max(1, splits))
+    if is_decoding(group, Nq, Nk):
+        if not decoding_splits_keys(B, Hkv, group, Nq, D, sms):
+            return None
+        return forced_splits(group, Nq, Nk, D, decode_splits(B, Hkv, group, Nq, Nk, D, sms))
+    _, block_n = tiles_for(group, Nq, D)
+    splits = min(_wanted_splits(B, Hkv, group, Nq, D, sms), cdiv(Nk, block_n) // MIN_TILES_PER_SPLIT, MAX_SPLITS)
     if splits < 2:
         return None
     return forced_splits(group, Nq, Nk, D, splits)
 
 
-def forced_splits(group: int, Nq: int, Nk: int, D: int, splits: int) -> SplitConfig:
-    """``splits`` chunks (``attention(..., split_kv=splits)``), each a whole number of K/V tiles: the
-    count is rounded to what equal chunks of whole tiles give (never more than one chunk per tile)."""
-    block_m, block_n = tiles_for(group, Nq, D)
+def split_counts(block_n: int, Nk: int, splits: int) -> tuple[int, int]:
+    """(chunks, keys per chunk) for ``splits`` wanted chunks of whole ``block_n``-key tiles: the count
+    rounded to what equal chunks of whole tiles give (never more than one chunk per tile)."""
     tiles = cdiv(Nk, block_n)
     chunk_tiles = cdiv(tiles, max(1, min(splits, tiles)))
-    return SplitConfig(block_m, block_n, cdiv(tiles, chunk_tiles), chunk_tiles * block_n)
+    return cdiv(tiles, chunk_tiles), chunk_tiles * block_n
+
+
+def forced_splits(group: int, Nq: int, Nk: int, D: int, splits: int) -> SplitConfig:
+    """``splits`` chunks (``attention(..., split_kv=splits)``), each a whole number of K/V tiles
+    (:func:`split_counts`)."""
+    block_m, block_n = tiles_for(group, Nq, D)
+    return SplitConfig(block_m, block_n, *split_counts(block_n, Nk, splits))
+
+
+def per_call_config(group: int, Nq: int, D: int, forced: int | None = None) -> SplitConfig:
+    """The split kernel's config for decoding calls of every cache length: its tiles, the count of
+    chunks left to each call (``splits = 0``), ``forced`` chunks if given."""
+    block_m, block_n = tiles_for(group, Nq, D)
+    return SplitConfig(block_m, block_n, 0, 0, forced=forced)
 
 
 #: Sizes are runtime values (``do_not_specialize``): a KV cache that grows by one key per call changes
@@ -135,16 +181,18 @@ def forced_splits(group: int, Nq: int, Nk: int, D: int, splits: int) -> SplitCon
 #: them became 1 or a multiple of 16. Strides keep their divisibility facts (16-byte vector loads).
 @triton.jit(do_not_specialize=["Hq", "Hkv", "N_Q", "N_K", "CAUSAL_OFFSET", "CHUNK", "ROWS_TOTAL"])
 def split_kv_attention_kernel(
-    Q, K, V, O_PART, LSE_PART, qk_scale,
+    Q, K, V, O_PART, LSE_PART, O, LSE, qk_scale,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     Hq, Hkv, N_Q, N_K, CAUSAL_OFFSET, CHUNK, ROWS_TOTAL,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     """Program (split, b·Hkv + kv head, row block): the online softmax of its rows over one chunk of
-    keys; writes the chunk's normalized O (fp32) and base-2 log-sum-exp per row (module docstring)."""
+    keys; writes the chunk's normalized O (fp32) and base-2 log-sum-exp per row (module docstring).
+    With a single chunk (a short cache) that is the answer: it goes straight to O (and LSE), and
+    no merge runs."""
     split = tl.program_id(0)
     b = tl.program_id(1) // Hkv
     kv_h = tl.program_id(1) % Hkv
@@ -191,12 +239,19 @@ def split_kv_attention_kernel(
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-    # Partials: [splits, B·Hq·Nq rows, D] and [splits, B·Hq·Nq], rows in (b, h, i) order.
-    row = (b * Hq + h).to(tl.int64) * N_Q + i
-    part = split.to(tl.int64) * ROWS_TOTAL + row
-    tl.store(O_PART + part[:, None] * D + ds[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LSE_PART + part, lse, mask=row_ok)
+    lse = m_i + tl.math.log2(tl.where(seen, l_i, 1.0))
+    row = (b * Hq + h).to(tl.int64) * N_Q + i  # rows in (b, h, i) order, as O (contiguous) holds them
+    mask = row_ok[:, None] & d_ok[None, :]
+    if tl.num_programs(0) == 1:
+        # One chunk: the merge would copy it. O and LSE as the merge writes them (+inf: no key).
+        tl.store(O + row[:, None] * D + ds[None, :], out.to(O.dtype.element_ty), mask=mask)
+        if STORE_LSE:
+            tl.store(LSE + row, tl.where(seen, lse, float("inf")), mask=row_ok)
+    else:
+        # Partials: [splits, B·Hq·Nq rows, D] and [splits, B·Hq·Nq] (-inf: no key in this chunk).
+        part = split.to(tl.int64) * ROWS_TOTAL + row
+        tl.store(O_PART + part[:, None] * D + ds[None, :], out, mask=mask)
+        tl.store(LSE_PART + part, tl.where(seen, lse, float("-inf")), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["ROWS_TOTAL", "SPLITS"])

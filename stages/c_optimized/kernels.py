@@ -46,6 +46,7 @@ With every switch off, stage C does what stage B does; the ablation (``python -m
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -283,6 +284,10 @@ def select(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: torch.dty
     3. ``ws_rung`` k forces the warp-specialized kernel with rungs 1..k of its ladder on
        (``hopper_ws.LADDER``), built on the config step 2 would choose; a ValueError where that
        kernel cannot run.
+
+    ``Nk=None``: a decoding call (``decode.is_decoding``) of any cache length. Its choice
+    does not depend on Nk, so the host path caches one choice for the whole of a decode loop; the
+    split path's config then leaves the count of chunks to each call (``splits = 0``).
     """
     group = Hq // Hkv
     if ws_rung is not None:
@@ -290,11 +295,17 @@ def select(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: torch.dty
                                ws_rung, tuned_tiles=tuned_tiles, pipelining=pipelining, tma=tma, exp2=exp2,
                                causal_skip=causal_skip, warp_specialization=warp_specialization)
     if split_kv is not None and split_kv >= 2:
+        if Nk is None:
+            return Choice("split", decode.per_call_config(group, Nq, D, forced=split_kv))
         return Choice("split", decode.forced_splits(group, Nq, Nk, D, split_kv))
     if split_kv is None and config is None and tuned_tiles and exp2:
-        split = decode.choose_splits(B, Hkv, group, Nq, Nk, D, sms)
-        if split is not None:
-            return Choice("split", split)
+        if Nk is None:
+            if decode.decoding_splits_keys(B, Hkv, group, Nq, D, sms):
+                return Choice("split", decode.per_call_config(group, Nq, D))
+        else:
+            split = decode.choose_splits(B, Hkv, group, Nq, Nk, D, sms)
+            if split is not None:
+                return Choice("split", split)
     ws_allowed = (_ws_switches_on(causal, tuned_tiles=tuned_tiles, pipelining=pipelining, tma=tma, exp2=exp2,
                                   causal_skip=causal_skip, warp_specialization=warp_specialization)
                   and hopper_ws.supported(dtype, D, arch) and tma_ok and Nq == Nk and not store_lse)
@@ -393,6 +404,10 @@ class _LaunchRecipe:
     def launch(self, grid: tuple, tensors: dict, ints: tuple, scale: float) -> None:
         self.launcher(grid, *self.values(tensors, ints, scale))
 
+    def prepare(self, grid: tuple, tensors: dict, ints: tuple, scale: float) -> None:
+        """Compile the kernel this launch would run for such a call, without running it."""
+        self.launcher.prepare(grid, *self.values(tensors, ints, scale))
+
     def bind(self, grid: tuple, tensors: dict, ints: tuple, scale: float) -> Launch:
         """The same launch as data (every argument by name), for ``compile`` and the tests."""
         args = dict(self.static)
@@ -410,6 +425,8 @@ class _Recipe:
     path: str
     launches: tuple
     runtime: object
+    #: what the host path has done once for this recipe (``_prepare_merge``)
+    done: set = field(default_factory=set, compare=False, repr=False)
 
 
 def _strides(role: str) -> tuple:
@@ -440,25 +457,31 @@ _SPLIT_INTS = (*_strides("q"), *_strides("k"), *_strides("v"), "Hq", "Hkv", "N_Q
                "ROWS_TOTAL")
 
 
-def _split_runtime(q, k, v, o, choice: Choice) -> tuple:
+def _split_runtime(q, k, v, o, choice: Choice, sms: int) -> tuple:
     split = choice.config
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     group = Hq // Hkv
+    splits, chunk = split.splits, split.chunk
+    if splits == 0:  # a decoding call's kernel config: the count follows this call's cache length
+        wanted = split.forced or decode.decode_splits(B, Hkv, group, Nq, Nk, D, sms)
+        splits, chunk = decode.split_counts(split.block_n, Nk, wanted)
     rows_total = B * Hq * Nq
-    first = ((split.splits, B * Hkv, cdiv(group * Nq, split.block_m)),
-             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], Hq, Hkv, Nq, Nk, Nk - Nq, split.chunk, rows_total))
-    merge = ((cdiv(rows_total, decode.MERGE_ROWS),), (rows_total, split.splits))
-    o_shape, lse_shape = decode.workspace_shapes(B, Hq, Nq, D, split.splits)
-    return (("o_part", o_shape), ("lse_part", lse_shape)), (first, merge)
+    first = ((splits, B * Hkv, cdiv(group * Nq, split.block_m)),
+             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], Hq, Hkv, Nq, Nk, Nk - Nq, chunk, rows_total))
+    if splits == 1:  # one chunk: the split kernel writes O itself, no partials, no merge
+        return (("o_part", None), ("lse_part", None)), (first,)
+    merge = ((cdiv(rows_total, decode.MERGE_ROWS),), (rows_total, splits))
+    return (("o_part", (splits, rows_total, D)), ("lse_part", (splits, rows_total))), (first, merge)
 
 
 def _kernel_config(choice: Choice):
     """The part of a choice that the compiled kernels depend on: the split path's count and chunk of
     keys are runtime values (they follow Nk), the rest of every config is compiled in."""
-    if choice.path == "split":
-        return replace(choice.config, splits=0, chunk=0)
-    return choice.config
+    config = choice.config
+    if choice.path == "split" and (config.splits or config.forced is not None):
+        return replace(config, splits=0, chunk=0, forced=None)
+    return config
 
 
 @lru_cache(maxsize=1024)
@@ -472,7 +495,7 @@ def _recipe(path: str, config, dtype: torch.dtype, D: int, group: int, causal: b
     on = dict(zip(SWITCH_NAMES, switches))
     dot_precision = "ieee" if dtype == torch.float32 else "tf32"  # fp32 inputs get exact fp32 products
     if path == "split":
-        return _split_recipe(config, dtype, D, group, causal, dot_precision, store_lse)
+        return _split_recipe(config, dtype, D, group, causal, dot_precision, store_lse, sms)
     if path == "ws":
         options = config.ws_options(ws_rung)
         constants, extra = hopper_ws.kernel_constants(causal=causal, group=group, even_n=even_n, **options)
@@ -510,14 +533,17 @@ def _recipe(path: str, config, dtype: torch.dtype, D: int, group: int, causal: b
     return _Recipe(path, (launch,), _tl_runtime)
 
 
-def _split_recipe(split, dtype, D, group, causal, dot_precision, store_lse) -> _Recipe:
+def _split_recipe(split, dtype, D, group, causal, dot_precision, store_lse, sms) -> _Recipe:
     BD = padded_head_dim(D)
-    first = _LaunchRecipe(
-        decode.split_kv_attention_kernel,
-        tuple(dict(GROUP=group, D=D, BLOCK_D=BD, BLOCK_M=split.block_m, BLOCK_N=split.block_n, CAUSAL=causal,
-                   DOT_PRECISION=dot_precision).items()),
-        (("Q", "q"), ("K", "k"), ("V", "v"), ("O_PART", "o_part"), ("LSE_PART", "lse_part")), (), _SPLIT_INTS,
-        split.num_warps, split.num_stages)
+    tensors = (("Q", "q"), ("K", "k"), ("V", "v"), ("O_PART", "o_part"), ("LSE_PART", "lse_part"), ("O", "o"))
+    static = dict(GROUP=group, D=D, BLOCK_D=BD, BLOCK_M=split.block_m, BLOCK_N=split.block_n, CAUSAL=causal,
+                  DOT_PRECISION=dot_precision, STORE_LSE=store_lse)
+    if store_lse:
+        tensors += (("LSE", "lse"),)
+    else:
+        static["LSE"] = None
+    first = _LaunchRecipe(decode.split_kv_attention_kernel, tuple(static.items()), tensors, (), _SPLIT_INTS,
+                          split.num_warps, split.num_stages)
     merge_static = dict(D=D, BLOCK_D=BD, BLOCK_R=decode.MERGE_ROWS, STORE_LSE=store_lse)
     merge_tensors = (("O_PART", "o_part"), ("LSE_PART", "lse_part"), ("O", "o"))
     if store_lse:
@@ -526,7 +552,7 @@ def _split_recipe(split, dtype, D, group, causal, dot_precision, store_lse) -> _
         merge_static["LSE"] = None
     merge = _LaunchRecipe(decode.merge_splits_kernel, tuple(merge_static.items()), merge_tensors, (),
                           ("ROWS_TOTAL", "SPLITS"), 4, 1, scale_factor=None)
-    return _Recipe("split", (first, merge), _split_runtime)
+    return _Recipe("split", (first, merge), functools.partial(_split_runtime, sms=sms))
 
 
 def _desc_template(block: tuple, gluon: bool, dtype: torch.dtype) -> tuple:
@@ -556,12 +582,15 @@ def _plan_call(q, k, v, o, lse, causal: bool, arch: int, sms: int, config: Confi
     if arch >= 90:
         # All four base pointers 16-byte aligned, in one test: their OR is then a multiple of 16 too
         # (a meta tensor's data_ptr() is 0); and every stride but the last a multiple of 16 bytes.
-        e = q.element_size()
+        qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), o.stride()
         tma_ok = ((q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()) % 16 == 0
-                  and _strides_tma_ok(q.stride(), e) and _strides_tma_ok(k.stride(), e)
-                  and _strides_tma_ok(v.stride(), e) and _strides_tma_ok(o.stride(), e))
+                  and _strides_tma_ok((qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os_[0], os_[1],
+                                       os_[2], 1), q.element_size()))
     store_lse = lse is not None
-    choice = _select(B, Hq, Hkv, Nq, Nk, D, q.dtype, causal, arch, sms, tma_ok, config, split_kv, store_lse,
+    # A decoding call's choice does not depend on the cache length (select, Nk=None): one cached
+    # choice serves every step of a decode loop, where the exact Nk would miss the cache every call.
+    nk_key = None if decode.is_decoding(Hq // Hkv, Nq, Nk) else Nk
+    choice = _select(B, Hq, Hkv, Nq, nk_key, D, q.dtype, causal, arch, sms, tma_ok, config, split_kv, store_lse,
                      switches, ws_rung)
     even_n = choice.path == "ws" and Nq % choice.config.block_n == 0
     recipe = _recipe(choice.path, _kernel_config(choice), q.dtype, D, Hq // Hkv, causal, arch, sms,
@@ -578,11 +607,34 @@ def _select(B, Hq, Hkv, Nq, Nk, D, dtype, causal, arch, sms, tma_ok, config, spl
 
 
 def _call_tensors(workspace: tuple, q, k, v, o, lse) -> dict:
-    """The call's tensors by role, with the fp32 workspace the recipe asks for (split-KV) allocated."""
+    """The call's tensors by role, with the fp32 workspace the recipe asks for (the split path's
+    partials: one allocation, cut into the buffers; a shape of None: an unused fp32 argument)."""
     tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse}
-    for role, shape in workspace:
-        tensors[role] = torch.empty(shape, dtype=torch.float32, device=q.device)
+    if workspace:
+        sizes = [math.prod(shape) for _, shape in workspace if shape is not None]
+        if not sizes:
+            for role, _ in workspace:
+                tensors[role] = _unused_fp32(q.device)
+            return tensors
+        flat = torch.empty(sum(sizes), dtype=torch.float32, device=q.device)
+        offset = 0
+        for role, shape in workspace:
+            n = math.prod(shape)
+            tensors[role] = flat[offset:offset + n].view(shape)
+            offset += n
     return tensors
+
+
+#: device -> a one-element fp32 tensor: what a kernel's unused fp32 pointer argument gets (a fresh
+#: allocation, so 16-byte aligned like the buffers it stands in for: the same compiled kernel)
+_UNUSED_FP32: dict = {}
+
+
+def _unused_fp32(device: torch.device) -> torch.Tensor:
+    t = _UNUSED_FP32.get(device)
+    if t is None:
+        t = _UNUSED_FP32[device] = torch.empty(1, dtype=torch.float32, device=device)
+    return t
 
 
 def plan(q, k, v, o, *, causal: bool, scale: float, arch: int, config: Config | None = None, lse=None,
@@ -649,8 +701,8 @@ def _parse_config(text: str) -> Config:
 
 def _forward(q, k, v, causal: bool, scale: float, store_lse: bool, config, split_kv, ws_rung, tuned_tiles,
              pipelining, tma, exp2, causal_skip, warp_specialization, deterministic):
-    """The forward: O and the fp32 row log-sum-exp [B, Hq, Nq] (base 2) when ``store_lse`` (an empty
-    tensor otherwise). The custom op's implementation and the eager path alike; ``deterministic``
+    """The forward: O and the fp32 row log-sum-exp [B, Hq, Nq] (base 2) when ``store_lse`` (None
+    otherwise). The custom op's implementation and the eager path alike; ``deterministic``
     is the backward's, carried here so the autograd formula sees it among the inputs."""
     if isinstance(config, str):
         config = _parse_config(config)
@@ -670,7 +722,21 @@ def _forward(q, k, v, causal: bool, scale: float, store_lse: bool, config, split
     tensors = _call_tensors(workspace, q, k, v, o, lse)
     for launch, (grid, ints) in zip(recipe.launches, runs):
         launch.launch(grid, tensors, ints, scale)
-    return o, (lse if lse is not None else q.new_empty(0, dtype=torch.float32))
+    if len(runs) < len(recipe.launches):
+        _prepare_merge(recipe, runs, tensors, scale)
+    return o, lse
+
+
+def _prepare_merge(recipe: _Recipe, runs: tuple, tensors: dict, scale: float) -> None:
+    """A decoding call short enough for one chunk runs no merge; the loop's later, longer calls will.
+    Compile the merge now (once per recipe), so a decode loop compiles all its kernels at its first
+    call instead of stalling at the step whose cache first splits."""
+    if recipe.path != "split" or "merge prepared" in recipe.done:
+        return
+    recipe.done.add("merge prepared")
+    rows_total = runs[0][1][-1]
+    unused = _unused_fp32(tensors["q"].device)
+    recipe.launches[1].prepare((1,), {**tensors, "o_part": unused, "lse_part": unused}, (rows_total, 2), scale)
 
 
 @torch.library.custom_op(f"{ops.LIBRARY}::c_forward", mutates_args=(), device_types=None)
@@ -678,8 +744,9 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                 config: str | None, split_kv: int | None, ws_rung: int | None, tuned_tiles: bool, pipelining: bool,
                 tma: bool, exp2: bool, causal_skip: bool, warp_specialization: bool,
                 deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, causal, scale, store_lse, config, split_kv, ws_rung, tuned_tiles, pipelining, tma,
-                    exp2, causal_skip, warp_specialization, deterministic)
+    o, lse = _forward(q, k, v, causal, scale, store_lse, config, split_kv, ws_rung, tuned_tiles, pipelining, tma,
+                      exp2, causal_skip, warp_specialization, deterministic)
+    return o, (lse if lse is not None else q.new_empty(0, dtype=torch.float32))  # an op returns tensors
 
 
 @_forward_op.register_fake
