@@ -211,11 +211,14 @@ class FastLaunch:
             if compiled is not None:
                 self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
 
-    def __call__(self, grid: tuple, *values) -> None:
+    def __call__(self, grid: tuple, *values, facts=None) -> None:
+        """Launch on ``grid`` with these dynamic ``values``; ``facts``: their ``_integer_facts``, when
+        the caller kept them from an earlier call with the same integers."""
         args = self.arguments(*values)
         key = None
         if self._fast and fast_launch_enabled and not launch_hooks_active():
-            facts = self._integer_facts(values)
+            if facts is None:
+                facts = self._integer_facts(values)
             if facts is not None:
                 # Of what Triton keys its kernels on, only these vary between calls here.
                 key = (self._get_device() if self._get_device is not None else None,

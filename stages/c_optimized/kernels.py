@@ -401,8 +401,16 @@ class _LaunchRecipe:
             values.append(scale * self.scale_factor)
         return values
 
-    def launch(self, grid: tuple, tensors: dict, ints: tuple, scale: float) -> None:
-        self.launcher(grid, *self.values(tensors, ints, scale))
+    def launch(self, grid: tuple, tensors: dict, ints: tuple, scale: float, facts=None) -> None:
+        """Launch with this call's tensors, sizes and scale (``facts``: ``integer_facts(ints)``, when
+        the caller kept them)."""
+        self.launcher(grid, *self.values(tensors, ints, scale), facts=facts)
+
+    def integer_facts(self, ints: tuple):
+        """What Triton's specialization reads off these integer arguments (``FastLaunch``)."""
+        before = len(self.tensors) + len(self.descs)
+        after = 1 if self.scale_factor is not None else 0
+        return self.launcher._integer_facts([None] * before + list(ints) + [0.0] * after)
 
     def prepare(self, grid: tuple, tensors: dict, ints: tuple, scale: float) -> None:
         """Compile the kernel this launch would run for such a call, without running it."""
@@ -714,17 +722,40 @@ def _forward(q, k, v, causal: bool, scale: float, store_lse: bool, config, split
             lse.fill_(float("nan"))
     # The lean path: the recipe of this call's kernel key, each launch a FastLaunch that, after its
     # first call, hands the arguments straight to the compiled kernel's launcher (stages/launch.py).
+    # Every layer of a model calls attention with the same layout in one step (in a decode step, one
+    # cache length), so what this layout needs (choice, recipe, grids, integer arguments and their
+    # specialization facts) is kept for the next call; a new layout costs the plan once.
+    switches = (tuned_tiles, pipelining, tma, exp2, causal_skip, warp_specialization)
+    aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0  # o and lse are fresh: aligned
     arch, sms = _arch_and_sms(q)
-    choice, recipe = _plan_call(q, k, v, o, lse, causal, arch, sms, config=config, split_kv=split_kv,
-                                tuned_tiles=tuned_tiles, pipelining=pipelining, tma=tma, exp2=exp2,
-                                causal_skip=causal_skip, warp_specialization=warp_specialization, ws_rung=ws_rung)
-    workspace, runs = recipe.runtime(q, k, v, o, choice)
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), aligned, q.dtype, arch, sms, causal, store_lse,
+           config, split_kv, switches, ws_rung)
+    planned = _LAYOUT_PLANS.get(key)
+    if planned is None:
+        planned = _plan_layout(q, k, v, o, lse, causal, arch, sms, config, split_kv, switches, ws_rung)
+        if len(_LAYOUT_PLANS) >= _LAYOUT_PLANS_MAX:
+            _LAYOUT_PLANS.clear()  # a model's layouts come back within a step; a cleared table refills
+        _LAYOUT_PLANS[key] = planned
+    recipe, workspace, runs, facts = planned
     tensors = _call_tensors(workspace, q, k, v, o, lse)
-    for launch, (grid, ints) in zip(recipe.launches, runs):
-        launch.launch(grid, tensors, ints, scale)
+    for launch, (grid, ints), f in zip(recipe.launches, runs, facts):
+        launch.launch(grid, tensors, ints, scale, facts=f)
     if len(runs) < len(recipe.launches):
         _prepare_merge(recipe, runs, tensors, scale)
     return o, lse
+
+
+#: layout -> (recipe, workspace, per launch (grid, integer arguments), their specialization facts);
+#: ``_forward``'s memo of the last layouts seen
+_LAYOUT_PLANS: dict = {}
+_LAYOUT_PLANS_MAX = 1024
+
+
+def _plan_layout(q, k, v, o, lse, causal, arch, sms, config, split_kv, switches, ws_rung) -> tuple:
+    choice, recipe = _plan_call(q, k, v, o, lse, causal, arch, sms, config, split_kv, *switches, ws_rung=ws_rung)
+    workspace, runs = recipe.runtime(q, k, v, o, choice)
+    facts = tuple(launch.integer_facts(ints) for launch, (_, ints) in zip(recipe.launches, runs))
+    return recipe, workspace, runs, facts
 
 
 def _prepare_merge(recipe: _Recipe, runs: tuple, tensors: dict, scale: float) -> None:
