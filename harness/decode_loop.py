@@ -13,7 +13,9 @@ calls it on one fixed shape never sees it. So this command times both:
 * **fixed**: the same number of calls, all against one cache of the middle length.
 
 Per impl and cache, the figure is the wall time of the calls issued back to back (one synchronize
-at the end) divided by the calls, µs: what the user's loop sees, host path included, whichever of
+at the end) divided by the calls, µs, the median of ``--reps`` repetitions timed in turns (every
+impl's first, then every impl's second, ...: the host these calls run on is shared and its speed
+drifts): what the user's loop sees, host path included, whichever of
 host and GPU is slower (on a GPU, after a few warm-up calls at the first length, which keep the first
 compilation out of the numbers, as every benchmark here does; a kernel compiled again for a later
 length is in them, because that is the cost being measured). Beside it, ``us_gpu``: the same calls captured
@@ -38,7 +40,7 @@ from pathlib import Path
 
 DECODE_CSV = "decode.csv"
 COLUMNS = ("run_id", "shape", "impl", "kind", "cache", "B", "Hq", "Hkv", "Nk_first", "Nk_last", "D", "dtype",
-           "device", "calls", "us_per_call", "us_gpu", "x_fixed", "status", "note")
+           "device", "calls", "reps", "us_per_call", "us_p20", "us_p80", "us_gpu", "x_fixed", "status", "note")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,8 @@ class DecodeShape:
 #: sharing 4 KV heads), batch 4, a 310-token context at the first call
 SHAPES = {"gpt2": DecodeShape(4, 12, 12, 64, 310), "llama": DecodeShape(4, 16, 4, 128, 310)}
 GPU_CALLS, CPU_CALLS = 400, 3
+#: repetitions of every loop, in turns (the figure is their median)
+GPU_REPS = 5
 CPU_SHAPE = DecodeShape(1, 4, 2, 16, 20)
 WARM_CALLS = 3
 
@@ -129,6 +133,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", type=_dtype, default="bf16", help="fp16, bf16 or fp32 (default bf16)")
     p.add_argument("--calls", type=_positive_int, default=None,
                    help=f"calls per loop (default {GPU_CALLS} on a GPU, {CPU_CALLS} on a CPU)")
+    p.add_argument("--reps", type=_positive_int, default=None,
+                   help=f"repetitions of every loop, timed in turns; the row holds their median (default {GPU_REPS} "
+                        f"on a GPU, 1 on a CPU)")
     p.add_argument("--stages", type=_names, default=None, metavar="a,b,c",
                    help="stages to time (default: a, b, c and every other registered stage this machine can run)")
     p.add_argument("--peers", type=_names, default=None, metavar="flash,cudnn,efficient,math",
@@ -176,29 +183,50 @@ def run(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     run_id = run_id_now()
     rows = []
+    reps = args.reps or (GPU_REPS if on_gpu else 1)
     for shape_name, shape in shapes.items():
         caches = {cache: make_caches(shape, calls, dtype, device, growing=cache == "growing")
                   for cache in ("fixed", "growing")}
+        shape_rows = {}
+        for impl in impl_list:
+            for cache in ("fixed", "growing"):
+                q, kvs = caches[cache]
+                shape_rows[impl.label, cache] = {
+                    "run_id": run_id, "shape": shape_name, "impl": impl.label, "kind": impl.kind, "cache": cache,
+                    "B": shape.B, "Hq": shape.Hq, "Hkv": shape.Hkv, "D": shape.D, "dtype": args.dtype,
+                    "Nk_first": kvs[0][0].shape[2], "Nk_last": kvs[-1][0].shape[2],
+                    "device": "gpu" if on_gpu else "interpreter", "calls": calls, "times": []}
+        # In turns: repetition 1 of every impl and cache, then repetition 2, ..., so a drifting clock or
+        # a noisy host hits them all alike. A loop that takes seconds (SDPA's cuDNN backend building a
+        # graph per cache length) is measured once.
+        for rep in range(reps):
+            for impl in impl_list:
+                for cache in ("fixed", "growing"):
+                    r = shape_rows[impl.label, cache]
+                    if r.get("status", "ok") != "ok" or (rep and r["times"][0] * calls > 2e6):
+                        continue
+                    q, kvs = caches[cache]
+                    try:
+                        r["times"].append(loop_us_per_call(impl.attention, q, kvs, sync))
+                        r["status"] = "ok"
+                    except (PeerUnsupported, ValueError, NotImplementedError) as e:
+                        r["status"] = f"unsupported: {_short_error(e)}"
+                    except torch.cuda.OutOfMemoryError:
+                        r["status"] = "oom"
+                    except Exception as e:  # a kernel failure is a result; the loop goes on
+                        r["status"] = f"error: {type(e).__name__}: {_short_error(e)}"
         for impl in impl_list:
             fixed_us = None
             for cache in ("fixed", "growing"):
+                r = shape_rows[impl.label, cache]
+                times = sorted(r.pop("times"))
+                if times:
+                    r["us_per_call"] = statistics.median(times)
+                    r["us_p20"], r["us_p80"] = times[int(0.2 * (len(times) - 1))], times[int(0.8 * (len(times) - 1))]
+                    r["reps"] = len(times)
                 q, kvs = caches[cache]
-                r = {"run_id": run_id, "shape": shape_name, "impl": impl.label, "kind": impl.kind, "cache": cache,
-                     "B": shape.B, "Hq": shape.Hq, "Hkv": shape.Hkv, "D": shape.D, "dtype": args.dtype,
-                     "Nk_first": kvs[0][0].shape[2], "Nk_last": kvs[-1][0].shape[2],
-                     "device": "gpu" if on_gpu else "interpreter", "calls": calls}
-                try:
-                    r["us_per_call"] = loop_us_per_call(impl.attention, q, kvs, sync)
-                    r["status"] = "ok"
-                except (PeerUnsupported, ValueError, NotImplementedError) as e:
-                    r["status"] = f"unsupported: {_short_error(e)}"
-                except torch.cuda.OutOfMemoryError:
-                    r["status"] = "oom"
-                except Exception as e:  # a kernel failure is a result; the loop goes on
-                    r["status"] = f"error: {type(e).__name__}: {_short_error(e)}"
-                # (a loop that took seconds eagerly, SDPA's cuDNN backend building a graph per length,
-                # is not captured: the capture would build them all again)
-                if on_gpu and r["status"] == "ok" and r["us_per_call"] * calls < 2e6:
+                # (a loop that took seconds eagerly is not captured: the capture would build it all again)
+                if on_gpu and r.get("status") == "ok" and r["us_per_call"] * calls < 2e6:
                     try:
                         r["us_gpu"] = graph_us_per_call(impl.attention, q, kvs)
                     except Exception as e:
@@ -259,7 +287,8 @@ def decode_table(rows: list[dict], title: str):
 
 def load_rows(path: str | Path) -> list[dict]:
     """The rows of a ``decode.csv``, numbers parsed (empty cells: None)."""
-    numeric = {"B", "Hq", "Hkv", "Nk_first", "Nk_last", "D", "calls", "us_per_call", "us_gpu", "x_fixed"}
+    numeric = {"B", "Hq", "Hkv", "Nk_first", "Nk_last", "D", "calls", "reps", "us_per_call", "us_p20", "us_p80",
+               "us_gpu", "x_fixed"}
     rows = []
     with Path(path).open(newline="") as f:
         for raw in csv.DictReader(f):
