@@ -39,6 +39,11 @@ while the stages need none. Anything else (padding, a static cache whose unfille
 masked, packed sequences) gets SDPA's materialized boolean mask, and the attention function refuses
 it with one line that says what the kernels take and what to use instead.
 
+**Under torch.compile.** The stages are custom ops (``stages/ops.py``), so ``torch.compile(model,
+fullgraph=True)`` traces a whole forward and backward. Give the model a cache (``use_cache=True``, the
+default of ``generate``): without one, transformers looks for packed sequences in the position ids,
+which it cannot do while tracing, and so builds a mask, which the attention function refuses.
+
 **The attention function** (:func:`attention_forward`) has the signature of transformers'
 ``sdpa_attention_forward`` and returns what it returns: the output transposed to [B, N, H, D] and
 ``None`` for the attention weights (the kernels never form them). Query, key and value arrive as
@@ -159,7 +164,10 @@ def attention_forward(stage_name: str):
         # Looked up per call, so a stage re-registered under the same name (a notebook's own kernel) is used.
         stage = get_stage(stage_name)
         out = stage.attention(query, key, value, causal=causal, sm_scale=scaling)
-        if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad) and out.grad_fn is None:
+        # (Eager only: a traced output carries no grad_fn to look at, and the tracer refuses an op without a
+        # backward itself.)
+        if (not torch.compiler.is_compiling() and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)
+                and out.grad_fn is None):
             # The rest of the model would still backpropagate and train, silently, without the attention's
             # share of the gradient: refuse instead.
             raise _refuse(impl, f"stage {stage_name!r} has no backward pass (its output has no grad_fn), and this "
@@ -215,7 +223,8 @@ def lab_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
     """
     from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
 
-    mask_function = mask_function or causal_mask_function
+    if mask_function is None:  # (not `or`: under torch.compile a mask function is not a bool)
+        mask_function = causal_mask_function
     padding_mask = prepare_padding_mask(attention_mask, kv_length, kv_offset)
     unpadded = _no_padding(padding_mask, kv_length, kv_offset)
     unwindowed = local_size is None or kv_length < local_size  # a window no longer than the keys changes nothing

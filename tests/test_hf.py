@@ -180,6 +180,37 @@ def test_gradients_match_sdpa(kind, stage, dtype):
     assert attn and all(mine[n].abs().sum() > 0 for n in attn)
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_compiled_training_step_is_one_graph_and_equals_eager(kind):
+    """``torch.compile(fullgraph=True)`` of a transformers model's loss with lab_c: one graph, the stage's
+    custom ops inside it, loss and every gradient as in eager. (``use_cache=True``: without a cache
+    transformers looks for packed sequences in the position ids, which it cannot do while tracing, and
+    builds a mask instead, which the lab's attention refuses.)"""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    model = make_model(kind).train()
+    model.set_attn_implementation("lab_c")
+    ids = token_ids()
+
+    def loss(ids):  # (the loss by hand: GPT-2's own loss path logs a one-time warning, which Dynamo cannot trace)
+        logits = model(ids, use_cache=True).logits[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(loss, backend=counter, fullgraph=True)(ids)
+    compiled.backward()
+    traced = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    eager = loss(ids)
+    eager.backward()
+    assert counter.frame_count == 1
+    assert torch.equal(compiled, eager)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(traced[name], p.grad, rtol=0, atol=0, msg=name)
+    torch._dynamo.reset()
+
+
 # -------------------------------------------------------------------------------------------- the KV cache
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
