@@ -258,16 +258,9 @@ def run(args: argparse.Namespace) -> int:
 
 def write_rows(out_dir: str | Path, rows: list[dict]) -> Path:
     """Append ``rows`` to ``out_dir/decode.csv`` (header when the file is new)."""
-    path = Path(out_dir) / DECODE_CSV
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists() or path.stat().st_size == 0
-    with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        if new:
-            w.writeheader()
-        for r in rows:
-            w.writerow({c: (f"{r[c]:.6g}" if isinstance(r.get(c), float) else r.get(c, "")) for c in COLUMNS})
-    return path
+    from .results import append_rows
+
+    return append_rows(Path(out_dir) / DECODE_CSV, COLUMNS, rows)
 
 
 def decode_table(rows: list[dict], title: str):

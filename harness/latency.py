@@ -23,7 +23,6 @@ CPU), appended, one per impl, with the :data:`LATENCY_COLUMNS`.
 from __future__ import annotations
 
 import argparse
-import csv
 import time
 from pathlib import Path
 from typing import Callable
@@ -147,16 +146,9 @@ def run(args: argparse.Namespace) -> int:
 
 def write_rows(out_dir: str | Path, rows: list[dict]) -> Path:
     """Append ``rows`` to ``out_dir/latency.csv`` (header when the file is new)."""
-    path = Path(out_dir) / LATENCY_CSV
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists() or path.stat().st_size == 0
-    with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=LATENCY_COLUMNS)
-        if new:
-            w.writeheader()
-        for r in rows:
-            w.writerow({c: (f"{r[c]:.6g}" if isinstance(r.get(c), float) else r.get(c, "")) for c in LATENCY_COLUMNS})
-    return path
+    from .results import append_rows
+
+    return append_rows(Path(out_dir) / LATENCY_CSV, LATENCY_COLUMNS, rows)
 
 
 def latency_table(rows: list[dict], title: str):

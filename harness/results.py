@@ -440,6 +440,23 @@ def run_id_now() -> str:
     return run_id
 
 
+def append_rows(path: str | os.PathLike, columns: tuple, rows: list[dict]) -> Path:
+    """Append ``rows`` to the CSV at ``path`` with these ``columns`` (the header when the file is new;
+    floats to 6 significant digits, missing values empty): the small result files beside runs.csv."""
+    import csv
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns)
+        if new:
+            w.writeheader()
+        for r in rows:
+            w.writerow({c: (f"{r[c]:.6g}" if isinstance(r.get(c), float) else r.get(c, "")) for c in columns})
+    return path
+
+
 def write_env(out_dir: str | os.PathLike, env: dict) -> Path:
     """Write (merge into) ``env.json``: provenance of the runs in this directory.
 
