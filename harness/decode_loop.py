@@ -279,14 +279,28 @@ def decode_table(rows: list[dict], title: str):
 
 
 def load_rows(path: str | Path) -> list[dict]:
-    """The rows of a ``decode.csv``, numbers parsed (empty cells: None)."""
+    """The rows of a ``decode.csv``, numbers parsed (empty cells: None); ``ResultsError`` naming the file
+    (and line) when columns are missing, as in a damaged file, or a number does not parse."""
+    from .results import ResultsError
+
     numeric = {"B", "Hq", "Hkv", "Nk_first", "Nk_last", "D", "calls", "reps", "us_per_call", "us_p20", "us_p80",
                "us_gpu", "x_fixed"}
     rows = []
     with Path(path).open(newline="") as f:
-        for raw in csv.DictReader(f):
-            rows.append({k: (float(v) if k in numeric and v not in ("", None) else (v or None))
-                         for k, v in raw.items()})
+        reader = csv.DictReader(f)
+        missing = [c for c in COLUMNS if c not in (reader.fieldnames or ())]
+        if missing:
+            raise ResultsError(f"{path}: missing columns {missing}")
+        for raw in reader:
+            row = {k: (v or None) for k, v in raw.items()}
+            for k in numeric:
+                if row[k] is not None:
+                    try:
+                        row[k] = float(row[k])
+                    except ValueError:
+                        raise ResultsError(f"{path}:{reader.line_num}: column {k!r} should be a number, "
+                                           f"got {row[k]!r}") from None
+            rows.append(row)
     return rows
 
 

@@ -589,26 +589,20 @@ def render_block(results_dir, readme_dir=".") -> str:
 
 # ------------------------------------------------------------------------------------------------- CLI
 
-def _model_list(text: str) -> list[str]:
+def _choice_list(allowed, singular: str, plural: str):
+    """An argparse type: a comma-separated list of names from ``allowed``, duplicates dropped."""
     from .cli import _list_of
 
     def one(name: str) -> str:
-        if name not in MODEL_NAMES:
-            raise argparse.ArgumentTypeError(f"model must be one of {', '.join(MODEL_NAMES)}, got {name!r}")
+        if name not in allowed:
+            raise argparse.ArgumentTypeError(f"{singular} must be one of {', '.join(allowed)}, got {name!r}")
         return name
 
-    return list(dict.fromkeys(_list_of(one, "models")(text)))
+    return lambda text: list(dict.fromkeys(_list_of(one, plural)(text)))
 
 
-def _pass_list(text: str) -> list[str]:
-    from .cli import _list_of
-
-    def one(name: str) -> str:
-        if name not in PASSES:
-            raise argparse.ArgumentTypeError(f"pass must be one of {', '.join(PASSES)}, got {name!r}")
-        return name
-
-    return list(dict.fromkeys(_list_of(one, "passes")(text)))
+_model_list = _choice_list(MODEL_NAMES, "model", "models")
+_pass_list = _choice_list(PASSES, "pass", "passes")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

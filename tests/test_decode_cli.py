@@ -57,3 +57,18 @@ def test_block_renders_the_latest_run(tmp_path):
     assert "`new`" in block and "999" not in block and "Nk 310 → 709" in block
     assert "| gpt2 | c | 88.0 | 80.0 | 1.10 | 10.0 | 0.80 |" in block
     assert "c_cuda (gpt2)" in block and "| gpt2 | c_cuda" not in block
+
+
+def test_a_file_without_the_columns_is_named(tmp_path):
+    from harness.results import ResultsError
+    import pytest
+
+    path = tmp_path / DL.DECODE_CSV
+    path.write_text("run_id,shape,impl\nx,gpt2,c\n")
+    with pytest.raises(ResultsError, match="decode.csv: missing columns"):
+        DL.render_block(path)
+    good = ",".join(DL.COLUMNS)
+    path.write_text(good + "\n" + ",".join("fast" if c == "us_per_call" else "x" if c in ("run_id", "shape", "impl",
+                                            "cache", "status") else "" for c in DL.COLUMNS) + "\n")
+    with pytest.raises(ResultsError, match=r"decode.csv:2: column 'us_per_call' should be a number, got 'fast'"):
+        DL.render_block(path)

@@ -137,7 +137,8 @@ def optimized_attention_kernel(
     stride_ob, stride_oh, stride_on,
     H, N_Q, N_K, CAUSAL_OFFSET,
     D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, CAUSAL_SKIP: tl.constexpr, USE_TMA: tl.constexpr, EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
+    CAUSAL: tl.constexpr, CAUSAL_SKIP: tl.constexpr, USE_TMA: tl.constexpr, EXP2: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     bh = tl.program_id(1)
     if CAUSAL and CAUSAL_SKIP:
@@ -618,18 +619,16 @@ def _call_tensors(workspace: tuple, q, k, v, o, lse) -> dict:
     """The call's tensors by role, with the fp32 workspace the recipe asks for (the split path's
     partials: one allocation, cut into the buffers; a shape of None: an unused fp32 argument)."""
     tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse}
-    if workspace:
-        sizes = [math.prod(shape) for _, shape in workspace if shape is not None]
-        if not sizes:
-            for role, _ in workspace:
-                tensors[role] = _unused_fp32(q.device)
-            return tensors
-        flat = torch.empty(sum(sizes), dtype=torch.float32, device=q.device)
-        offset = 0
-        for role, shape in workspace:
-            n = math.prod(shape)
-            tensors[role] = flat[offset:offset + n].view(shape)
-            offset += n
+    sizes = [math.prod(shape) for _, shape in workspace if shape is not None]
+    flat = torch.empty(sum(sizes), dtype=torch.float32, device=q.device) if sizes else None
+    offset = 0
+    for role, shape in workspace:
+        if shape is None:
+            tensors[role] = _unused_fp32(q.device)
+            continue
+        n = math.prod(shape)
+        tensors[role] = flat[offset:offset + n].view(shape)
+        offset += n
     return tensors
 
 
