@@ -170,9 +170,12 @@ def test_models():
     p = Problem(2, 8, 1024, 64, "fp16", True, Hkv=2)
     full = bwd.bwd_hbm_bytes(p, causal_skip=False)
     skip = bwd.bwd_hbm_bytes(p)
-    assert skip.read < full.read and skip.write < full.write
+    # Skipping reads fewer Q/dO rows; it writes fewer bytes only where dQ is atomic (fewer adds).
+    assert skip.read < full.read and skip.write <= full.write
+    atomic = not bwd.backward_plan(p.D, torch.float16, bwd.device_arch(None), p.causal).separate_dq
+    assert (skip.write < full.write) == atomic
     rows = p.heads * p.N
-    assert bwd.train_workspace_bytes(p) == 2 * rows * 4 + rows * p.D * 4
+    assert bwd.train_workspace_bytes(p) == 2 * rows * 4 + (rows * p.D * 4 if atomic else 0)
     assert bwd.train_workspace_bytes(p, deterministic=True) == 2 * rows * 4
     assert bwd.train_workspace_bytes(Problem(2, 8, 1024, 64, "fp32")) == 2 * rows * 4
 
@@ -191,3 +194,49 @@ def test_compiles_for_sm90():
     assert [k.name for k in kernels] == ["attention_bwd_delta_kernel", "attention_bwd_dkdv_kernel"]
     ptx = kernels[1].asm["ptx"]
     assert "red.global" in ptx or "atom.global" in ptx  # the atomic dQ
+
+
+def _tuned_plans():
+    """Every plan a backward tuning file on main selects: (file, key, entry)."""
+    import json
+
+    out = []
+    for path in sorted(bwd.TUNED_DIR.glob("*-backward.json")):
+        for key, entry in json.loads(path.read_text())["best"].items():
+            out.append((path.name, key, entry))
+    return out
+
+
+@pytest.mark.parametrize("name,key,entry", _tuned_plans(), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_tuned_backward_plan_is_correct(name, key, entry, device):
+    """The tiles a GPU's tuning picked, forced here, on a problem with several tiles each way, a ragged
+    last tile, GQA and a head dim below the padded one (so the column mask runs too)."""
+    dtype_name, d, c = key.split("/")
+    D, causal = int(d[1:]) - 8, c == "causal1"
+    config = bwd.BwdConfig.parse(entry["dkdv"])
+    dq_config = bwd.BwdConfig.parse(entry["dq"]) if "dq" in entry else None
+    q, k, v = make_qkv(1, 2, 150, D, DTYPES[dtype_name], device, Hkv=1, Nk=130, seed=7)
+    check_gradients(attention, q, k, v, causal=causal, dtype_name=dtype_name, config=config, dq_config=dq_config,
+                    deterministic=entry["dq_method"] == "separate")
+
+
+def test_backward_plan_reads_the_tuned_table(monkeypatch):
+    """On a GPU with a tuning file, the default plan is the tuned one (its dQ method included) and fp16
+    takes bf16's entry; another architecture, fp32 and the switches off fall back."""
+    monkeypatch.setattr(bwd, "gpu_slug", lambda: "h200")
+    bwd.backward_plan.cache_clear()
+    try:
+        table = bwd.tuned_backward_table("h200")
+        key = next(k for k in table if k.startswith("bf16/D128/causal0"))
+        entry = table[key]
+        for dtype in (torch.bfloat16, torch.float16):
+            plan = bwd.backward_plan(128, dtype, table["arch"], False)
+            assert str(plan.dkdv) == entry["dkdv"] and plan.separate_dq == (entry["dq_method"] == "separate")
+        assert bwd.backward_plan(128, torch.bfloat16, 80, False) == bwd.BwdPlan(
+            bwd._hand_config(128, torch.bfloat16, 80, 2), False, bwd._hand_config(128, torch.bfloat16, 80, 2))
+        assert bwd.backward_plan(128, torch.float32, table["arch"], False).separate_dq is False
+        assert bwd.backward_plan(128, torch.bfloat16, table["arch"], False, tuned_tiles=False).dkdv == bwd.BASELINE
+        assert bwd.backward_plan(128, torch.bfloat16, table["arch"], False, deterministic=True).separate_dq
+        assert bwd.backward_plan(128, torch.bfloat16, table["arch"], False, pipelining=False).dkdv.num_stages == 1
+    finally:
+        bwd.backward_plan.cache_clear()

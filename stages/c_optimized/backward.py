@@ -28,7 +28,9 @@ The kernels
    on chip; the program walks the Q tiles of *every query head of its group* (GQA: the sum of dK/dV
    over the group happens in registers, no atomics), recomputes P^T, and accumulates dV += P^T dO
    and dK += dS^T Q in fp32 registers; dK is multiplied by ``scale`` once at the end.
-3. dQ, two ways (``deterministic``):
+3. dQ, two ways (``BwdPlan.separate_dq``; ``deterministic=True`` always takes the second, and on a GPU
+   with a tuning file the faster one is taken by default: on the H200 that is the separate kernel in
+   five of the six tuned cells, the atomics' read-modify-writes costing more than its recomputation):
    * ``False`` (default): the dK/dV program also forms dS K for the Q tile it is visiting and adds it
      into an fp32 dQ accumulator with ``tl.atomic_add`` (then a cast to the input dtype). Five
      matmuls per (Q tile, K tile) pair, the 2.5× forward FLOPs of the convention. Costs: the fp32
@@ -65,8 +67,10 @@ exactly 0 (2^(finite − ∞) = 0), so they contribute nothing and need no mask 
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import torch
 import triton
@@ -76,7 +80,7 @@ from .. import ops
 from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_output, padded_head_dim, \
     validate_inputs
 from ..launch import Launch, compiles_without_interpreter
-from .configs import SHARED_MEMORY_LIMIT, device_arch
+from .configs import SHARED_MEMORY_LIMIT, TUNED_DIR, device_arch, gpu_slug
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -165,19 +169,82 @@ def fits(config: BwdConfig, D_pad: int, element_bytes: int, arch: int) -> bool:
     return shared_memory_bytes(config, D_pad, element_bytes) + 1024 <= limit
 
 
-def backward_config(D: int, dtype: torch.dtype, arch: int, tuned_tiles: bool = True,
-                    pipelining: bool = True) -> BwdConfig:
-    """The tile config of the backward kernels: the first fitting candidate for this head dim and
-    dtype (``tuned_tiles``), else stage B's; one stage when ``pipelining`` is off."""
-    config = BASELINE
+@dataclass(frozen=True)
+class BwdPlan:
+    """What one backward runs: the dK/dV kernel's tiles, whether dQ comes from a separate kernel
+    (``separate_dq``: fixed order, no atomics) or from atomics in the dK/dV kernel, and the separate
+    dQ kernel's tiles (``block_n`` Q rows resident, ``block_m`` K/V rows per step)."""
+
+    dkdv: BwdConfig
+    separate_dq: bool
+    dq: BwdConfig
+
+    def __str__(self) -> str:
+        return f"dkdv:{self.dkdv}+" + (f"dq:{self.dq}" if self.separate_dq else "atomic-dq")
+
+
+def _hand_config(D_pad: int, dtype: torch.dtype, arch: int, element_bytes: int) -> BwdConfig:
+    table = _FP32_CONFIGS if dtype == torch.float32 else _HALF_CONFIGS[90 if arch >= 90 else 80]
+    return next((c for c in table[D_pad] if fits(c, D_pad, element_bytes, arch)), table[D_pad][-1])
+
+
+@lru_cache(maxsize=None)
+def tuned_backward_table(slug: str | None) -> dict:
+    """The backward tuner's winners for one GPU (``tune_backward.py``): ``{"bf16/D128/causal0":
+    {"dq_method": "separate", "dkdv": "M64-N128-w8-s2", "dq": "M32-N64-w4-s3"}, ...}`` and the
+    ``arch`` they were measured on."""
+    path = TUNED_DIR / f"{slug}-backward.json" if slug else None
+    if path is None or not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    return {"arch": data.get("arch"), **data.get("best", {})}
+
+
+def _tuned_entry(D_pad: int, dtype: torch.dtype, causal: bool, arch: int) -> dict | None:
+    """The tuned plan for this head dim, dtype and mask on this GPU, if one was measured. fp16 takes
+    bf16's (the tensor cores run both at one rate, and the tiles fit alike); fp32 is never tuned."""
+    if dtype == torch.float32:
+        return None
+    table = tuned_backward_table(gpu_slug())
+    if table.get("arch") != arch:
+        return None
+    names = ("fp16", "bf16") if dtype == torch.float16 else ("bf16",)
+    return next((table[k] for k in (f"{n}/D{D_pad}/causal{int(causal)}" for n in names) if k in table), None)
+
+
+@lru_cache(maxsize=None)
+def backward_plan(D: int, dtype: torch.dtype, arch: int, causal: bool = False, *, deterministic: bool = False,
+                  tuned_tiles: bool = True, pipelining: bool = True) -> BwdPlan:
+    """The backward's tiles and dQ method for this head dim, dtype, mask and GPU.
+
+    With ``tuned_tiles``: the tuner's measured winner on this GPU when there is one (which dQ method
+    is faster depends on the head dim and the mask: measured, not assumed), else the first hand-picked
+    candidate that fits, with atomic dQ. Off: stage B's 64×64 tiles. ``deterministic`` always takes
+    the separate dQ kernel. One stage everywhere when ``pipelining`` is off. Keyed on what changes the
+    kernel only: never on sequence lengths."""
+    D_pad = padded_head_dim(D)
+    e = torch.empty((), dtype=dtype).element_size()
+    plan = BwdPlan(BASELINE, False, BASELINE)
     if tuned_tiles:
-        table = _FP32_CONFIGS if dtype == torch.float32 else _HALF_CONFIGS[90 if arch >= 90 else 80]
-        e = torch.empty((), dtype=dtype).element_size()
-        D_pad = padded_head_dim(D)
-        config = next((c for c in table[D_pad] if fits(c, D_pad, e, arch)), table[D_pad][-1])
+        hand = _hand_config(D_pad, dtype, arch, e)
+        plan = BwdPlan(hand, False, hand)
+        entry = _tuned_entry(D_pad, dtype, causal, arch)
+        if entry is not None:
+            dkdv = BwdConfig.parse(entry["dkdv"])
+            dq = BwdConfig.parse(entry["dq"]) if "dq" in entry else dkdv
+            if fits(dkdv, D_pad, e, arch) and fits(dq, D_pad, e, arch):
+                plan = BwdPlan(dkdv, entry["dq_method"] == "separate", dq)
+    if deterministic:
+        plan = replace(plan, separate_dq=True)
     if not pipelining:
-        config = replace(config, num_stages=1)
-    return config
+        plan = replace(plan, dkdv=replace(plan.dkdv, num_stages=1), dq=replace(plan.dq, num_stages=1))
+    return plan
+
+
+def backward_config(D: int, dtype: torch.dtype, arch: int, tuned_tiles: bool = True,
+                    pipelining: bool = True, causal: bool = False) -> BwdConfig:
+    """The dK/dV kernel's tile config (``backward_plan``'s ``dkdv``)."""
+    return backward_plan(D, dtype, arch, causal, tuned_tiles=tuned_tiles, pipelining=pipelining).dkdv
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -503,16 +570,19 @@ def _new_gradient(t: torch.Tensor) -> torch.Tensor:
 def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: bool, scale: float, arch: int,
                   deterministic: bool = False, tuned_tiles: bool = True, pipelining: bool = True,
                   exp2: bool = True, causal_skip: bool = True, tma: bool = True,
-                  config: BwdConfig | None = None) -> list[Launch]:
+                  config: BwdConfig | None = None, dq_config: BwdConfig | None = None) -> list[Launch]:
     """The backward's launches in order: Δ pre-pass, dK/dV (+ atomic dQ into ``dq_acc``), and with
     ``deterministic`` the dQ kernel writing ``dq``. ``dq_acc`` is None in deterministic mode. ``tma``
-    is accepted and ignored (pointer loads everywhere, see the module docstring). ``config`` forces a
-    tile configuration (tests, tuning)."""
+    is accepted and ignored (pointer loads everywhere, see the module docstring). ``config`` forces the
+    dK/dV kernel's tiles, ``dq_config`` the dQ kernel's (default: ``config`` the other way round)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     D_pad = padded_head_dim(D)
     if config is None:
-        config = backward_config(D, q.dtype, arch, tuned_tiles=tuned_tiles, pipelining=pipelining)
+        plan = backward_plan(D, q.dtype, arch, causal, deterministic=deterministic, tuned_tiles=tuned_tiles,
+                             pipelining=pipelining)
+        config, dq_config = plan.dkdv, dq_config or plan.dq
+    dq_config = dq_config or config
     BM, BN = config.block_m, config.block_n
     qk_scale = scale * LOG2E if exp2 else scale
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -540,46 +610,51 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
     if deterministic:
         # The resident tile is the big one here too: block_n Q rows, block_m K/V rows per step.
         launches.append(Launch(
-            attention_bwd_dq_kernel, (cdiv(Nq, BN), B * Hq),
+            attention_bwd_dq_kernel, (cdiv(Nq, dq_config.block_n), B * Hq),
             dict(Q=q, K=k, V=v, DO=do, DQ=dq, LSE=lse, DELTA=delta, qk_scale=qk_scale, sm_scale=scale,
                  stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qn=q.stride(2),
                  stride_kb=k.stride(0), stride_kh=k.stride(1), stride_kn=k.stride(2),
                  stride_vb=v.stride(0), stride_vh=v.stride(1), stride_vn=v.stride(2),
                  stride_dob=do.stride(0), stride_doh=do.stride(1), stride_don=do.stride(2),
                  stride_dqb=dq.stride(0), stride_dqh=dq.stride(1), stride_dqn=dq.stride(2),
-                 Hq=Hq, Nq=Nq, Nk=Nk, BLOCK_M=BN, BLOCK_N=BM, **common),
-            num_warps=config.num_warps, num_stages=config.num_stages))
+                 Hq=Hq, Nq=Nq, Nk=Nk, BLOCK_M=dq_config.block_n, BLOCK_N=dq_config.block_m, **common),
+            num_warps=dq_config.num_warps, num_stages=dq_config.num_stages))
     return launches
 
 
 def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                        lse: torch.Tensor, *, causal: bool, scale: float, deterministic: bool = False,
                        tuned_tiles: bool = True, pipelining: bool = True, exp2: bool = True,
-                       causal_skip: bool = True, tma: bool = True, config: BwdConfig | None = None):
+                       causal_skip: bool = True, tma: bool = True, config: BwdConfig | None = None,
+                       dq_config: BwdConfig | None = None):
     """Gradients (dq, dk, dv) of attention, in the input dtypes, shaped like q, k, v (contiguous).
 
     ``o`` is the forward's output and ``lse`` its fp32 ``[B, Hq, Nq]`` row log-sum-exp in base 2 of
     the scaled scores (+inf for a row that sees no key). ``deterministic=True`` computes dQ without
-    atomics (bitwise reproducible, ~40 % more FLOPs); the other switches are the ablation's (module
-    docstring). ``do`` may come in any layout (the gradient of ``o.sum()`` is an expanded tensor):
+    atomics (bitwise reproducible, ~40 % more FLOPs); without it, ``backward_plan`` picks the faster
+    of the two ways on this GPU (measured by the tuner). The other switches are the ablation's (module
+    docstring); ``config``/``dq_config`` force the kernels' tiles (tests, tuning). ``do`` may come in any layout (the gradient of ``o.sum()`` is an expanded tensor):
     it is made contiguous where the kernels need that.
     """
     if isinstance(do, torch.Tensor):
         do = ops.maybe_contiguous(do)
     _check_backward_inputs(do, q, k, v, o, lse, scale)
     B, Hq, Nq, D = q.shape
+    arch = device_arch(q.device)
+    plan = backward_plan(D, q.dtype, arch, causal, deterministic=deterministic, tuned_tiles=tuned_tiles,
+                         pipelining=pipelining)
+    separate = plan.separate_dq
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     dk, dv = _new_gradient(k), _new_gradient(v)
-    if deterministic:
+    if separate:
         dq, dq_acc = _new_gradient(q), None
     else:
         # fp32 inputs accumulate straight into dq; the pre-pass zeroes it.
         dq_acc = torch.empty((B, Hq, Nq, D), dtype=torch.float32, device=q.device)
         dq = dq_acc if q.dtype == torch.float32 else None
     for launch in plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, causal=causal, scale=scale,
-                                arch=device_arch(q.device), deterministic=deterministic,
-                                tuned_tiles=tuned_tiles, pipelining=pipelining, exp2=exp2,
-                                causal_skip=causal_skip, tma=tma, config=config):
+                                arch=arch, deterministic=separate, exp2=exp2, causal_skip=causal_skip, tma=tma,
+                                config=config or plan.dkdv, dq_config=dq_config or (config or plan.dq)):
         launch.run()
     if dq is None:
         dq = dq_acc.to(q.dtype)
@@ -619,11 +694,13 @@ def bwd_hbm_bytes(p: Problem, deterministic: bool = False, tuned_tiles: bool = T
       query rows from the tile holding row n − (Nk − Nq) on; without, all Nq rows. Atomic dQ: every
       visited Q row is a read-modify-write of 4·D bytes, then the cast reads the accumulator
       (4·D/row) and writes dQ (skipped for fp32, which accumulates in place).
-    * deterministic dQ: reads Q, dO, lse, Δ once, K and V rows for every visited K/V tile, writes dQ.
+    * separate dQ (``deterministic``, or where the tuner found it faster): reads Q, dO, lse, Δ once,
+      K and V rows for every visited K/V tile, writes dQ.
     """
-    if config is None:
-        config = backward_config(p.D, DTYPES[p.dtype], device_arch(None), tuned_tiles=tuned_tiles,
-                                 pipelining=pipelining)
+    plan = backward_plan(p.D, DTYPES[p.dtype], device_arch(None), p.causal, deterministic=deterministic,
+                         tuned_tiles=tuned_tiles, pipelining=pipelining)
+    config = config or plan.dkdv
+    separate = plan.separate_dq
     e, D = p.element_bytes, p.D
     row = D * e
     BM, BN = config.block_m, config.block_n
@@ -641,10 +718,11 @@ def bwd_hbm_bytes(p: Problem, deterministic: bool = False, tuned_tiles: bool = T
     write = p.heads * p.N * 4                              # Δ
     read += 2 * p.kv_bytes + q_rows_all * (2 * row + 8)    # dK/dV: K, V once; Q, dO, lse, Δ per visit
     write += 2 * p.kv_bytes                                # dK, dV
-    if deterministic:
+    if separate:
+        dq_rows = plan.dq.block_n  # Q rows a dQ program keeps
         kv_rows = 0
-        for start_m in range(0, p.N, BN):
-            kv_rows += min(p.Nk, max(0, start_m + BN + offset)) if skip else p.Nk
+        for start_m in range(0, p.N, dq_rows):
+            kv_rows += min(p.Nk, max(0, start_m + dq_rows + offset)) if skip else p.Nk
         read += p.q_bytes * 2 + p.heads * p.N * 8 + p.heads * kv_rows * 2 * row
         write += p.q_bytes
     else:
@@ -662,9 +740,10 @@ def train_workspace_bytes(p: Problem, deterministic: bool = False) -> int:
     the saved lse and the pre-pass's Δ (4 B per query row each) and, with atomic dQ and a 16-bit
     dtype, the fp32 dQ accumulator (4·D B per query row; fp32 inputs accumulate in dq itself)."""
     rows = p.heads * p.N
-    extra = 0 if deterministic or p.dtype == "fp32" else rows * p.D * 4
+    separate = backward_plan(p.D, DTYPES[p.dtype], device_arch(None), p.causal, deterministic=deterministic).separate_dq
+    extra = 0 if separate or p.dtype == "fp32" else rows * p.D * 4
     return 2 * rows * 4 + extra
 
 
-__all__ = ["BwdConfig", "BASELINE", "attention_backward", "backward_config", "bwd_hbm_bytes", "compile_backward",
+__all__ = ["BwdConfig", "BwdPlan", "BASELINE", "attention_backward", "backward_config", "backward_plan", "bwd_hbm_bytes", "compile_backward",
            "plan_backward", "shared_memory_bytes", "train_workspace_bytes"]
