@@ -52,7 +52,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {}
 OPTIONAL_SUBCOMMANDS: dict[str, str] = {"plot": "harness.plots", "report": "harness.report",
                                          "pc-sampling": "harness.pc_sampling", "train": "harness.train",
                                          "latency": "harness.latency", "generate": "harness.generate",
-                                         "decode": "harness.decode_loop"}
+                                         "decode": "harness.decode_loop", "ring": "harness.ring"}
 
 
 def register_subcommand(name: str, help: str, add_arguments, run, hidden: bool = False, add_parser=None) -> None:
