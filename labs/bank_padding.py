@@ -14,7 +14,12 @@ lanes all hit one bank: 32 wavefronts instead of 1. Your job, marked ``TODO(lab)
    (flash_b.cu's ``PAD`` template switch is your answer for D = 64 and 128.)
 
 The check counts with ``stages/bank_model.py`` (the model the CUDA twins' Nsight Compute counts
-were checked against) for many row lengths. No GPU needed.
+were checked against) for every even row length up to 256 halves and for a few hundred drawn at
+random up to 2^20, and asks ``padded_row_halves`` for every head dim 8 ... 256 and for random ones up
+to 4096. While your two functions run, the bank model is off limits: calling anything in
+``stages/bank_model.py`` fails the check (a count you asked the model for is not a prediction). It
+also builds the lanes' addresses itself, so ``column_read_addresses`` is yours to use, not to edit.
+No GPU needed.
 
     python -m labs check bank_padding
 """

@@ -12,10 +12,18 @@ marked ``TODO(lab)``:
 
 1. ``NUM_STAGES``: how many K/V tiles should be in flight or resident at once so that while tile j is
    computed, the copy of tile j+1 is already running (double buffering)?
-2. ``predict_ptx_counts(num_stages)``: how many of each instruction appear in the PTX? Read
-   ``ptx_counts(num_stages)`` for a few values first
-   (``python -c "from labs import pipeline_stages as m; print(m.ptx_counts(2))"``), find the rule,
-   write it down, and the check compares it against the compiler at several depths.
+2. ``predict_ptx_counts(num_stages, block_m, block_n, d)``: how many of each instruction appear in
+   the PTX, for any pipeline depth and any tile (``block_m`` query rows, ``block_n`` keys, head dim
+   ``d``, each 32, 64 or 128)? Read ``ptx_counts`` for a few values first
+   (``python -c "from labs import pipeline_stages as m; print(m.ptx_counts(2, 64, 32, 128))"``),
+   find the rule (think in bytes: how much one thread copies per instruction), write it down.
+
+The check asks your prediction for all 108 combinations (4 depths, 27 tiles), compares them with the
+counts this Triton version gives (each taken from the compiler when the lab was written), and
+compiles its own copy of this kernel for three of them, drawn at random, to count afresh. While your
+prediction runs the compiler is off limits: calling ``ptx_counts`` (or the compile helper, Triton's
+compiler, or any other process) fails the check, since a count you asked the compiler for is not a
+prediction.
 
     python -m labs check pipeline_stages
 """
@@ -26,7 +34,7 @@ import stages  # noqa: F401  (turns the Triton interpreter on when there is no G
 import triton
 import triton.language as tl
 
-from labs.compile_helper import compile_ptx
+from labs.compile_helper import compile_ptx, count_instructions
 
 # TODO(lab): pick the pipeline depth that double-buffers the K/V tiles.
 NUM_STAGES = None
@@ -60,16 +68,20 @@ def attention_kernel(Q, K, V, O, scale, Nk,
     tl.store(O + rows[:, None] * D + ds[None, :], (acc / l_i[:, None]).to(tl.float16))
 
 
-def ptx_counts(num_stages: int, arch: int = 80) -> dict[str, int]:
+def ptx_counts(num_stages: int, block_m: int = BLOCK_M, block_n: int = BLOCK_N, d: int = D,
+               arch: int = 80) -> dict[str, int]:
     """How often each instruction of ``COUNTED`` appears in the kernel's PTX for ``sm_<arch>``
-    (fp16 pointers 16-byte aligned, Nk a multiple of 16, 4 warps)."""
-    ptx = compile_ptx(__name__, "attention_kernel", num_stages=num_stages, arch=arch)
-    lines = [line.strip() for line in ptx.splitlines()]
-    return {name: sum(1 for line in lines if line.startswith(name)) for name in COUNTED}
+    (fp16 pointers 16-byte aligned, Nk a multiple of 16, 4 warps). A few seconds per call; for
+    exploring, not for your prediction."""
+    ptx = compile_ptx(__name__, "attention_kernel", num_stages=num_stages, arch=arch,
+                      constexprs={"D": d, "BLOCK_M": block_m, "BLOCK_N": block_n})
+    return count_instructions(ptx, COUNTED)
 
 
-def predict_ptx_counts(num_stages: int) -> dict[str, int]:
-    """Your prediction of ``ptx_counts(num_stages)`` (sm_80), for num_stages = 1, 2, 3, 4."""
+def predict_ptx_counts(num_stages: int, block_m: int, block_n: int, d: int) -> dict[str, int]:
+    """Your prediction of ``ptx_counts(num_stages, block_m, block_n, d)`` (sm_80), for num_stages
+    1 to 4 and block_m, block_n, d each 32, 64 or 128: a formula, not a compile."""
     # TODO(lab): return {"cp.async.cg.shared.global": ..., "cp.async.commit_group": ...,
-    #                    "cp.async.wait_group": ..., "ld.global": ...} as a function of num_stages.
+    #                    "cp.async.wait_group": ..., "ld.global": ...} as a function of the arguments.
+    # 4 warps are 128 threads; an fp16 tile of r rows by d columns is r * d * 2 bytes.
     raise NotImplementedError("TODO(lab): predict_ptx_counts")
