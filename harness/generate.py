@@ -32,7 +32,7 @@ transformers, git commit, command line) to ``<out>/env.json``. ``--out`` default
 models shrink to 2 layers of hidden size 64, 16-token prompts and sequences, a few new tokens, the
 rows go to a temporary folder, and the times are interpreter times, not GPU times.
 
-``python -m harness report results/<gpu> --readme README.md`` renders the latest run as the README's
+``python -m harness report results/<gpu> --update`` renders the latest run as the results page's
 ``generate`` block (:func:`render_block`).
 """
 

@@ -87,7 +87,7 @@ PIPE_AND_STALL_METRICS: tuple[str, ...] = (
 ) + tuple(f"smsp__average_warps_issue_stalled_{reason}_per_issue_active.ratio" for reason in (
     "barrier", "wait", "long_scoreboard", "short_scoreboard", "no_instruction", "math_pipe_throttle",
     "mio_throttle", "dispatch_stall", "not_selected", "gmma"))
-#: Also collected with the sections: the two counters of the seed article's profiler table that no
+#: Also collected with the sections: the two counters of the five-metric profiler table that no
 #: section shows as a number (``harness.profiler_table`` reads them). Shared-memory bank conflicts,
 #: loads and stores apart (LSU accesses only: TMA writes and wgmma operand reads are not counted),
 #: and the 32-byte sectors the SMs read from L2: every global load, ``cp.async`` or TMA copy arrives

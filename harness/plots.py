@@ -10,8 +10,11 @@ writes every figure into ``<results_dir>/figures/``:
 ``throughput.png``  TFLOPS vs N per (D, causal), stages and SDPA peers
 ``dram_bytes.png``  DRAM bytes per (batch, head) vs N: traffic model dashed, Nsight measured solid
 ``peak_memory.png`` extra device memory of one call vs N, device memory line, OOM points
-``roofline.png``    measured ceilings and each impl by arithmetic intensity and TFLOPS
+``roofline.png``    measured ceilings and each impl by arithmetic intensity (measured DRAM bytes filled,
+                    the traffic model hollow: requests, at or left of the true point) and TFLOPS
 ``energy.png``      joules per call and TFLOP per joule (= TFLOPS/W)
+``bandwidth_share.png``  time beside the DRAM bandwidth achieved (Nsight bytes / time) as a share of the copy
+                    bandwidth: A, B, C, SDPA CUDNN at the headline cell
 ``backward_throughput.png``  the same as ``throughput.png`` for the backward pass (``pass = bwd`` rows)
 ``backward_waterfall.png``   A → B → C's backward at the headline cell (time, DRAM, training-step memory)
 ``models.png``      stage C over the fastest SDPA backend per model-suite cell, eager and GPU-only
@@ -59,7 +62,7 @@ COLORS = {"a": "#d62728", "b": "#ff7f0e", "c": "#2ca02c", "b_cuda": "#8c564b", "
           "sdpa_math": "#7f7f7f"}
 _EXTRA = ("#e377c2", "#393b79", "#637939", "#843c39")
 FORWARD_FIGURES = ("waterfall.png", "throughput.png", "dram_bytes.png", "peak_memory.png",
-                   "roofline.png", "energy.png")
+                   "roofline.png", "energy.png", "bandwidth_share.png")
 BACKWARD_FIGURES = ("backward_throughput.png", "backward_waterfall.png")
 FIGURE_NAMES = FORWARD_FIGURES + BACKWARD_FIGURES + ("models.png",)
 STAGE_IMPLS = ("a", "b", "c", "b_cuda", "c_cuda")
@@ -580,15 +583,12 @@ def plot_peak_memory(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16
 _CELL_MARKERS = {(0, 0): "o", (1, 0): "s", (0, 1): "^", (1, 1): "v"}  # (second D?, causal)
 
 
-@_drawn_with_rc
-def plot_roofline(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") -> Path | None:
-    """Each impl at the headline cells (N=4096 or the largest N, D = 64/128, causal no/yes), placed
-    by arithmetic intensity = FLOPs / DRAM bytes (measured: filled marker; model: hollow) and its
-    achieved TFLOPS, under the device's measured ceilings (copy bandwidth, matmul rate)."""
-    name = "roofline.png"
-    rows = views.forward_grid(rows)  # the forward grid only: see the module docstring
-    points = []  # (impl, D, causal, intensity, tflops, measured?)
-    unplaced = set()
+def roofline_points(rows: list[dict], *, dtype: str = "fp16") -> tuple[list[tuple], set[str]]:
+    """The roofline's points: ([(impl, D, causal, model intensity, measured intensity, TFLOPS)], the
+    impls left out for want of any DRAM bytes), at the headline cell of each (D, causal). An
+    intensity is FLOPs per DRAM byte, None where those bytes are missing."""
+    rows = views.forward_grid(rows)
+    points, unplaced = [], set()
     for D in sorted({r["D"] for r in rows if r["dtype"] == dtype}):
         for causal in (0, 1):
             N = views.headline_n(rows, D=D, dtype=dtype, causal=causal)
@@ -598,18 +598,37 @@ def plot_roofline(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") 
                 if not (is_ok(r) and r["tflops"]):
                     continue
                 meas, model = dram_bytes(r, "measured"), dram_bytes(r, "model")
-                nbytes = meas or model
-                if not nbytes:
+                if not (meas or model):
                     unplaced.add(r["impl"])
                     continue
-                points.append((r["impl"], D, causal, flops(r) / nbytes, r["tflops"], meas is not None))
+                points.append((r["impl"], D, causal, flops(r) / model if model else None,
+                               flops(r) / meas if meas else None, r["tflops"]))
+    return points, unplaced
+
+
+@_drawn_with_rc
+def plot_roofline(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") -> Path | None:
+    """Each impl at the headline cells (N=4096 or the largest N, D = 64/128, causal no/yes) by
+    arithmetic intensity (FLOPs per DRAM byte) and achieved TFLOPS, under the device's measured
+    ceilings (copy bandwidth, matmul rate).
+
+    Filled markers use the DRAM bytes Nsight Compute measured: those are real roofline points and sit
+    under the roof. Hollow markers use the stage's traffic model, the bytes its kernels *request*;
+    the L2 cache serves part of those, so DRAM sees fewer (at most rounding more) and a hollow
+    marker sits at or left of the kernel's true intensity. A hollow marker can therefore land above
+    the bandwidth line without anything beating it: where a cell has both, a line joins its model
+    point to its measured one; where it has only the model and lands above the line, a dotted arrow
+    runs right to the least intensity its measured time allows (TFLOPS / bandwidth)."""
+    name = "roofline.png"
+    rows = views.forward_grid(rows)  # the forward grid only: see the module docstring
+    points, unplaced = roofline_points(rows, dtype=dtype)
     if not points:
         _skip(name, f"no timed {dtype} rows with DRAM bytes at the headline cells", HINTS["rows"], HINTS["dram"])
         return None
     fig, (ax,) = _new_figure(6.5)
     bw, rates = views.ceilings(env)
     peak = rates.get(dtype)
-    xs = [p[3] for p in points]
+    xs = [x for p in points for x in p[3:5] if x]
     x_lo, x_hi = min(xs) / 4, max(xs) * 4
     if bw and peak:
         x_lo = min(x_lo, peak * 1e3 / bw / 8)
@@ -631,17 +650,29 @@ def plot_roofline(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") 
         ax.text(0.02, 0.97, f"ceiling not measured: {', '.join(missing)} (`{HINTS['ceilings']}`)",
                 transform=ax.transAxes, fontsize=10, va="top", color="0.3")
     Ds = sorted({p[1] for p in points})
-    for impl, D, causal, x, t, measured in points:
+    above_roof = 0
+    for impl, D, causal, x_model, x_meas, t in points:
         marker = _CELL_MARKERS[(int(D != Ds[0]), causal)]
         c = color(impl)
-        ax.plot([x], [t], marker=marker, markersize=10, linestyle="none", markeredgewidth=2,
-                markeredgecolor=c, markerfacecolor=c if measured else "none")
+        if x_model and x_meas and x_model != x_meas:  # the model's point moves right once measured
+            ax.plot([x_model, x_meas], [t, t], color=c, linewidth=1, alpha=0.6, zorder=1)
+        if x_model:
+            ax.plot([x_model], [t], marker=marker, markersize=8, linestyle="none", markeredgewidth=1.5,
+                    markeredgecolor=c, markerfacecolor="none", alpha=0.8 if x_meas else 1.0, zorder=2)
+        if x_meas:
+            ax.plot([x_meas], [t], marker=marker, markersize=10, linestyle="none", markeredgewidth=2,
+                    markeredgecolor=c, markerfacecolor=c, zorder=3)
+        elif bw and t > x_model * bw / 1e3:  # above the bandwidth line: the model overcounts the bytes
+            above_roof += 1
+            ax.annotate("", xy=(t * 1e3 / bw, t), xytext=(x_model, t), zorder=1,
+                        arrowprops=dict(arrowstyle="-|>", color=c, linestyle=":", linewidth=1.2,
+                                        shrinkA=5, shrinkB=0, mutation_scale=10))
     ax.set_xscale("log")
     ax.set_yscale("log")
     for axis in (ax.xaxis, ax.yaxis):
         _plain_log_labels(axis)
     ax.set_xlim(x_lo, x_hi)
-    ys = [p[4] for p in points] + ([peak] if peak else [])
+    ys = [p[5] for p in points] + ([peak] if peak else [])
     ax.set_ylim(min(ys) / 3, max(ys) * 2.5)
     ax.set_xlabel("arithmetic intensity (FLOPs per DRAM byte)")
     ax.set_ylabel("achieved TFLOPS")
@@ -650,9 +681,16 @@ def plot_roofline(rows: list[dict], env: dict, out_dir, *, dtype: str = "fp16") 
     cells = sorted({(p[1], p[2]) for p in points})
     h2 = [Line2D([], [], marker=_CELL_MARKERS[(int(D != Ds[0]), c)], color="0.3", linestyle="none", markersize=9,
                  label=_panel_title(D, c)) for D, c in cells]
-    h2 += [Line2D([], [], marker="o", color="0.3", linestyle="none", markersize=9, label="filled: measured bytes"),
-           Line2D([], [], marker="o", color="0.3", markerfacecolor="none", markeredgewidth=2, linestyle="none",
-                  markersize=9, label="hollow: model bytes")]
+    h2 += [Line2D([], [], marker="o", color="0.3", linestyle="none", markersize=9,
+                  label="filled: DRAM bytes measured\n(Nsight Compute)"),
+           Line2D([], [], marker="o", color="0.3", markerfacecolor="none", markeredgewidth=1.5, linestyle="none",
+                  markersize=8, label="hollow: traffic model's bytes\n(requests, partly served by L2:\n"
+                                      "the true point lies to the right)")]
+    if any(p[3] and p[4] for p in points):
+        h2.append(Line2D([], [], color="0.3", linewidth=1, label="model → measured, one cell"))
+    if above_roof:
+        h2.append(Line2D([], [], color="0.3", linewidth=1.2, linestyle=":", marker=">", markersize=5,
+                         label="model point above the roof →\nthe least intensity its time allows"))
     leg = ax.legend(handles=h1, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="impl", frameon=False)
     ax.add_artist(leg)
     ax.legend(handles=h2, loc="lower left", bbox_to_anchor=(1.01, 0.0), title="cell", frameon=False)
@@ -771,6 +809,131 @@ def _suite_shape(r: dict) -> str:
     return f"B{r['B']} H{heads} N{lengths} D{r['D']}{' causal' if r['causal'] else ''} {r['dtype']}"
 
 
+# ------------------------------------------------------------------------------ 8. bandwidth share
+
+#: the impls of ``bandwidth_share.png``, top to bottom (each only where the cell has its row)
+BANDWIDTH_SHARE_IMPLS = ("a", "b", "c", "sdpa_cudnn")
+
+
+def bandwidth_shares(rows: list[dict], env: dict, cell: dict) -> list[dict]:
+    """What ``bandwidth_share.png`` draws: per impl of :data:`BANDWIDTH_SHARE_IMPLS` timed at ``cell``
+    (forward grid rows, as :func:`resolve_cell` fills it), a dict of ``impl``, ``row``, ``ms`` (median
+    time per call), ``measured`` and ``model`` (DRAM bytes read + written, None where absent),
+    ``gbps`` (measured bytes / time, decimal GB/s) and ``share`` (``gbps`` as a fraction of the
+    copy bandwidth in ``env.json``), and ``model_gbps``/``model_share``, the same of the traffic
+    model's bytes: requests, part of them served by L2, so they may exceed the copy bandwidth.
+    A value that cannot be computed is None."""
+    at = views.plain(views.cell_rows(views.forward_grid(rows), **cell))
+    bw, _ = views.ceilings(env)
+    out = []
+    for impl in BANDWIDTH_SHARE_IMPLS:
+        found = [r for r in at if r["impl"] == impl and is_ok(r) and r["ms_median"]]
+        if not found:
+            continue
+        r = found[-1]
+        ms = r["ms_median"]
+        bar = {"impl": impl, "row": r, "ms": ms, "measured": dram_bytes(r, "measured"),
+               "model": dram_bytes(r, "model")}
+        for key in ("measured", "model"):
+            gbps = bar[key] / (ms * 1e-3) / 1e9 if bar[key] else None
+            prefix = "" if key == "measured" else "model_"
+            bar[prefix + "gbps"] = gbps
+            bar[prefix + "share"] = gbps / bw if gbps is not None and bw else None
+        out.append(bar)
+    return out
+
+
+@_drawn_with_rc
+def plot_bandwidth_share(rows: list[dict], env: dict, out_dir, *, cell: dict | None = None) -> Path | None:
+    """Time per call beside the DRAM bandwidth it achieves, as a share of the measured copy bandwidth
+    (``env.json`` ceilings), for A, B, C and SDPA CUDNN at the headline cell: A moves its N² bytes near
+    the copy rate (memory-bound); the fused kernels move a few hundred MB in the same order of time,
+    a few percent of it, so bandwidth no longer explains their time. Bars: DRAM bytes measured by
+    Nsight Compute over the median time; hollow ◇: the traffic model's bytes over the same time
+    (requests, partly L2 hits: not DRAM traffic, may pass 100 %). Without a copy-bandwidth ceiling
+    the panel shows GB/s. Forward grid rows only."""
+    name = "bandwidth_share.png"
+    rows = views.forward_grid(rows)
+    cell = resolve_cell(rows, cell)
+    where = f"N={cell['N']}, D={cell['D']}, {cell['dtype']}, causal={cell['causal']}"
+    bars = bandwidth_shares(rows, env, cell)
+    if not bars:
+        _skip(name, f"no timed row of A, B, C or SDPA CUDNN at {where}", HINTS["rows"])
+        return None
+    if not any(b["gbps"] for b in bars):
+        _skip(name, f"no DRAM bytes measured (Nsight Compute) for A, B, C or SDPA CUDNN at {where}", HINTS["dram"])
+        return None
+    bw, _ = views.ceilings(env)
+    fig, (ax_t, ax_b) = _new_figure(1.9 + 0.75 * len(bars), 1, 2, sharey=True, width_ratios=[1, 2])
+    y = list(range(len(bars)))
+    t_max = max(b["ms"] for b in bars)
+    for i, b in enumerate(bars):
+        ax_t.barh(i, b["ms"], color=color(b["impl"]), height=0.6)
+        ax_t.text(b["ms"] + 0.02 * t_max, i, f"{b['ms']:.3g} ms", va="center", fontsize=10)
+    ax_t.set_xlim(0, t_max * 1.3)
+    ax_t.set_xlabel("time per call (ms, median)")
+    ax_t.set_title("time", fontsize=12)
+
+    # the bandwidth panel: a share of the copy bandwidth in %, or plain GB/s without the ceiling
+    def x_of(gbps, share):
+        return share * 100 if bw else gbps
+
+    # the axis fits the measured bars and the ceiling; a model marker beyond it is drawn at its edge
+    shown = [x_of(b["gbps"], b["share"]) for b in bars if b["gbps"]]
+    right = max(shown + ([100.0] if bw else [])) * 1.6
+    any_model = False
+    for i, b in enumerate(bars):
+        if b["gbps"]:
+            x = x_of(b["gbps"], b["share"])
+            ax_b.barh(i, x, color=color(b["impl"]), height=0.6)
+            text = f"{views.fmt_bytes(b['measured'])} in {b['ms']:.3g} ms = {b['gbps']:,.0f} GB/s"
+            if bw:
+                text += f", {100 * b['share']:.1f} %"
+            # a white box, so the 100 % line does not run through the numbers of a bar that ends near it
+            ax_b.text(x + 0.01 * right, i, text, va="center", fontsize=10, zorder=3,
+                      bbox=dict(facecolor="white", edgecolor="none", pad=0.3))
+        else:
+            ax_b.text(0.01 * right, i, f"DRAM bytes not measured (`{HINTS['dram']}`)", va="center", fontsize=10,
+                      color="0.3")
+        if b["model_gbps"]:
+            any_model = True
+            xm = x_of(b["model_gbps"], b["model_share"])
+            x_draw = min(xm, 0.9 * right)
+            ax_b.plot([x_draw], [i + 0.36], marker="D", markersize=7, markerfacecolor="none",
+                      markeredgecolor=color(b["impl"]), markeredgewidth=1.5, linestyle="none")
+            ax_b.text(x_draw + 0.012 * right, i + 0.36, f"model {xm:,.0f} {'%' if bw else 'GB/s'}", va="center",
+                      fontsize=8, color="0.35")
+    if bw:
+        ax_b.axvline(100, color="black", linewidth=1.4)
+        ax_b.text(99, -0.55, f"copy bandwidth {bw:,.0f} GB/s = 100 % (measured: device-to-device copy) ",
+                  fontsize=9, va="center", ha="right")
+        ax_b.set_xlabel("achieved DRAM bandwidth, % of the measured copy bandwidth")
+        ax_b.set_title("DRAM bytes / time, as a share of the copy bandwidth (near 100 %: memory-bound)",
+                       fontsize=12)
+    else:
+        ax_b.set_xlabel("achieved DRAM bandwidth (GB/s)")
+        ax_b.set_title(f"DRAM bytes / time (copy bandwidth not measured: `{HINTS['ceilings']}`)", fontsize=12)
+    ax_b.set_xlim(0, right)
+    ax_t.set_yticks(y, [label(b["impl"]) for b in bars])
+    ax_t.set_ylim(len(bars) - 0.4, -0.9)
+    for ax in (ax_t, ax_b):
+        ax.grid(axis="y", visible=False)
+    handles = [Patch(color="0.5", label="bar: DRAM bytes measured by Nsight Compute (read + write) / median time")]
+    if any_model:
+        handles.append(Line2D([], [], marker="D", color="0.35", markerfacecolor="none", linestyle="none",
+                              label="traffic model's bytes / the same time: requests, partly served by L2 "
+                                    "(not DRAM traffic; may exceed the copy bandwidth)"))
+    fig.legend(handles=handles, loc="outside lower center", ncol=1, frameon=False, fontsize=10)
+    r0 = bars[0]["row"]
+    runs = sorted({b["row"]["run_id"] for b in bars if b["row"].get("run_id")})
+    fig.suptitle(f"How much of the memory system each kernel uses: N={cell['N']}, D={cell['D']}, B={r0['B']}, "
+                 f"H={r0['H']}, {cell['dtype']}, {'causal' if cell['causal'] else 'non-causal'}, forward\n"
+                 f"time: median per call, sweep run{'s' if len(runs) > 1 else ''} {', '.join(runs)}\n"
+                 "DRAM bytes: Nsight Compute's dram__bytes_read.sum + dram__bytes_write.sum, profiled apart from the "
+                 "timing", fontsize=11)
+    return _save(fig, Path(out_dir), name, env, rows)
+
+
 # ------------------------------------------------------------------------------ all + CLI
 
 def plot_all(results_dir, *, cell: dict | None = None, dtype: str = "fp16", out_dir=None) -> list[Path]:
@@ -790,6 +953,7 @@ def plot_all(results_dir, *, cell: dict | None = None, dtype: str = "fp16", out_
         plot_peak_memory(rows, env, out, dtype=dtype),
         plot_roofline(rows, env, out, dtype=dtype),
         plot_energy(rows, env, out, dtype=dtype),
+        plot_bandwidth_share(rows, env, out, cell=cell),
         plot_backward_throughput(rows, env, out, dtype=dtype),
         plot_backward_waterfall(rows, env, out, cell=cell),
         plot_models(suite_rows, env, out),

@@ -1,6 +1,7 @@
-"""The seed article's profiler table: five Nsight Compute metrics per impl, side by side.
+"""The five-metric profiler table: five Nsight Compute metrics per impl, side by side.
 
-The first seed article reads a kernel with five numbers from the profiler: DRAM throughput, compute
+A kernel can be read with five numbers from the profiler (the metrics Nsight Compute's own
+SpeedOfLight, Occupancy and memory sections lead with): DRAM throughput, compute
 throughput, achieved occupancy, shared-memory bank conflicts and global load transactions. This
 module builds that table for every impl profiled at one cell (stage A, B, C, the CUDA C++ twins,
 the SDPA peers) from what ``python -m harness profile --sections`` wrote to
@@ -274,7 +275,7 @@ def table_for_reading(profile_dir, *, out: str = "results/h200/profile") -> tupl
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness.profiler_table",
-                                description="Print the seed article's five-metric profiler table from "
+                                description="Print the five-metric profiler table from "
                                             "`harness profile --sections` output.")
     p.add_argument("profile_dir", type=Path, help="the --out folder of `harness profile` (e.g. results/h200/profile)")
     p.add_argument("--N", type=int, default=HEADLINE_CELL["N"], help="sequence length (default %(default)s)")

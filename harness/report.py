@@ -1,38 +1,42 @@
-"""The README's results section, generated from a results directory, never typed by hand.
+"""The results tables of a results folder, generated from its CSV files, never typed by hand.
 
-    python -m harness report results/h200                       # print the Markdown
-    python -m harness report results/h200 --readme README.md    # rewrite the README's block
-    python -m harness report results/h200 --readme README.md --check   # exit 1 if it is stale
+    python -m harness report results/h200                        # print the forward tables
+    python -m harness report results/h200 --update               # rewrite results/h200/README.md's tables
+    python -m harness report results/h200 --update --readme README.md           # ... and the landing page's
+    python -m harness report results/h200 --update --readme README.md --check   # exit 1 if either is stale
 
-The README holds the generated text between two marker lines, which stay in place::
+A file holds generated text between two marker lines, which stay in place::
 
-    <!-- results:begin -->
+    <!-- NAME:begin -->
     ... generated ...
-    <!-- results:end -->
+    <!-- NAME:end -->
 
-What is generated (:func:`render_table`): for each headline cell (N = 4096, D = 64 and 128, fp16,
-causal no/yes) one table of every stage and peer: time, TFLOPS, speedup over stage A, DRAM bytes
-(Nsight Compute measured, traffic model in parentheses), peak extra memory, relative error, status;
-then stage C's throughput as a fraction of SDPA CUDNN's over N. :func:`render_block` adds a short
-reading of the numbers (computed, not typed) and the two headline figures.
+and ``report`` refills every block whose markers the file holds (:data:`BLOCKS`), with links
+relative to that file. Two files are made from one results folder:
 
-Other files hold other named blocks (``<!-- NAME:begin -->`` ... ``<!-- NAME:end -->``), filled by
-the same command: ``ratio`` and ``ablation`` (stage C's README: C against cuDNN over the whole
-grid, with a table of the latest runs side by side, and each optimization's measured share) and
-``twins`` (the Triton stages beside their CUDA C++ twins, and the bank-conflict model against
-Nsight Compute); in the README's results section ``models`` (the model-shape suite of
-``sweep --suite models``, ``<results>/models/runs.csv``: stage C against the fastest SDPA backend per
-named cell, eager and CUDA-graph times, and each suite run's tally), ``shapes`` (the shape contract's
-cells, ``<results>/shapes/runs.csv``: GQA prefill, head dims 80/96 and decode against the fastest SDPA
-backend, decode's GB/s against the measured copy bandwidth), ``backward`` (the ``pass = bwd``
-rows: stage C against SDPA FLASH and CUDNN, min/median/max and the D × causal × N grid) and
-``latency`` (``<results>/latency.csv``: host µs per call beside an empty Triton kernel), and
-``generate`` (``<results>/generate/runs.csv``: small transformers models decoding and training with
-each attention) and ``decode`` (``<results>/decode.csv``: attention in a decode loop whose cache grows
-by one key per call, against a fixed cache), each refilled only when its file exists (see
-:data:`BLOCK_DATA`). A block
-whose data is not there says which command produces it. ``--readme`` may be given several
-times; each file gets every block whose markers it holds.
+* the landing page (the top README) holds one block, ``headline`` (:func:`render_headline_block`):
+  A → B → C → cuDNN at :data:`HEADLINE_CELL` (time, TFLOPS, DRAM bytes measured and modelled,
+  speedup), a sentence reading it, the waterfall figure and a link to the results folder's README;
+* the results folder's README (``--update`` writes it from :func:`results_page` when it does not
+  exist, one section per :data:`RESULTS_PAGE_SECTIONS` entry, then only refills its blocks) holds
+  the rest: ``results`` (:func:`render_block`: for each headline cell, N = 4096, D = 64 and 128,
+  fp16, causal no/yes, every stage and peer with time, TFLOPS, speedup over A, DRAM bytes, peak
+  extra memory, error, status; stage C's throughput over cuDNN's across N; a reading of the numbers;
+  the figures), ``ablation`` (each optimization's measured share), ``backward`` (the ``pass = bwd``
+  rows: stage C against SDPA FLASH and CUDNN), ``models`` (``sweep --suite models``,
+  ``<results>/models/runs.csv``: stage C against the fastest SDPA backend per named cell, eager and
+  CUDA-graph times), ``shapes`` (``<results>/shapes/runs.csv``: GQA prefill, head dims 80/96 and
+  decode, decode's GB/s against the measured copy bandwidth), ``latency`` (``<results>/latency.csv``:
+  host µs per call beside an empty Triton kernel), ``generate`` (``<results>/generate/runs.csv``:
+  small transformers models decoding and training with each attention) and ``decode``
+  (``<results>/decode.csv``: a decode loop whose cache grows by one key per call, against a fixed
+  cache). ``generate`` and ``decode`` are refilled only when their file exists (:data:`BLOCK_DATA`).
+
+Other files hold other blocks, filled by the same command with ``--readme``: ``ablation``
+(docs/stage-c-details.md), ``twins`` (stage C's README: the Triton stages beside their CUDA C++ twins,
+the bank-conflict model against Nsight Compute) and ``ratio`` (the race against cuDNN in docs/performance-log: C against cuDNN
+over the whole grid, fp16 and bf16, and the latest runs side by side). A block whose data is not
+there says which command produces it.
 
 Every table keyed by (N, D, dtype, causal) reads :func:`harness.views.forward_grid` rows (or, for
 the backward, :func:`harness.views.grid_rows` of ``bwd``), so backward, GQA and suite rows in the
@@ -44,6 +48,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -64,6 +69,7 @@ FIGURE_CAPTIONS = (
     ("peak_memory.png", "peak extra memory vs N, OOM points"),
     ("roofline.png", "roofline with the device's measured ceilings"),
     ("energy.png", "energy per call and TFLOP per joule"),
+    ("bandwidth_share.png", "achieved DRAM bandwidth as a share of the copy bandwidth, beside time"),
 )
 
 
@@ -300,15 +306,16 @@ def render_reading(rows: list[dict], *, dtype: str = "fp16", all_rows: list[dict
     """Three sentences that read the headline numbers, computed from the rows (so they cannot go
     stale): what fusion bought, how far C is from the best vendor kernel, and where stages lose."""
     data = [r for r in views.plain(rows) if r["dtype"] == dtype]
-    N = views.headline_n(data, D=64, dtype=dtype, causal=False)
+    D = HEADLINE_CELL["D"]
+    N = views.headline_n(data, D=D, dtype=dtype, causal=False)
     if N is None:
         return ""
-    cell = dict(N=N, D=64, dtype=dtype, causal=False)
+    cell = dict(N=N, D=D, dtype=dtype, causal=False)
     t = {impl: _tflops_at(data, impl, **cell) for impl in ("a", "b", "c", "sdpa_cudnn", "b_cuda")}
     if not (t["a"] and t["b"] and t["c"]):
         return ""
     at = {r["impl"]: r for r in views.cell_rows(data, **cell)}
-    out = [f"**Reading the numbers.** At N = {N}, D = 64, fusing the three kernels into one (A → B) is worth "
+    out = [f"**Reading the numbers.** At N = {N}, D = {D}, fusing the three kernels into one (A → B) is worth "
            f"{t['b'] / t['a']:.1f}×"]
     a_bytes, b_bytes = dram_bytes(at["a"], "measured"), dram_bytes(at["b"], "measured")
     if a_bytes and b_bytes:
@@ -340,6 +347,116 @@ def render_reading(rows: list[dict], *, dtype: str = "fp16", all_rows: list[dict
     if loses:
         out.append("Where the lesson's kernels lose: " + "; ".join(loses) + ".")
     return " ".join(out)
+
+
+# ------------------------------------------------------------------ the landing page's headline
+
+#: The one cell the landing page (the top README) shows, and the cell every other forward block,
+#: the reading of the numbers and the waterfall figure lead with: long enough (N = 4096) that
+#: stage A's N² traffic dominates; D = 64, fp16, non-causal as in the FlashAttention papers' grid.
+#: ``--dtype`` replaces the dtype; a run without N = 4096 (a CPU run) falls back to its largest N.
+HEADLINE_CELL = {"N": views.HEADLINE_N, "D": views.HEADLINE_DS[0], "dtype": "fp16", "causal": 0}
+
+#: The headline table's rows, in order, with what each one changes, in a learner's words.
+HEADLINE_STEPS = (
+    ("a", "three kernels: S and P written to HBM and read back"),
+    ("b", "one fused, tiled kernel: S and P stay on chip"),
+    ("c", "B plus latency hiding (loads overlapped with math) and tuned tiles"),
+    ("sdpa_cudnn", "NVIDIA's cuDNN kernel, called through PyTorch's SDPA"),
+)
+
+
+def headline_table(rows: list[dict], *, N: int, D: int, dtype: str, causal: int) -> str:
+    """A → B → C → cuDNN at one cell as Markdown: what each step changes, ms, TFLOPS, DRAM bytes
+    (Nsight Compute measured; the traffic model), speedup over stage A; a status column only when a
+    row is not ``ok``. '' when the cell has none of these rows."""
+    at = {r["impl"]: r for r in views.plain(views.cell_rows(rows, N=N, D=D, dtype=dtype, causal=causal))}
+    steps = [(at[impl], what) for impl, what in HEADLINE_STEPS if impl in at]
+    if not steps:
+        return ""
+    base = at.get("a")
+    with_status = any(not is_ok(r) for r, _ in steps)
+    head = "| step | what changes | ms | TFLOPS | DRAM bytes, measured | DRAM bytes, model | speedup vs A |"
+    rule = "|---|---|--:|--:|--:|--:|--:|"
+    lines = [head + (" status |" if with_status else ""), rule + ("---|" if with_status else "")]
+    for r, what in steps:
+        ok = is_ok(r)
+        measured, model = dram_bytes(r, "measured"), dram_bytes(r, "model")
+        cells = [_md(_row_label(r)), _md(what), fmt_num(r["ms_median"], ".3g") if ok else "—",
+                 fmt_num(r["tflops"], ".0f") if ok else "—", fmt_bytes(measured) if measured else "—",
+                 fmt_bytes(model) if model else "—", _speedup(r, base)]
+        if with_status:
+            cells.append(_md(r["status"]))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def headline_reading(rows: list[dict], *, N: int, D: int, dtype: str, causal: int) -> str:
+    """One sentence computed from the headline rows: what A → B buys (time and DRAM bytes), what
+    B → C adds, and C's throughput against cuDNN's; '' when A, B or C is missing."""
+    at = {r["impl"]: r for r in views.plain(views.cell_rows(rows, N=N, D=D, dtype=dtype, causal=causal))
+          if is_ok(r) and r["ms_median"]}
+    if not all(impl in at for impl in ("a", "b", "c")):
+        return ""
+    a, b, c = at["a"], at["b"], at["c"]
+    kind = "measured"
+    a_bytes, b_bytes = dram_bytes(a, kind), dram_bytes(b, kind)
+    if not (a_bytes and b_bytes):
+        kind = "model"
+        a_bytes, b_bytes = dram_bytes(a, kind), dram_bytes(b, kind)
+    text = f"A → B is {a['ms_median'] / b['ms_median']:.1f}× faster"
+    if a_bytes and b_bytes:
+        text += (f" and moves {a_bytes / b_bytes:.0f}× fewer DRAM bytes ({fmt_bytes(a_bytes)} → {fmt_bytes(b_bytes)}"
+                 f"{', ' + kind if kind == 'model' else ''})")
+    c_bytes = dram_bytes(c, kind)
+    same = c_bytes and b_bytes and abs(c_bytes - b_bytes) <= 0.05 * b_bytes
+    text += (f"; B → C adds another {b['ms_median'] / c['ms_median']:.2f}×"
+             + (" with the same bytes" if same else ""))
+    cudnn = at.get("sdpa_cudnn")
+    if cudnn and c.get("tflops") and cudnn.get("tflops"):
+        text += f"; stage C runs at {c['tflops'] / cudnn['tflops']:.2f}× cuDNN's throughput on this cell"
+    return text + "."
+
+
+def render_headline_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> str:
+    """The landing page's one table (:func:`headline_table` at :data:`HEADLINE_CELL`), a sentence
+    reading it, the waterfall figure, and a link to the results folder's README, which holds every
+    other table (links relative to ``readme_dir``)."""
+    results_dir, readme_dir = Path(results_dir), Path(readme_dir)
+    rel = _posix_rel(results_dir, readme_dir)
+    rows, env = views.load(results_dir)
+    rows = forward_grid(rows)
+    cell = {**HEADLINE_CELL, "dtype": dtype}
+    if not any(r["N"] == cell["N"] for r in views.cell_rows(rows, **cell)):
+        cell["N"] = views.headline_n(rows, D=cell["D"], dtype=dtype, causal=cell["causal"]) or cell["N"]
+    parts = [_generated_note(rel)]
+    table = headline_table(rows, **cell)
+    if not table:
+        parts.append(f"_No {dtype} rows at N = {cell['N']}, D = {cell['D']} yet: run `{views.HINTS['rows']}`._")
+        return "\n\n".join(parts) + "\n"
+    at = [r for r in views.cell_rows(rows, **cell) if r["impl"] in dict(HEADLINE_STEPS)]
+    dates = sorted({str(r["run_id"])[:10] for r in at})
+    flops = "4·B·H·N²·D" + (" × the visible share (about half, causal)" if cell["causal"] else "")
+    parts.append(
+        f"**{_md(_measured_on(env, rows))}**, forward pass, {_cell_title(**cell, B=at[0]['B'], H=at[0]['H'])}, "
+        f"measured {' to '.join(dict.fromkeys((dates[0], dates[-1])))}. ms: median time per call; TFLOPS: {flops} "
+        "FLOPs per call "
+        "over that time. DRAM bytes: measured by Nsight Compute, and predicted by the stage's traffic model, "
+        "which counts every load a kernel issues: the L2 cache serves re-reads before they reach DRAM, so "
+        "the measurement can be lower. 1 GB = 10⁹ bytes.")
+    if views.interpreted(at):
+        parts.append("> **Note:** these rows ran in the Triton interpreter on a CPU: their times are not GPU times.")
+    parts.append(table)
+    reading = headline_reading(rows, **cell)
+    if reading:
+        parts.append(reading)
+    if (results_dir / "figures" / "waterfall.png").exists():
+        parts.append(f"![The waterfall at this cell: time, DRAM bytes and peak memory from A to B, then stage C's "
+                     f"optimizations switched on one at a time]({rel}/figures/waterfall.png)")
+    if (results_dir / "README.md").exists() and results_dir.resolve() != readme_dir.resolve():
+        parts.append(f"Every other table (head dim 128, causal, the backward pass, model shapes, decoding, host "
+                     f"overhead) is in [`{rel}/README.md`]({rel}/README.md).")
+    return "\n\n".join(parts) + "\n"
 
 
 #: How many of the latest runs the run-to-run table lists.
@@ -425,6 +542,13 @@ def ablation_table(rows: list[dict], *, N: int, D: int, dtype: str, causal: int,
     if not (b and steps and full):
         return ""
     import math
+
+    # The walk's order is the stage's own (its variants, in order), not the order rows were measured
+    # in: rungs measured in a later run still sit where they belong in the walk.
+    import stages
+
+    order = list(getattr(stages.STAGES.get(impl), "variants", None) or ())
+    steps.sort(key=lambda r: order.index(r["variant"]) if r["variant"] in order else len(order))
 
     b_ms, c_ms = b[-1]["ms_median"], full[-1]["ms_median"]
     total = math.log(b_ms / c_ms) if b_ms > c_ms else None
@@ -677,7 +801,7 @@ def shapes_reading(lines: list[dict], copy_gbps: float | None) -> str:
 
 
 def render_shapes_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> str:
-    """The shape-contract cells of issue 24 (``results_dir/shapes/runs.csv``: GQA prefill, head dims
+    """The shape-contract cells (``results_dir/shapes/runs.csv``: GQA prefill, head dims
     80 and 96, decode): stage C against the fastest SDPA backend per shape, and for decode the
     achieved bandwidth against the measured copy bandwidth. ``dtype`` is not used: each cell has its own."""
     results_dir = Path(results_dir)
@@ -806,7 +930,8 @@ def render_decode_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> 
 
 
 #: The blocks a file may hold, by marker name.
-BLOCKS = {"results": render_block, "ratio": render_ratio_block, "ablation": render_ablation_block,
+BLOCKS = {"headline": render_headline_block, "results": render_block, "ratio": render_ratio_block,
+          "ablation": render_ablation_block,
           "twins": render_twins_block, "models": render_models_block, "shapes": render_shapes_block,
           "backward": render_backward_block,
           "latency": render_latency_block, "generate": render_generate_block, "decode": render_decode_block}
@@ -815,6 +940,73 @@ BLOCKS = {"results": render_block, "ratio": render_ratio_block, "ablation": rend
 #: generate runs are measured separately, and a results folder without them says nothing about them).
 BLOCK_DATA = {"generate": lambda results_dir: (Path(results_dir) / "generate" / "runs.csv").exists(),
               "decode": lambda results_dir: (Path(results_dir) / "decode.csv").exists()}
+
+
+#: The README a results folder gets (``report RESULTS --update`` writes it from :func:`results_page`
+#: when it does not exist yet; later runs refill only its blocks, so its prose may be edited):
+#: one section per block, each (block, heading, what the table shows, the command that measures it).
+RESULTS_PAGE_SECTIONS = (
+    ("results", "The forward pass at N = 4096",
+     "Every stage and every SDPA backend at the headline cells (head dim 64 and 128, causal and not), then "
+     "stage C's throughput as a fraction of cuDNN's over the sequence length N, a reading of the numbers "
+     "and the figures.", "python -m harness sweep"),
+    ("ablation", "Stage C's optimizations, one at a time",
+     "Stage C's kernel started from stage B's settings, then one optimization switched on per row "
+     "(cumulative), and each one switched off with all others on (leave one out).",
+     "python -m harness sweep --stages c --ablation --N 4096"),
+    ("backward", "The backward pass",
+     "Stage C's backward against FlashAttention-2 and cuDNN through SDPA, over the same grid.",
+     views.HINTS["bwd"]),
+    ("models", "The shapes real models run",
+     "Stage C against the fastest SDPA backend on named cells of real models (GPT-2, BERT, ViT, Llama, "
+     "long contexts, decode steps), timed eagerly and replayed from a CUDA graph.", views.HINTS["models"]),
+    ("shapes", "Grouped-query attention, head dims 80 and 96, decode steps",
+     "The cells of the stage contract that the FlashAttention-paper grid leaves out; for a decode step, "
+     "the bandwidth it reaches against a device-to-device copy.", views.HINTS["shapes"]),
+    ("latency", "The host path",
+     "What one call costs the CPU on a tiny problem, beside the launch of an empty Triton kernel.",
+     views.HINTS["latency"]),
+    ("generate", "Inside a model",
+     "Small GPT-2- and Llama-shaped transformers models with random weights, decoding with their KV cache "
+     "and training, with each stage as the model's attention beside transformers' own SDPA.",
+     "python -m harness generate"),
+    ("decode", "A decode step's attention, the cache growing",
+     "Attention in a decode loop whose KV cache grows by one key per call, against a cache of fixed length.",
+     "python -m harness decode"),
+)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lowercase, letters, digits, '_', '-' and spaces kept, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def contents_line() -> str:
+    """The results page's sections as one line of links."""
+    links = (f"[{heading}](#{_anchor(heading)})" for _name, heading, _what, _command in RESULTS_PAGE_SECTIONS)
+    return "Sections: " + " · ".join(links) + "."
+
+
+def results_page(results_dir) -> str:
+    """A results folder's README before its blocks are filled: a title naming the GPU, how the page
+    is regenerated, and one section per :data:`RESULTS_PAGE_SECTIONS` entry with empty markers."""
+    results_dir = Path(results_dir)
+    try:
+        gpu = load_env(results_dir).get("gpu_name") or results_dir.name
+    except ResultsError:
+        gpu = results_dir.name
+    folder = results_dir.as_posix()
+    lines = [f"# Results on {gpu}", "",
+             f"Everything measured in this folder, as tables generated from its CSV files by "
+             f"`python -m harness report {folder} --update` (figures: `python -m harness plot {folder}`). "
+             "Edit the results, not the tables: the text between a section's markers is rewritten every time.",
+             "", contents_line(), ""]
+    for name, heading, what, command in RESULTS_PAGE_SECTIONS:
+        begin, end = markers(name)
+        lines += [f"## {heading}", "", f"{what} Measured by `{command}`.", "", begin,
+                  f"_Not measured yet: run `{command}`, then `python -m harness report {folder} --update`._",
+                  end, ""]
+    return "\n".join(lines)
 
 
 def markers(name: str) -> tuple[str, str]:
@@ -878,27 +1070,45 @@ def check_readme(readme_path, results_dir, *, dtype: str = "fp16") -> str:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``report RESULTS_DIR [--readme README.md] [--check] [--dtype fp16]``."""
-    p = subparsers.add_parser("report", help="the README's results tables, from a results directory",
-                              description="Print the results tables, or rewrite/check a README's generated "
-                                          f"blocks: '{BEGIN}' ... '{END}' and the other named blocks "
-                                          f"({', '.join(n for n in BLOCKS if n != 'results')}) whose markers it holds.")
+    """Register ``report RESULTS_DIR [--update] [--readme FILE ...] [--check] [--dtype fp16]``."""
+    p = subparsers.add_parser("report", help="the results tables of a results folder, printed or written into READMEs",
+                              description="Print the results tables, or rewrite/check the generated blocks "
+                                          "('<!-- NAME:begin -->' ... '<!-- NAME:end -->', NAME one of "
+                                          f"{', '.join(BLOCKS)}) of the files named. --update writes "
+                                          "RESULTS_DIR/README.md (every table; created if missing); "
+                                          "--readme adds a file (repeatable), e.g. the landing page README.md, "
+                                          "whose headline block is filled from the same folder.")
     p.add_argument("results_dir", help="a results/<gpu>/ directory holding runs.csv and env.json")
+    p.add_argument("--update", action="store_true",
+                   help="rewrite RESULTS_DIR/README.md's blocks (written from a template first if it does not exist)")
     p.add_argument("--readme", action="append", default=None,
-                   help="a file whose generated blocks to rewrite (repeatable; e.g. README.md and the stage READMEs)")
+                   help="a file whose generated blocks to rewrite (repeatable; e.g. README.md, results/h200/README.md "
+                        "and the stage READMEs)")
     p.add_argument("--check", action="store_true",
-                   help="do not write: exit 1 if the README's block differs from what would be generated "
-                        "(README.md unless --readme is given)")
+                   help="do not write: exit 1 if a file's blocks differ from what would be generated (the files of "
+                        "--update and --readme; RESULTS_DIR/README.md when neither is given)")
     p.add_argument("--dtype", default="fp16", choices=("fp16", "bf16", "fp32"), help="dtype of the tables")
     p.set_defaults(func=run)
     return p
 
 
+def _targets(args) -> list[Path]:
+    """The files ``report`` writes or checks: the results folder's README first (``--update``, or
+    ``--check`` alone), then every ``--readme`` in the order given, each once."""
+    own = Path(args.results_dir) / "README.md"
+    targets = [own] if getattr(args, "update", False) or (args.check and not args.readme) else []
+    for readme in args.readme or []:
+        if Path(readme).resolve() not in {t.resolve() for t in targets}:
+            targets.append(Path(readme))
+    return targets
+
+
 def run(args) -> int:
     try:
+        targets = _targets(args)
         if args.check:
             stale = 0
-            for readme in args.readme or ["README.md"]:
+            for readme in targets:
                 diff = check_readme(readme, args.results_dir, dtype=args.dtype)
                 if diff:
                     print(diff, end="")
@@ -908,8 +1118,12 @@ def run(args) -> int:
                 else:
                     print(f"report: {readme}'s generated blocks are up to date")
             return 1 if stale else 0
-        if args.readme:
-            for readme in args.readme:
+        if targets:
+            own = Path(args.results_dir) / "README.md"
+            if getattr(args, "update", False) and not own.exists():
+                own.write_text(results_page(args.results_dir))
+                print(f"report: wrote {own} from the template")
+            for readme in targets:
                 changed = update_readme(readme, args.results_dir, dtype=args.dtype)
                 print(f"report: {'updated' if changed else 'unchanged'} {readme}")
             return 0

@@ -38,7 +38,7 @@ def _cell(name: str, B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, causal
     return SuiteCell(name, B, Hq, Hkv, Nq, Nk, D, causal == "yes", dtype)
 
 
-#: The model-shape suite of issue 25, as its table gives it:
+#: The model-shape suite, cell by cell:
 #: name, B, Hq, Hkv, Nq, Nk, D, causal, dtype.
 MODELS: tuple[SuiteCell, ...] = (
     _cell("gpt2", 32, 12, 12, 1024, 1024, 64, "yes", "bf16"),

@@ -401,7 +401,7 @@ def suite_runs(all_rows: list[dict]) -> dict[str, list[dict]]:
 
 
 #: where ``results/publish.sh shapes`` writes (the GQA prefill, head-dim 80/96 and decode cells of
-#: the shape contract, issue 24), inside a results folder
+#: the shape contract), inside a results folder
 SHAPES_DIR = "shapes"
 
 

@@ -61,5 +61,5 @@ if has latency; then
 fi
 if has figures; then
   run $py -m harness plot "$out"
-  run $py -m harness report "$out"
+  run $py -m harness report "$out" --update
 fi

@@ -2,12 +2,14 @@
 
 Executed with nbclient in a fresh ``python3`` kernel whose working directory is ``notebooks/`` (as
 Jupyter and nbmake run them). Nothing is written back: the committed outputs are refreshed by
-re-executing the notebooks in place (see notebooks/README.md). The whole set takes well under a minute
-on a CPU without committed GPU results; on a GPU they also time a few cases live.
+re-executing the notebooks in place (see notebooks/README.md). The whole set takes a few minutes on a
+2-core CPU; on a GPU they also time a few cases live. One notebook: ``pytest tests/test_notebooks.py -k 05b``
+(the test ids are the notebooks' names).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -17,16 +19,26 @@ nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parents[1] / "notebooks"
-NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
+#: ``NN_name.ipynb``, or ``NNb_name.ipynb`` for the second half of a notebook too long for one sitting
+NAME = re.compile(r"(\d\d)([a-z]?)_.+\.ipynb")
+NOTEBOOKS = sorted(p for p in NOTEBOOKS_DIR.glob("[0-9][0-9]*_*.ipynb") if NAME.fullmatch(p.name))
 CELL_TIMEOUT_S = 300
 
 
 def test_reading_path_is_complete():
-    numbers = [int(p.name[:2]) for p in NOTEBOOKS]
+    """01, 02, ... without a gap; a lettered half (05b) only beside its first half (05); every notebook
+    listed in notebooks/README.md, and every notebook link there names a file."""
+    keys = [NAME.fullmatch(p.name).groups() for p in NOTEBOOKS]
+    numbers = sorted({int(n) for n, _ in keys})
     assert numbers == list(range(1, len(numbers) + 1)) and len(numbers) >= 7, [p.name for p in NOTEBOOKS]
+    for n, letter in keys:
+        assert not letter or (n, "") in keys, f"notebook {n}{letter} has no first half {n}"
+    assert len(keys) == len(set(keys)), [p.name for p in NOTEBOOKS]
     readme = (NOTEBOOKS_DIR / "README.md").read_text()
     for p in NOTEBOOKS:
         assert p.name in readme, f"{p.name} is missing from notebooks/README.md"
+    for link in re.findall(r"\]\(([^)#]+\.ipynb)", readme):
+        assert (NOTEBOOKS_DIR / link).exists(), f"notebooks/README.md links to {link}, which does not exist"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

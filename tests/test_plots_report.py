@@ -275,9 +275,82 @@ def test_run_history_lists_each_run_and_the_cells_that_fell_below(tmp_path):
     assert "| 2026-11-30T03:00:00Z | ? |" in report.render_ratio_block(results)
 
 
+# ------------------------------------------------------- the landing page's headline, the results page
+
+def _headline_lines(block: str) -> dict[str, list[str]]:
+    return {cells[0]: cells for line in block.splitlines() if line.startswith("| ")
+            and (cells := [c.strip() for c in line.strip("|").split("|")])[0] not in ("step",)}
+
+
+def test_headline_block_is_a_to_c_to_cudnn_at_the_headline_cell(results, tmp_path):
+    """One table at HEADLINE_CELL: A, B, C, cuDNN in that order with ms, TFLOPS, DRAM bytes measured
+    and modelled, speedup over A; a sentence reading it; the waterfall and the results page, linked
+    relative to the README that holds the block."""
+    plots.plot_all(results)
+    (results / "README.md").write_text(report.results_page(results))
+    block = report.render_headline_block(results, tmp_path)  # the landing page sits two folders above
+    assert report.HEADLINE_CELL == {"N": 4096, "D": 64, "dtype": "fp16", "causal": 0}
+    assert "N = 4096, D = 64, fp16, non-causal (B = 4, H = 32)" in block
+    lines = _headline_lines(block)
+    assert list(lines) == ["A naive", "B tiled", "C optimized", "SDPA CUDNN"]
+    assert lines["A naive"][2:] == ["15.3", "36", "16.7 GB", "17.4 GB", "1.00×"]
+    assert lines["C optimized"][2:] == ["1.81", "304", "2.46 GB", "4.43 GB", "8.44×"]
+    assert all(len(cells) == 7 for cells in lines.values())  # no status column: every row is ok
+    assert ("A → B is 4.7× faster and moves 3× fewer DRAM bytes (16.7 GB → 4.83 GB); "
+            "B → C adds another 1.81×; stage C runs at 0.81× cuDNN's throughput on this cell.") in block
+    assert "](results/h200/figures/waterfall.png)" in block
+    assert "[`results/h200/README.md`](results/h200/README.md)" in block
+    inside = report.render_headline_block(results, results)  # in the results folder itself: no self-link
+    assert "](./figures/waterfall.png)" in inside and "README.md)" not in inside
+
+
+def test_headline_block_shows_dram_bytes_and_a_status_when_a_row_failed(tmp_path):
+    rows = [r for r in build_rows() if r["kind"] in ("stage", "peer")]
+    a = next(r for r in rows if r["impl"] == "a" and r["N"] == 4096 and r["D"] == 64 and not r["causal"])
+    rows[rows.index(a)] = dict(a, status="oom", tflops=0)
+    block = report.render_headline_block(build_results(tmp_path / "r", rows=rows), tmp_path)
+    lines = _headline_lines(block)
+    assert lines["A naive"][2:4] == ["—", "—"] and lines["A naive"][-1] == "oom"
+    assert lines["B tiled"][-2] == "—" and lines["B tiled"][-1] == "ok"  # no speedup without A
+    assert "A → B is" not in block
+    measured, model = lines["C optimized"][4:6]
+    assert measured.endswith("B") and model.endswith("B"), (measured, model)
+
+
+def test_headline_block_without_rows_names_the_command(tmp_path):
+    rows = [r for r in build_rows() if r["D"] == 128]
+    block = report.render_headline_block(build_results(tmp_path / "r", rows=rows), tmp_path)
+    assert "run `python -m harness sweep`" in block and "|" not in block
+
+
+def test_report_update_writes_the_results_page_from_its_template(results, tmp_path, capsys):
+    """`report RESULTS --update` on a folder without a README writes one section per block, fills it,
+    and leaves a landing page alone unless --readme names it; --check alone checks the results page."""
+    landing = tmp_path / "README.md"
+    landing.write_text("# lab\n\n<!-- headline:begin -->\nold\n<!-- headline:end -->\n")
+    assert _cli(["report", str(results), "--check"]) == 2  # no results page yet
+    assert _cli(["report", str(results), "--update"]) == 0
+    page = (results / "README.md").read_text()
+    assert "wrote" in capsys.readouterr().out
+    for name, heading, _what, command in report.RESULTS_PAGE_SECTIONS:
+        assert f"## {heading}" in page and report.markers(name)[0] in page and command in page
+    assert "| C optimized |" in page and "Not measured yet: run `python -m harness generate`" in page
+    assert landing.read_text().endswith("old\n<!-- headline:end -->\n")
+    assert _cli(["report", str(results), "--check"]) == 0
+    assert _cli(["report", str(results), "--update", "--readme", str(landing)]) == 0
+    assert "| SDPA CUDNN |" in landing.read_text() and "old" not in landing.read_text()
+    assert _cli(["report", str(results), "--update", "--readme", str(landing), "--check"]) == 0
+    (results / "README.md").write_text(page.replace("## The backward pass", "## The backward pass, by hand"))
+    assert _cli(["report", str(results), "--update"]) == 0  # prose outside the markers is kept
+    assert "## The backward pass, by hand" in (results / "README.md").read_text()
+
+
 # ------------------------------------------------------------------------ the committed results
 
-GENERATED_READMES = ["README.md", "stages/c_optimized/README.md", "docs/performance-log/race-against-cudnn.md"]
+#: Every committed file with generated blocks: the landing page (its headline), the results page (every
+#: other table), stage C's README (ablation, twins) and the race against cuDNN (ratio).
+GENERATED_READMES = ["README.md", "results/h200/README.md", "stages/c_optimized/README.md",
+                     "docs/stage-c-details.md", "docs/performance-log/race-against-cudnn.md"]
 
 
 @pytest.mark.parametrize("readme_name", GENERATED_READMES)
@@ -328,3 +401,20 @@ def test_ratio_table_flags_noisy_cells():
     assert line.count("†") == 1 and table.count("†") == 2  # the cell and the footnote
     assert report.sample_spread(noisy_peer) == pytest.approx(0.15)
     assert report.sample_spread(dict(cudnn, ms_p80=None)) is None
+
+
+def test_committed_roofline_places_measured_points_under_the_roof_and_model_points_left_of_them():
+    """The roofline's filled (measured-byte) points obey the ceilings; a hollow (model-byte) point is at
+    or left of its cell's measured point, because the model counts requests and the L2 serves part of
+    them. (Model points alone may sit above the bandwidth line: the figure says so and draws the arrow.)"""
+    from harness import views
+
+    rows, env = views.load(ROOT / "results" / "h200")
+    bw, rates = views.ceilings(env)
+    points, _ = plots.roofline_points(rows, dtype="fp16")
+    measured = [p for p in points if p[4]]
+    assert measured, "the headline cells have Nsight Compute bytes"
+    for impl, D, causal, x_model, x_meas, tflops in measured:
+        assert tflops <= min(rates["fp16"], x_meas * bw / 1e3), (impl, D, causal)
+        if x_model:
+            assert x_model <= x_meas * 1.01, (impl, D, causal, x_model, x_meas)

@@ -1,4 +1,4 @@
-"""The seed article's five-metric profiler table (harness.profiler_table), from synthetic ncu output.
+"""The five-metric profiler table (harness.profiler_table), from synthetic ncu output.
 
 No GPU and no ncu: the summary CSV is written the way ``harness profile --sections`` writes it
 (ncu's CSV -> ``ncu.parse_ncu_csv`` -> ``ncu.section_summary`` -> ``cli._merge_section_summary``),

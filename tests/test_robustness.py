@@ -1,4 +1,4 @@
-"""What a new user meets when something goes wrong (issue 23): compile errors that name their
+"""What a new user meets when something goes wrong: compile errors that name their
 cause, bad ``--out`` paths, a damaged ``runs.csv``, and the smaller traps (import order, run ids,
 CPU sizes and folders, CPU reports, ``--causal`` spelling, interpreter warnings, notebook outputs).
 

@@ -31,7 +31,7 @@ def _fp16_score(q_row, k_row):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_a_issue_23_score_that_overflows_to_minus_inf_leaves_the_row_finite(device, causal):
-    # Issue 23, item 3: a large query against an opposite key makes one fp16 score overflow to -inf.
+    # A large query against an opposite key makes one fp16 score overflow to -inf.
     # Softmax gives that key probability 0 and the row stays finite; the old per-lane online
     # max/sum computed exp(-inf - (-inf)) = NaN in the lane that had seen only that score.
     q, k, v = make_qkv(1, 2, 8, 16, torch.float16, device, seed=1)

@@ -178,7 +178,7 @@ def test_traffic_models_follow_their_derivations():
 
 def test_workspace_models():
     p = contract.Problem(B=4, H=32, N=4096, D=64, dtype="fp16")
-    # The seed article's example: P alone for N=4096, B=32, 32 heads in fp16 is 32 GiB.
+    # A worked example: P alone for N=4096, B=32, 32 heads in fp16 is 32 GiB.
     assert STAGES["a"].workspace_bytes(contract.Problem(32, 32, 4096, 64, "fp16")) == 2 * 32 * 2**30
     assert STAGES["a"].workspace_bytes(p) == 2 * 4 * 32 * 4096 * 4096 * 2
     assert STAGES["b"].workspace_bytes(p) == 0 and STAGES["c"].workspace_bytes(p) == 0

@@ -3,7 +3,7 @@
 One program owns a BLOCK_M-row tile of Q for one (batch, query head). It loads that tile once, then
 walks over K and V in BLOCK_N-row tiles. For each tile it computes the scores S_ij = scale·Q_i K_jᵀ
 in registers, and folds them into three running quantities per row, exactly the recurrence of
-FlashAttention (and of section 2.2 of the seed article):
+FlashAttention (Dao et al. 2022, section 3.1):
 
     m_new = max(m_i, rowmax(S_ij))             running max
     P_ij  = exp(S_ij - m_new)                  this tile's unnormalized probabilities
@@ -509,7 +509,7 @@ def hbm_bytes(p: Problem, *, dq_method: str = "separate", write_lse: bool = Fals
     Q: each row read once.  K and V: every (query head, Q tile) program walks all Nk rows of its
     group's K/V head, so each K/V head is read ⌈Nq/BLOCK_M⌉ times *per query head of its group*
     (causal too: stage B visits the tiles above the diagonal as well).  O: written once. Per query
-    head, reads = D·e·(Nq + 2·⌈Nq/BLOCK_M⌉·Nk): the N²·D/BLOCK_M term of the seed article
+    head, reads = D·e·(Nq + 2·⌈Nq/BLOCK_M⌉·Nk): the N²·D/BLOCK_M term of FlashAttention's IO analysis (Dao et al. 2022, Theorem 2)
     (BLOCK_M from :func:`tile_shape`: 64, or 32 for fp32).
     ``write_lse`` adds L (4 bytes per query row), written only when a backward pass will follow.
     ``dq_method`` is accepted (and checked) like ``attention``'s; it changes only the backward.

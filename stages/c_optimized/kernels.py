@@ -35,7 +35,7 @@ Always on (no switch, because Triton gives no way to turn them off): tensor-core
 + ``ldmatrix`` on sm_80, ``wgmma`` on sm_90) with fp32 accumulators resident in registers and the
 P·V product accumulated in place (``tl.dot(p, v, acc)``); swizzled shared-memory layouts, which
 Triton picks so that ``ldmatrix``/``wgmma`` reads are bank-conflict free (the padding trick of the
-seed article, done by XOR-ing addresses instead of wasting bytes; ``harness inspect`` prints them);
+classic CUDA kernels, done by XOR-ing addresses instead of wasting bytes; ``harness inspect`` prints them);
 16-byte vectorized global accesses (pointer alignment is specialized at launch); the K/V loop split
 into mask-free whole tiles and a masked ragged tail at run time (no kernel per sequence length).
 

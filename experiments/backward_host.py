@@ -1,0 +1,112 @@
+"""Host time of one backward call, piece by piece: where a small backward's time goes when the GPU
+work is tiny (B 1, H 8, N 1024, D 64: tens of µs of kernels).
+
+    python experiments/backward_host.py                      # B 1, H 8, N 1024, D 64, bf16, causal
+    python experiments/backward_host.py --N 128 --calls 2000
+
+Each line is the mean wall time per call over ``--calls`` calls, the GPU synchronized once at the end
+(so a line is host-bound when the host is slower than the kernels it queues, which is the point):
+
+* ``autograd.grad`` through each impl's attention (what training pays), and through SDPA's backends;
+* stage C's ``attention_backward`` called directly (no autograd);
+* its parts: the checks, ``plan_backward`` (building the launches as data), each launch run alone.
+
+The kernels' own GPU time comes from a CUDA graph of the direct call, replayed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+
+def per_call_us(fn, calls: int) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def graph_us(fn, calls: int) -> float:
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return per_call_us(graph.replay, calls)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--B", type=int, default=1)
+    ap.add_argument("--H", type=int, default=8)
+    ap.add_argument("--N", type=int, default=1024)
+    ap.add_argument("--D", type=int, default=64)
+    ap.add_argument("--dtype", default="bf16", choices=["fp16", "bf16"])
+    ap.add_argument("--causal", type=int, default=1)
+    ap.add_argument("--calls", type=int, default=500)
+    args = ap.parse_args()
+    import stages  # noqa: F401  (first: it chooses the interpreter on a machine without a GPU)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from stages.c_optimized import backward as bwd
+    from stages.c_optimized.kernels import attention_with_lse
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    causal = bool(args.causal)
+    shape = (args.B, args.H, args.N, args.D)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    do = torch.randn(shape, device="cuda", dtype=dtype)
+    scale = args.D ** -0.5
+    print(f"B={args.B} H={args.H} N={args.N} D={args.D} {args.dtype} causal={int(causal)}; "
+          f"{args.calls} calls per line; µs per call")
+
+    def grad_of(forward):
+        o = forward()
+        return lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+
+    for name in ("b", "c"):
+        attention = stages.STAGES[name].attention
+        print(f"  autograd.grad, stage {name}: {per_call_us(grad_of(lambda: attention(q, k, v, causal=causal)), args.calls):8.1f}")
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+        with sdpa_kernel(backend):
+            fn = grad_of(lambda: sdpa(q, k, v, is_causal=causal))
+            print(f"  autograd.grad, SDPA {backend.name}: {per_call_us(fn, args.calls):8.1f}")
+
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    o, lse = attention_with_lse(qd, kd, vd, causal=causal)
+    direct = lambda: bwd.attention_backward(do, qd, kd, vd, o, lse, causal=causal, scale=scale)  # noqa: E731
+    print(f"  stage C attention_backward, direct: {per_call_us(direct, args.calls):8.1f}")
+    print(f"  stage C attention_backward, GPU only (graph replay): {graph_us(direct, args.calls):8.1f}")
+    print(f"    checks: {per_call_us(lambda: bwd._check_backward_inputs(do, qd, kd, vd, o, lse, scale), args.calls):8.1f}")
+    B, Hq, Nq, D = qd.shape
+    plan = bwd.backward_plan(D, dtype, bwd.device_arch(qd.device), causal)
+    delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device="cuda")
+    dk, dv, dq = torch.empty_like(kd), torch.empty_like(vd), torch.empty_like(qd)
+    dq_acc = None if plan.separate_dq else torch.empty(shape, dtype=torch.float32, device="cuda")
+
+    def planned():
+        return bwd.plan_backward(do, qd, kd, vd, o, lse, delta, dq, dk, dv, dq_acc, causal=causal, scale=scale,
+                                 arch=90, deterministic=plan.separate_dq, config=plan.dkdv, dq_config=plan.dq)
+
+    print(f"    plan_backward: {per_call_us(planned, args.calls):8.1f}   ({plan})")
+    for launch in planned():
+        print(f"    run {launch.kernel.fn.__name__}: {per_call_us(launch.run, args.calls):8.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,603 @@
+"""Every number the lessons state is what the committed results say (CPU, no GPU, about a second).
+
+Each :class:`harness.claims.Claim` below quotes a sentence of a stage README, a notebook or a docs
+page, with ``{}`` where its numbers stand, and computes those numbers from ``results/h200/``. Reword
+a sentence and its claim must follow; re-measure the results and a sentence that no longer holds
+fails here, naming the file, the words and the new value. Numbers a notebook prints are computed
+when it runs and need no claim; only the prose's are listed.
+
+Beside the claims: the lessons cite public sources, never a tracker a reader cannot open, and every
+link into ``docs/glossary.md`` lands on one of its headings.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from harness.claims import Claim, Data, agrees, check, fold, prose_of
+from stages.contract import Problem
+
+ROOT = Path(__file__).resolve().parents[1]
+A_README, B_README, C_README = ("stages/a_naive/README.md", "stages/b_tiled/README.md",
+                                "stages/c_optimized/README.md")
+C_DETAILS = "docs/stage-c-details.md"
+TWINS = "stages/CUDA_TWINS.md"
+GLOSSARY = "docs/glossary.md"
+NB = {p.name.split("_")[0]: f"notebooks/{p.name}" for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))}
+
+#: the headline cell of the README and the waterfall (views.HEADLINE_N, D = 64, non-causal, fp16)
+HEAD = dict(N=4096, D=64, causal=False)
+CELLS = {"D64": dict(N=4096, D=64, causal=False), "D64c": dict(N=4096, D=64, causal=True),
+         "D128": dict(N=4096, D=128, causal=False), "D128c": dict(N=4096, D=128, causal=True)}
+
+
+# ------------------------------------------------------------------------------ what the claims compute
+
+def model_ratio(num: str, den: str, problem: Problem) -> float:
+    """One stage's traffic model over another's for ``problem`` (the models need no results)."""
+    from stages import STAGES
+
+    return STAGES[num].hbm_bytes(problem).total / STAGES[den].hbm_bytes(problem).total
+
+
+def atomic_over_separate(problem: Problem) -> float:
+    from stages import STAGES
+
+    bwd = STAGES["b"].bwd_hbm_bytes
+    return bwd(problem, dq_method="atomic").total / bwd(problem, dq_method="separate").total
+
+
+def train_steps(d: Data, model: str) -> list[dict]:
+    """The latest run's training-step rows of one model in generate/runs.csv."""
+    rows = [r for r in d.generate_rows if r["model"] == model and r["pass"] == "train" and r["status"] == "ok"]
+    latest = max(r["run_id"] for r in rows)
+    return [r for r in rows if r["run_id"] == latest]
+
+
+def train_order(d: Data, model: str) -> list[str]:
+    return [r["impl"] for r in sorted(train_steps(d, model), key=lambda r: float(r["ms_median"]))]
+
+
+def bwd_pairs(d: Data, impl: str, peer: str) -> list[tuple[float, float]]:
+    from harness import views
+
+    rows = [r for r in views.grid_rows(d.all_rows, "bwd") if views.is_ok(r) and r["dtype"] == "fp16"
+            and not r.get("variant") and r.get("tflops")]
+    cells: dict[tuple, dict] = {}
+    for r in rows:
+        cells.setdefault((r["D"], r["causal"], r["N"]), {})[r["impl"]] = r["tflops"]
+    pairs = [(c[impl], c[peer]) for c in cells.values() if impl in c and peer in c]
+    assert pairs, f"no backward cells with both {impl} and {peer}"
+    return pairs
+
+
+def profiled(d: Data) -> dict[str, dict]:
+    """The five-metric profiler rows the notebooks display ({impl: row}), at the cell they display."""
+    from harness import profiler_table
+
+    rows, cell, _text = profiler_table.table_for_reading(d.dir / "profile", out="profile")
+    assert cell == dict(N=4096, D=64, dtype="fp16", causal=0), cell
+    return {r["impl"]: r for r in rows}
+
+
+def energy_cell(d: Data) -> dict[str, dict]:
+    """{impl: the latest row that measured energy} at the energy figure's cell (N = 4096, D = 64, fp16)."""
+    from harness import views
+    from harness.results import load_rows
+
+    rows = views.latest_energy_rows(views.forward_grid(load_rows(d.dir))).values()
+    at = [r for r in rows if r["kind"] in ("stage", "peer") and r["dtype"] == "fp16"]
+    return {r["impl"]: r for r in views.cell_rows(at, N=4096, D=64, dtype="fp16", causal=False)}
+
+
+def power_span(d: Data, exclude: str) -> tuple[float, float]:
+    watts = [r["power_w"] for impl, r in energy_cell(d).items() if impl != exclude]
+    return min(watts), max(watts)
+
+
+def a_workspace(n: int) -> int:
+    from stages import STAGES
+
+    return STAGES["a"].workspace_bytes(Problem(1, 32, n, 64))
+
+
+def last_n_below_host(d: Data) -> int:
+    """The largest N (one sequence, 32 heads of 64) whose stage A model bytes cross DRAM at the copy
+    bandwidth faster than one stage A call's host path (the latest latency run)."""
+    from stages import STAGES
+
+    host_us = list(d.latency_runs.values())[-1]["a"]
+    ns = (128, 256, 512, 1024, 2048, 4096, 16384)
+    below = [n for n in ns if STAGES["a"].hbm_bytes(Problem(1, 32, n, 64)).total / (d.copy_gbps * 1e3) < host_us]
+    assert below == list(ns[:len(below)]), "not one crossover"
+    return below[-1]
+
+
+def b_over_minimum(problem: Problem) -> float:
+    from stages import STAGES
+
+    return STAGES["b"].hbm_bytes(problem).total / problem.qkvo_bytes
+
+
+def per_head_n2(d: Data, nbytes: float, **cell) -> float:
+    """Bytes per (batch, head) in units of N²·e (fp16: e = 2)."""
+    r = d.row("a", **cell)
+    return nbytes / (r["B"] * r["H"]) / (r["N"] ** 2 * 2)
+
+
+def a_measured_over_model(d: Data) -> list[float]:
+    return [d.measured_bytes("a", N=n, D=64) / d.model_bytes("a", N=n, D=64)
+            for n in d.ns("a", D=64) if d.row("a", N=n, D=64)["dram_read_measured"] is not None]
+
+
+def twin_ratios(d: Data, impl: str, slow: str, fast: str) -> list[float]:
+    """Time of the ``slow`` variant over the ``fast`` one at the four N = 4096 cells."""
+    return [d.row(impl, variant=slow, **c)["ms_median"] / d.row(impl, variant=fast, **c)["ms_median"]
+            for c in CELLS.values()]
+
+
+def bank_conflicts(d: Data, *, predicted_zero: bool, keyed: bool = False) -> list[tuple]:
+    """(measured, predicted) bank conflicts of the twins' profiled ablation rows whose prediction is
+    (or is not) zero, as the stage C README's generated table pairs them; ``keyed`` adds the row's
+    (impl, N, D) in front."""
+    import stages
+    from harness.ncu import predicted_bank_conflicts
+
+    out = []
+    for r in d.rows:
+        if r["impl"] in ("b_cuda", "c_cuda") and r["kind"] == "ablation" and r["smem_bank_conflicts"] is not None:
+            stage = stages.get_stage(r["impl"])
+            kwargs = {} if r["variant"] == "all" else dict(stage.variants.get(r["variant"], {}))
+            pred = predicted_bank_conflicts(r["impl"], Problem(r["B"], r["H"], r["N"], r["D"], r["dtype"],
+                                                               bool(r["causal"])), kwargs)
+            total = pred["ld"] + pred["st"]
+            if (total == 0) == predicted_zero:
+                key = (r["impl"], r["N"], r["D"])
+                out.append((key, r["smem_bank_conflicts"], total) if keyed else (r["smem_bank_conflicts"], total))
+    assert out, "no profiled twin rows"
+    return out
+
+
+def residues(d: Data) -> list[tuple[int, int]]:
+    """(measured conflicts of a layout the model calls conflict-free, the unpadded layout's at the same
+    impl, N and D) for every such pair profiled."""
+    unpadded = {key: m for key, m, _ in bank_conflicts(d, predicted_zero=False, keyed=True)}
+    pairs = [(m, unpadded[key]) for key, m, _ in bank_conflicts(d, predicted_zero=True, keyed=True) if key in unpadded]
+    assert pairs, "no zero-predicted layout profiled beside its unpadded one"
+    return pairs
+
+
+def host_path_us(d: Data, label: str) -> float:
+    """One line of experiments/host_path.py's committed output: µs of host time per call."""
+    text = (d.dir / "experiments" / "2026-12-01_host_path.txt").read_text()
+    return float(re.search(re.escape(label) + r"\s+([0-9.]+)", text).group(1))
+
+
+def span(d: Data, f, *args) -> tuple[float, float]:
+    """(lowest, highest) of ``f(d, cell, *args)`` over the four ablation cells, rounded as printed."""
+    values = [f(d, c, *args) for c in CELLS]
+    return round(min(values), 2), round(max(values), 2)
+
+
+def left_out(d: Data, cell: str, switch: str) -> float:
+    return d.leave_one_out(switch, **CELLS[cell])
+
+
+def ws_whole(d: Data, cell: str) -> float:
+    """Warp specialization's factor in the walk: every rung together, from '+causal_skip' to the full kernel."""
+    at = dict(d.ablation_steps(**CELLS[cell]))
+    return at["+causal_skip"] / at["+warp_specialization"]
+
+
+def run_date(d: Data, impl: str, variant: str | None) -> tuple[int, int, int]:
+    """(year, month, day) of the run that measured the headline cell's row of ``impl`` (every ablation cell
+    from the same run, or NaNs)."""
+    dates = {d.row(impl, variant=variant, **c)["run_id"][:10] for c in CELLS.values()}
+    if len(dates) != 1:
+        return (float("nan"),) * 3
+    return tuple(int(x) for x in dates.pop().split("-"))
+
+
+def steps(d: Data, cell: str, step: str) -> float:
+    """The speedup of one cumulative ablation step over the step before it."""
+    return d.step_speedups(**CELLS[cell])[step]
+
+
+def shares(d: Data, cell: str, step: str) -> float:
+    return d.step_shares(**CELLS[cell])[step]
+
+
+def largest_step(d: Data, cell: str) -> str:
+    sp = d.step_speedups(**CELLS[cell])
+    return max(sp, key=sp.get)
+
+
+def costliest_leave_out(d: Data, cell: str) -> str:
+    from stages.c_optimized import SWITCHES
+
+    return max(SWITCHES, key=lambda s: d.leave_one_out(s, **CELLS[cell]))
+
+
+def same_everywhere(values: list[float], spread: float = 0.01) -> float:
+    """The value all of ``values`` share (their mean), NaN (a failing claim) if they spread wider."""
+    return sum(values) / len(values) if values and max(values) - min(values) <= spread else float("nan")
+
+
+def b_measured_over_minimum(d: Data) -> list[float]:
+    out = []
+    for n in d.ns("b", D=64):
+        r = d.row("b", N=n, D=64)
+        if r["dram_read_measured"] is not None:
+            out.append(d.measured_bytes("b", N=n, D=64) / Problem(r["B"], r["H"], n, 64).qkvo_bytes)
+    return out
+
+
+# ------------------------------------------------------------------------------ the claims
+
+CLAIMS = [
+    # ---------------------------------------------------------------- stage A
+    Claim(A_README, "from {} TFLOPS at N = 512 to {} at N = 16384",
+          lambda d: (d.tflops("a", N=512, D=64), d.tflops("a", N=16384, D=64))),
+    Claim(A_README, "TFLOPS rise with N, then flatten",
+          lambda d: d.tflops("a", N=512, D=64) < d.tflops("a", N=2048, D=64) < d.tflops("a", N=4096, D=64)
+          and abs(d.tflops("a", N=16384, D=64) / d.tflops("a", N=4096, D=64) - 1) < 0.05,
+          why="stage A's D = 64 TFLOPS over N"),
+    Claim(A_README, "against a measured matmul rate of {}", lambda d: (d.matmul_tflops("fp16"),)),
+    Claim(A_README, "read {} % of the copy bandwidth `python -m harness device` measures at N = 4096",
+          lambda d: (100 * d.model_gbps("a", **HEAD) / d.copy_gbps,)),
+    Claim(A_README, "are {} % of the copy bandwidth at N = 4096 and {} % at N = 16384",
+          lambda d: (100 * d.measured_gbps("a", **HEAD) / d.copy_gbps,
+                     100 * d.measured_gbps("a", N=16384, D=64) / d.copy_gbps)),
+    Claim(A_README, "the measured bytes are {}–{} of the model",
+          lambda d: (min(a_measured_over_model(d)), max(a_measured_over_model(d))), rel=0.02),
+    Claim(A_README, "about {}·N²·e per head at N = 4096 ({}·N²·e at N = 16384) against the model's {}·N²·e",
+          lambda d: (per_head_n2(d, d.measured_bytes("a", **HEAD), **HEAD),
+                     per_head_n2(d, d.measured_bytes("a", N=16384, D=64), N=16384, D=64),
+                     per_head_n2(d, d.model_bytes("a", **HEAD), **HEAD)), rel=0.05),
+    Claim(A_README, "a causal call takes {}× the non-causal time at N = 4096",
+          lambda d: (d.ms("a", **CELLS["D64c"]) / d.ms("a", **HEAD),)),
+    Claim(A_README, "to {} GB at N = 16384",
+          lambda d: (d.row("a", N=16384, D=64)["peak_mem_measured"] / 1e9,)),
+    Claim(A_README, "the measured peak equals the workspace model",
+          lambda d: all(r["peak_mem_measured"] == r["peak_mem_model"] for r in d.rows
+                        if r["impl"] == "a" and r["kind"] == "stage" and r["status"] == "ok"
+                        and r["peak_mem_measured"] is not None),
+          why="stage A's peak_mem_measured against peak_mem_model"),
+    # ---------------------------------------------------------------- stage B
+    Claim(B_README, "B asks for about 4× fewer bytes ({}× at N = 4096)",
+          lambda d: (d.model_bytes("a", **HEAD) / d.model_bytes("b", **HEAD),)),
+    Claim(B_README, "against stage A's model of about {}·N²·e",
+          lambda d: (per_head_n2(d, d.model_bytes("a", **HEAD), **HEAD),), rel=0.05),
+    Claim(B_README, "Nsight Compute on the H200: {} of that minimum at every N it measured",
+          lambda d: (same_everywhere(b_measured_over_minimum(d)),),
+          why="stage B's measured DRAM bytes over Q, K, V and O once"),
+    Claim(B_README, "B moves {} MB of DRAM traffic in {} ms: {} GB/s, {} % of the {} GB/s copy bandwidth",
+          lambda d: (d.measured_bytes("b", **HEAD) / 1e6, d.ms("b", **HEAD), d.measured_gbps("b", **HEAD),
+                     100 * d.measured_gbps("b", **HEAD) / d.copy_gbps, d.copy_gbps), rel=0.02),
+    Claim(B_README, "It computes {} TFLOPS, {} % of the {} the tensor cores reach",
+          lambda d: (d.tflops("b", **HEAD), 100 * d.tflops("b", **HEAD) / d.matmul_tflops(), d.matmul_tflops())),
+    Claim(B_README, "It is {}× faster than A", lambda d: (d.ms("a", **HEAD) / d.ms("b", **HEAD),)),
+    Claim(B_README, "so each of the {} tiles a program walks", lambda d: (HEAD["N"] / 64,), rel=0),
+    # ---------------------------------------------------------------- stage C
+    Claim(C_README, "it moves {} MB of DRAM traffic in {} ms, {} % of the copy bandwidth, at {} % of the matmul rate",
+          lambda d: (d.measured_bytes("b", **HEAD) / 1e6, d.ms("b", **HEAD),
+                     100 * d.measured_gbps("b", **HEAD) / d.copy_gbps,
+                     100 * d.tflops("b", **HEAD) / d.matmul_tflops())),
+    Claim(C_README, "C moves the same {} MB and runs {}× faster",
+          lambda d: (d.measured_bytes("c", **HEAD) / 1e6, d.ms("b", **HEAD) / d.ms("c", **HEAD))),
+    Claim(C_README, "in the walk tiles alone lose at D = 64 ({}× and {}×); left out of the full kernel they "
+                    "cost {}–{}×",
+          lambda d: (steps(d, "D64", "+tuned_tiles"), steps(d, "D64c", "+tuned_tiles"),
+                     *span(d, left_out, "tuned_tiles"))),
+    Claim(C_README, "in the walk tiles alone lose at D = 64",
+          lambda d: [c for c in CELLS if steps(d, c, "+tuned_tiles") < 0.99] == ["D64", "D64c"],
+          why="the +tuned_tiles steps"),
+    Claim(C_README, "Left out: {}–{}×, the costliest switch in both non-causal cells. In the walk: {}–{}×",
+          lambda d: (*span(d, left_out, "pipelining"), *span(d, steps, "+pipelining"))),
+    Claim(C_README, "the costliest switch in both non-causal cells",
+          lambda d: all(costliest_leave_out(d, c) == "pipelining" for c in ("D64", "D128")),
+          why="leave-one-out, non-causal"),
+    Claim(C_README, "In the walk, after the tiles and the pipeline, {}–{}×; left out, {}–{}×",
+          lambda d: (*span(d, steps, "+tma"), *span(d, left_out, "tma"))),
+    Claim(C_README, "in the walk {}× and {}× at D = 64, where the softmax weighs most, {}× and {}× at D = 128",
+          lambda d: tuple(steps(d, c, "+exp2") for c in ("D64", "D64c", "D128", "D128c"))),
+    Claim(C_README, "writes the loop bound): {}× and {}× in the walk, the largest step of both causal cells; "
+                    "left out, {}× and {}×",
+          lambda d: (steps(d, "D64c", "+causal_skip"), steps(d, "D128c", "+causal_skip"),
+                     left_out(d, "D64c", "causal_skip"), left_out(d, "D128c", "causal_skip"))),
+    Claim(C_README, "the largest step of both causal cells; left out, {}× and {}×, the costliest switch there",
+          lambda d: ((left_out(d, "D64c", "causal_skip"), left_out(d, "D128c", "causal_skip"))
+                     if all(largest_step(d, c) == "+causal_skip" and costliest_leave_out(d, c) == "causal_skip"
+                            for c in ("D64c", "D128c")) else (float("nan"),) * 2)),
+    Claim(C_README, "**Warp specialization** (next section): {}–{}× in the walk, left out {}–{}×",
+          lambda d: (*span(d, ws_whole), *span(d, left_out, "warp_specialization"))),
+    Claim(C_README, "issues `S_j = Q·K_jᵀ` with the previous tile's `O += P·V` | `_producer`, `_issue_tile` | "
+                    "255 registers, no spills | {}–{}× |",
+          lambda d: span(d, steps, "+ws1-producer")),
+    Claim(C_README, "the producer gives its registers away | `PRODUCER_REGS` | `setmaxnreg.dec 24` / `.inc "
+                    "240` | {}–{}× |",
+          lambda d: span(d, steps, "+ws2-consumers")),
+    Claim(C_README, "around all 66 `MUFU.EX2` | {}–{}× |", lambda d: span(d, steps, "+ws3-pingpong")),
+    Claim(C_README, "the TMA store of O in the loop | {}–{}× |", lambda d: span(d, steps, "+ws4-persistent")),
+    Claim(C_README, "lane shuffles per turn 8 → 4 | {}–{}× |", lambda d: span(d, steps, "+ws5-lane-sums")),
+    Claim(C_README, "a branch over 32 `FMUL` | {}–{}× |", lambda d: span(d, steps, "+warp_specialization")),
+    Claim(C_README, "One consumer alone is slower than the `tl` kernel; the ladder pays from rung 2",
+          lambda d: max(steps(d, c, "+ws1-producer") for c in CELLS) < 1
+          < min(steps(d, c, "+ws2-consumers") for c in CELLS),
+          why="the +ws1 and +ws2 steps"),
+    Claim(C_README, "runs the code of the row above and reads {}–{}×",
+          lambda d: tuple(f(steps(d, c, "+causal_skip") for c in ("D64", "D128")) for f in (min, max))),
+    Claim(C_README, "the \"every switch off\" row reads {}–{}× of B across them",
+          lambda d: span(d, steps, "+none")),
+    Claim(C_README, "Stage B's rows come from an earlier run than C's walk ({}-{}-{} against {}-{}-{}",
+          lambda d: (*run_date(d, "b", None), *run_date(d, "c", "+none")), rel=0),
+    # ---------------------------------------------------------------- stage C, the details page
+    Claim(C_DETAILS, "the model table's `tiny` cell: {} µs of GPU time, {} µs eager",
+          lambda d: (d.suite_row("tiny", "c")["ms_gpu"] * 1e3, d.suite_row("tiny", "c")["ms_median"] * 1e3)),
+    Claim(C_DETAILS, "builds TMA descriptors from templates: {} → {} µs per call",
+          lambda d: (host_path_us(d, "stage C default  ordinary launch"),
+                     host_path_us(d, "stage C default  lean launch"))),
+    # ---------------------------------------------------------------- the CUDA twins
+    Claim(TWINS, "padding buys c_cuda {}–{}×",
+          lambda d: tuple(f(twin_ratios(d, "c_cuda", "unpadded", "all")) for f in (min, max))),
+    Claim(TWINS, "the swizzle, with no wasted bytes, is {}–{}× faster still",
+          lambda d: tuple(f(twin_ratios(d, "c_cuda", "all", "swizzled")) for f in (min, max))),
+    Claim(TWINS, "In b_cuda, padding gains only {}–{} %",
+          lambda d: tuple(100 * (f(twin_ratios(d, "b_cuda", "all", "padded")) - 1) for f in (min, max)), rel=0.1),
+    Claim(TWINS, "read within 1 % of `predicted_conflicts`",
+          lambda d: all(abs(m / p - 1) < 0.01 for m, p in bank_conflicts(d, predicted_zero=False)),
+          why="the unpadded layouts' Nsight Compute bank conflicts against stages/bank_model.py"),
+    Claim(TWINS, "a residue over 100× smaller than the same kernel's unpadded count at the same size",
+          lambda d: all(100 * m < unpadded for m, unpadded in residues(d)),
+          why="the zero-predicted layouts' measured conflicts against the unpadded layout's"),
+    # ---------------------------------------------------------------- the glossary
+    Claim(GLOSSARY, "measures ~{} TB/s with a large copy", lambda d: (d.copy_gbps / 1e3,)),
+    Claim(GLOSSARY, "(~{} FLOPs per byte on the H200 at fp16)",
+          lambda d: (d.matmul_tflops("fp16") * 1e3 / d.copy_gbps,)),
+    Claim(GLOSSARY, "(60 MB on the H200)", lambda d: abs(d.env["l2_bytes"] / 2**20 - 60) < 0.5,
+          why="env.json's l2_bytes"),
+    Claim(GLOSSARY, "(132 on the H200)", lambda d: d.env.get("sm_count", 132) == 132, why="env.json's sm_count"),
+    # ---------------------------------------------------------------- notebook 01
+    Claim(NB["01"], "from N = 4096 on, stage A runs faster than its requested bytes could cross DRAM",
+          lambda d: all(d.ms("a", N=n, D=64) < d.model_bytes("a", N=n, D=64) / (d.copy_gbps * 1e6)
+                        for n in d.ns("a", D=64) if n >= 4096), why="stage A's time against model bytes / bandwidth"),
+    Claim(NB["01"], "measures are half to two thirds of the model",
+          lambda d: 0.5 <= min(a_measured_over_model(d)) and max(a_measured_over_model(d)) <= 2 / 3,
+          why="stage A's measured DRAM bytes over its model"),
+    Claim(NB["01"], "stage A's time sits above it, at {}–{} % of the copy bandwidth",
+          lambda d: tuple(100 * f(d.measured_gbps("a", N=n, D=64) for n in (1024, 4096, 16384)) / d.copy_gbps
+                          for f in (min, max))),
+    Claim(NB["01"], "stage A moves right by about 2×, the tiled kernels by more than 10×",
+          lambda d: abs(d.model_bytes("a", **HEAD) / d.measured_bytes("a", **HEAD) - 2) < 0.2
+          and min(d.model_bytes(i, **HEAD) / d.measured_bytes(i, **HEAD) for i in ("b", "c")) > 10,
+          why="model over measured DRAM bytes at the roofline's headline cell"),
+    # ---------------------------------------------------------------- notebook 02
+    Claim(NB["02"], "B's model sits about {}× below A's here",
+          lambda d: (model_ratio("a", "b", Problem(1, 32, 4096, 64)),)),
+    Claim(NB["02"], "DRAM bytes at half to two thirds of the model",
+          lambda d: 0.5 <= min(a_measured_over_model(d)) and max(a_measured_over_model(d)) <= 2 / 3,
+          why="stage A's measured DRAM bytes over its model"),
+    Claim(NB["02"], "a memory peak equal to the model",
+          lambda d: all(r["peak_mem_measured"] == r["peak_mem_model"] for r in d.rows
+                        if r["impl"] == "a" and r["kind"] == "stage" and r["peak_mem_measured"] is not None),
+          why="stage A's measured peak memory against the workspace model"),
+    # ---------------------------------------------------------------- notebook 04
+    Claim(NB["04"], "B at D = B_r = 64: 2·N²·e, about {}× less",
+          lambda d: (model_ratio("a", "b", Problem(1, 32, 4096, 64)),)),
+    Claim(NB["04"], "A constant factor of about four ({} at N = 4096)",
+          lambda d: (model_ratio("a", "b", Problem(1, 32, 4096, 64)),)),
+    Claim(NB["04"], "at N = 16k, B still asks for {}× more bytes than necessary",
+          lambda d: (b_over_minimum(Problem(1, 32, 16384, 64)),), rel=0.01),
+    Claim(NB["04"], "Stage B moves a few percent of what the bus could carry and computes at well under half "
+                    "of the tensor cores' rate",
+          lambda d: d.measured_gbps("b", **HEAD) / d.copy_gbps < 0.05
+          and d.tflops("b", **HEAD) / d.matmul_tflops() < 0.5,
+          why="stage B's measured bandwidth and TFLOPS against the ceilings at the headline cell"),
+    Claim(NB["04"], "B's DRAM traffic is a few percent of the copy bandwidth and its TFLOPS well under half "
+                    "the matmul rate",
+          lambda d: d.measured_gbps("b", **HEAD) / d.copy_gbps < 0.05
+          and d.tflops("b", **HEAD) / d.matmul_tflops() < 0.5,
+          why="stage B's measured bandwidth and TFLOPS against the ceilings at the headline cell"),
+    # ---------------------------------------------------------------- the profiler tables (02, 04, 05)
+    Claim(NB["02"], "they take more than twice as long under it as in the timed sweep",
+          lambda d: profiled(d)["a"]["duration_ms"] > 2 * d.ms("a", **HEAD), why="Nsight Compute's time of A"),
+    Claim(NB["02"], "What the profile adds is the load transactions: about {}× the minimum",
+          lambda d: (profiled(d)["a"]["load_sectors_x_min"],), rel=0.05),
+    Claim(NB["04"], "Fusing the kernels shows up as a DRAM throughput a fraction of A's",
+          lambda d: profiled(d)["b"]["dram_pct"] < 0.2 * profiled(d)["a"]["dram_pct"], why="DRAM % of B and A"),
+    Claim(NB["04"], "about {}× the minimum in load transactions", lambda d: (profiled(d)["b"]["load_sectors_x_min"],)),
+    Claim(NB["04"], "B and C read about the same while C takes half the time",
+          lambda d: abs(profiled(d)["b"]["compute_pct"] - profiled(d)["c"]["compute_pct"]) < 3
+          and abs(profiled(d)["c"]["duration_ms"] / profiled(d)["b"]["duration_ms"] - 0.5) < 0.05,
+          why="SM throughput and time of B and C under Nsight Compute"),
+    Claim(NB["05"], "The compute (SM) column does not separate C from B, though C takes half the time",
+          lambda d: abs(profiled(d)["b"]["compute_pct"] - profiled(d)["c"]["compute_pct"]) < 3
+          and abs(profiled(d)["c"]["duration_ms"] / profiled(d)["b"]["duration_ms"] - 0.5) < 0.05,
+          why="SM throughput and time of B and C under Nsight Compute"),
+    # ---------------------------------------------------------------- notebook 06
+    Claim(NB["06"], "Fusion (A → B) is the larger factor in three of the four cells; in the causal D = 128 "
+                    "cell B → C is",
+          lambda d: [c for c in CELLS if d.ms("a", **CELLS[c]) / d.ms("b", **CELLS[c])
+                     < d.ms("b", **CELLS[c]) / d.ms("c", **CELLS[c])] == ["D128c"],
+          why="A → B against B → C at the four N = 4096 cells"),
+    Claim(NB["06"], "an empty Triton kernel's launch at {}–{} µs and a whole stage A call (its checks and "
+                    "three launches) at {}–{} µs",
+          lambda d: (*d.latency_range("triton_empty_kernel"), *d.latency_range("a")), rel=0.05),
+    Claim(NB["06"], "in its two runs", lambda d: len(d.latency_runs) == 2, why="the runs of results/h200/latency.csv"),
+    Claim(NB["06"], "Up to N = 1024, moving all of stage A's N² bytes at full bandwidth takes less time than "
+                    "the host path of one stage A call",
+          lambda d: last_n_below_host(d) == 1024,
+          why="stage A's model bytes / bandwidth against its host µs per call"),
+    Claim(NB["06"], "up to N = 512 its S and P fit in L2",
+          lambda d: max(n for n in (128, 256, 512, 1024, 2048) if a_workspace(n) < d.env["l2_bytes"]) == 512,
+          why="stage A's workspace model against env.json's l2_bytes"),
+    Claim(NB["06"], "C's taller tiles cut the *modelled* K/V re-reads (to about a third at D = 64",
+          lambda d: 0.3 < d.model_bytes("c", **HEAD) / d.model_bytes("b", **HEAD) < 0.4, why="C's model over B's"),
+    Claim(NB["06"], "none did in the H200's sweep",
+          lambda d: not any(r["status"] == "oom" for r in d.all_rows), why="oom rows in runs.csv"),
+    Claim(NB["06"], "the kernels draw between {} and {} W, all but the CUDA C++ twin of B, a scalar loop, at "
+                    "about {} W",
+          lambda d: (*power_span(d, exclude="b_cuda"), energy_cell(d)["b_cuda"]["power_w"]), rel=0.05),
+    # ---------------------------------------------------------------- notebook 07
+    Claim(NB["07"], "(tensor-core rate ÷ memory bandwidth, notebook 01) is ~{} FLOPs per byte",
+          lambda d: (d.matmul_tflops("bf16") * 1e3 / d.copy_gbps,)),
+    # ---------------------------------------------------------------- notebook 08
+    Claim(NB["08"], "fp32 atomics (fewer FLOPs, but about {}× the requested bytes",
+          lambda d: (atomic_over_separate(Problem(1, 32, 4096, 64, "fp16", True)),)),
+    Claim(NB["08"], "In both models the training step is fastest with transformers' SDPA, then stage C, then "
+                    "B, then A",
+          lambda d: all(train_order(d, m) == ["sdpa", "c", "b", "a"] for m in ("gpt2", "llama")),
+          why="the latest training steps of results/h200/generate/runs.csv"),
+    Claim(NB["08"], "so its step also needs the most memory",
+          lambda d: all(max(train_steps(d, m), key=lambda r: float(r["peak_mem_bytes"]))["impl"] == "a"
+                        for m in ("gpt2", "llama")), why="the training steps' peak memory"),
+    Claim(NB["08"], "C's backward trails cuDNN's in every cell of the committed backward sweep",
+          lambda d: all(c < n for c, n in bwd_pairs(d, "c", "sdpa_cudnn")), why="the bwd fp16 grid rows"),
+]
+
+
+@pytest.fixture(scope="module")
+def data() -> Data:
+    d = Data(ROOT / "results" / "h200")
+    if not (d.dir / "runs.csv").exists():
+        pytest.skip("results/h200/runs.csv is not committed")
+    return d
+
+
+def _claim_id(c: Claim) -> str:
+    where = c.path.replace("stages/", "").replace("/README.md", "").replace("notebooks/", "")
+    return f"{where.split('_')[0] if where.endswith('.ipynb') else where}:{c.quote[:40]}"
+
+
+@pytest.mark.parametrize("claim", CLAIMS, ids=[_claim_id(c) for c in CLAIMS])
+def test_claim_matches_the_results(claim: Claim, data: Data):
+    verdict = check(claim, data, ROOT)
+    assert verdict.ok, verdict.message
+
+
+def test_moved_generated_blocks_are_current():
+    """The ablation block moved from the stage C README to docs/stage-c-details.md: still generated,
+    still what `harness report` makes of results/h200 (tests/test_plots_report.py checks the others)."""
+    from harness import report
+
+    for name in (C_DETAILS,):
+        diff = report.check_readme(ROOT / name, ROOT / "results" / "h200")
+        assert diff == "", f"{name}: run `python -m harness report results/h200 --readme {name}`\n{diff}"
+
+
+# ------------------------------------------------------------------------------ the checker itself
+
+def test_agrees_reads_the_printed_precision():
+    assert agrees("3.9", 3.947, rel=0.0) and agrees("82", 81.56, rel=0.0)
+    assert not agrees("2.5", 3.947, rel=0.03)
+    assert agrees("1,879", 1879.4, rel=0.0) and agrees("119", 119.5, rel=0.0)
+
+
+def test_check_finds_a_wrapped_quote_and_names_a_wrong_number(tmp_path):
+    (tmp_path / "r.md").write_text("B moves 261 MB\nin 1.97 ms.\n")
+    data = object()
+    good = Claim("r.md", "moves {} MB in {} ms", lambda d: (260.96, 1.970))
+    bad = Claim("r.md", "moves {} MB in {} ms", lambda d: (260.96, 2.5))
+    missing = Claim("r.md", "moves {} GB", lambda d: (1,))
+    assert check(good, data, tmp_path).ok
+    verdict = check(bad, data, tmp_path)
+    assert not verdict.ok and "1.97" in verdict.message and "2.5" in verdict.message
+    assert "not in the text" in check(missing, data, tmp_path).message
+
+
+def test_notebook_prose_is_its_markdown_cells(tmp_path):
+    import json
+
+    nb = {"cells": [{"cell_type": "markdown", "source": ["TFLOPS rise\n", "with N"]},
+                    {"cell_type": "code", "source": "print('12 µs')", "outputs": []}],
+          "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    (tmp_path / "x.ipynb").write_text(json.dumps(nb))
+    assert prose_of(tmp_path / "x.ipynb") == fold("TFLOPS rise with N")
+
+
+# ------------------------------------------------------------------------------ sources and links
+
+#: the lessons and their records: what this file holds to public sources and working links
+LESSON_FILES = [A_README, B_README, C_README, TWINS, C_DETAILS, GLOSSARY, "notebooks/README.md",
+                *(p for n, p in NB.items() if n < "09"),
+                *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs" / "performance-log").glob("*.md"))]
+#: anchors the top-level README links to (docs/glossary.md#...): headings must keep them
+GLOSSARY_ANCHORS = ("tma", "warp-specialization", "cpasync", "gluon", "warpgroup", "ping-pong", "hbm",
+                    "sram--shared-memory")
+
+
+def github_anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation but '-' and '_' dropped, spaces
+    to '-' (``cp.async`` -> ``cpasync``, ``SRAM / shared memory`` -> ``sram--shared-memory``)."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors_of(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    in_code = False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        m = re.match(r"#{1,6} (.+)", line)
+        if m and not in_code:
+            a = github_anchor(m.group(1))
+            out.add(a if a not in seen else f"{a}-{seen[a]}")
+            seen[a] = seen.get(a, 0) + 1
+    return out
+
+
+def links_of(rel: str) -> list[str]:
+    """The link targets of a lesson file (a notebook's markdown cells), http(s) ones left out."""
+    text = prose_of(ROOT / rel) if rel.endswith(".ipynb") else (ROOT / rel).read_text()
+    text = re.sub(r"`[^`\n]*`", "", text)  # inline code: `kernel[grid](...)` is no link
+    return [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:", t)]
+
+
+@pytest.mark.parametrize("rel", LESSON_FILES)
+def test_lessons_cite_public_sources(rel):
+    """No "seed article" a reader cannot find, no tracker issue numbers a reader does not have."""
+    text = prose_of(ROOT / rel) if rel.endswith(".ipynb") else (ROOT / rel).read_text()
+    if rel.endswith(".ipynb"):  # code comments and strings count too
+        import json
+
+        text += "\n".join("".join(c["source"]) for c in json.loads((ROOT / rel).read_text())["cells"])
+    for pattern in (r"seed article", r"\bthe seed\b", r"\bseed example", r"\bissues?\s+#?\d+(?![.\d])"):
+        found = re.search(pattern, text, re.IGNORECASE)
+        assert not found, f"{rel}: {found.group(0)!r}; cite a public source or say it in the project's words"
+
+
+@pytest.mark.parametrize("rel", LESSON_FILES)
+def test_lesson_links_resolve(rel):
+    """Every relative link of a lesson names a file that exists, and an anchor into a Markdown file
+    names one of its headings (the glossary's above all)."""
+    base = (ROOT / rel).parent
+    for target in links_of(rel):
+        path_part, _, anchor = target.partition("#")
+        dest = (base / path_part).resolve() if path_part else ROOT / rel
+        assert dest.exists(), f"{rel}: link to {target}: no such file"
+        if anchor and dest.suffix == ".md":
+            assert anchor in anchors_of(dest), f"{rel}: link to {target}: no heading with that anchor"
+
+
+def test_glossary_keeps_the_anchors_others_link_to():
+    anchors = anchors_of(ROOT / GLOSSARY)
+    assert set(GLOSSARY_ANCHORS) <= anchors, set(GLOSSARY_ANCHORS) - anchors
+    assert github_anchor("cp.async") == "cpasync" and github_anchor("SRAM / shared memory") == "sram--shared-memory"
+
+
+def test_every_glossary_link_in_the_repo_lands_on_a_heading():
+    """Links into docs/glossary.md from anywhere (the top README included) name one of its headings."""
+    anchors = anchors_of(ROOT / GLOSSARY)
+    files = [p for p in ROOT.rglob("*") if p.suffix in (".md", ".ipynb") and ".venv" not in p.parts
+             and not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]
+    bad = []
+    for p in files:
+        for anchor in re.findall(r"glossary\.md#([\w\-]+)", p.read_text(errors="replace")):
+            if anchor not in anchors:
+                bad.append(f"{p.relative_to(ROOT)}: #{anchor}")
+    assert not bad, "links to glossary anchors that do not exist:\n" + "\n".join(sorted(set(bad)))
