@@ -109,17 +109,15 @@ def _stage_c() -> LseKernel:
 
 
 def _stage_b() -> LseKernel:
-    # Stage B's package exports no L-returning entry point; these are the two functions its custom op
-    # runs (forward with store_lse, backward from a given O and natural-log L).
-    from .b_tiled import kernels as b
+    # Stage B exports both too, in natural log.
+    from .b_tiled import attention_backward, attention_with_lse
 
     def forward(q, k, v, causal, scale):
-        validate_inputs(q, k, v, causal=causal, sm_scale=scale)
-        o, lse = b._forward(q, k, v, causal, scale, True, "separate")
+        o, lse = attention_with_lse(q, k, v, causal=causal, sm_scale=scale)
         return o, _lse_from_stage(lse, 1.0)
 
     def backward(do, q, k, v, o, lse, causal, scale):
-        return b._backward(do, q, k, v, o, _lse_to_stage(lse, 1.0), causal, scale, "separate")
+        return attention_backward(do, q, k, v, o, _lse_to_stage(lse, 1.0), causal=causal, scale=scale)
 
     return LseKernel("b", forward, backward)
 

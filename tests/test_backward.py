@@ -79,3 +79,30 @@ def test_backward_uses_the_stage_models(stage):
         assert ratio > 10, "stage A saves P: its training memory grows as N²"
     else:
         assert ratio < 6, "stages B and C save O(N) row statistics only"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_stage_b_lse_entry_points(causal, device):
+    """Stage B's public (O, lse) forward and its backward from a given O and lse (what ring attention
+    calls): lse is the float64 log-sum-exp of the scaled scores, +inf where a row sees no key, and the
+    backward equals the stage's own autograd."""
+    from stages.b_tiled import attention_backward, attention_with_lse
+
+    q, k, v = make_qkv(1, 4, 30, 32, torch.float16, device, Hkv=2, Nk=20, seed=3)
+    o, lse = attention_with_lse(q, k, v, causal=causal)
+    scale = 32 ** -0.5
+    s = (q.double() @ k.double().repeat_interleave(2, dim=1).transpose(-2, -1)) * scale
+    if causal:  # bottom-right: row i sees key j iff j <= i + Nk - Nq; rows 0..9 see none
+        i, j = torch.arange(30, device=q.device)[:, None], torch.arange(20, device=q.device)[None, :]
+        s = s.masked_fill(j > i - 10, float("-inf"))
+    want = torch.logsumexp(s, dim=-1)
+    want = torch.where(torch.isinf(want), torch.inf, want)
+    assert torch.allclose(lse.double(), want, atol=1e-2, rtol=1e-3, equal_nan=False)
+    do = torch.randn_like(o)
+    dq, dk, dv = attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale)
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ref = torch.autograd.grad(STAGES["b"].attention(qg, kg, vg, causal=causal), (qg, kg, vg), do)
+    for got, exp in zip((dq, dk, dv), ref):
+        assert torch.equal(got, exp)
+    with pytest.raises(ValueError, match="lse must be a float32"):
+        attention_backward(do, q, k, v, o, lse.double(), causal=causal, scale=scale)

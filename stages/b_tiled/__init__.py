@@ -2,8 +2,8 @@
 
 from .. import register
 from ..contract import Stage
-from .kernels import (DQ_METHODS, attention, bwd_hbm_bytes, compile, hbm_bytes, train_workspace_bytes,
-                      workspace_bytes)
+from .kernels import (DQ_METHODS, attention, attention_backward, attention_with_lse, bwd_hbm_bytes, compile, hbm_bytes,
+                      train_workspace_bytes, workspace_bytes)
 
 STAGE = register(Stage(
     name="b",
@@ -23,7 +23,7 @@ STAGE = register(Stage(
     train_workspace_bytes=train_workspace_bytes,
 ))
 
-__all__ = ["STAGE", "DQ_METHODS", "attention", "bwd_hbm_bytes", "compile", "hbm_bytes", "train_workspace_bytes",
+__all__ = ["STAGE", "DQ_METHODS", "attention", "attention_backward", "attention_with_lse", "bwd_hbm_bytes", "compile", "hbm_bytes", "train_workspace_bytes",
            "workspace_bytes"]
 
 from . import cuda_twin  # noqa: E402,F401  (registers the CUDA C++ twin; compiles on first use)

@@ -473,6 +473,32 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     return _forward(q, k, v, causal, scale, False, dq_method)[0]
 
 
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                       sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward with its row log-sum-exp: (O, lse), lse fp32 ``[B, Hq, Nq]`` in natural log of the
+    scaled scores, +inf for a row that sees no key. No autograd: what a caller that merges blocks by
+    their log-sum-exp needs (split-KV, ring attention), and what :func:`attention_backward` takes."""
+    scale = validate_inputs(q, k, v, causal=causal, sm_scale=sm_scale)
+    return _forward(q, k, v, causal, scale, True, "separate")
+
+
+def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                       lse: torch.Tensor, *, causal: bool, scale: float,
+                       dq_method: str = "separate") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of attention whose softmax is normalized by ``lse`` (natural log, as
+    :func:`attention_with_lse` returns it) with output ``o``: any O and L, not only this call's own,
+    which is what lets ring attention take one block's exact share of the gradient."""
+    validate_inputs(q, k, v, causal=causal, sm_scale=scale)
+    _check_dq_method(dq_method)
+    for name, t in (("do", do), ("o", o)):
+        if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must be a tensor of q's shape, dtype and device {tuple(q.shape)}/{q.dtype}/"
+                             f"{q.device}")
+    if not isinstance(lse, torch.Tensor) or lse.shape != q.shape[:3] or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be a float32 tensor of shape {tuple(q.shape[:3])}")
+    return _backward(do, q, k, v, ops.maybe_contiguous(o), lse.contiguous(), causal, float(scale), dq_method)
+
+
 @compiles_without_interpreter
 def compile(problem: Problem, arch: int, *, backward: bool = False,
             dq_method: str | None = None) -> list[CompiledKernel]:
