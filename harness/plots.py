@@ -217,7 +217,7 @@ def resolve_cell(rows: list[dict], cell: dict | None = None) -> dict:
 
 def waterfall_steps(rows: list[dict], cell: dict) -> list[tuple[str, str, dict]]:
     """``(label, impl-for-colour, row)`` from A to C at ``cell``: A, B, then stage C's cumulative
-    ablation rows (variants named ``+x``, in the CSV's order), then C as registered."""
+    ablation rows (variants named ``+x``, in the stage's walk order), then C as registered."""
     at = views.cell_rows(rows, **cell)
     steps = []
     for impl in ("a", "b"):
@@ -227,7 +227,7 @@ def waterfall_steps(rows: list[dict], cell: dict) -> list[tuple[str, str, dict]]
     ablation = [r for r in at if r["kind"] == "ablation" and r["variant"].startswith("+")]
     impls = {r["impl"] for r in ablation}
     abl_impl = "c" if "c" in impls else (sorted(impls)[0] if impls else None)
-    for r in ablation:
+    for r in views.walk_order(ablation):
         if r["impl"] == abl_impl:
             name = r["variant"][1:]
             text = "C kernel, all switches off" if name == "none" else "+ " + name.replace("_", " ")

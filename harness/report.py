@@ -543,12 +543,7 @@ def ablation_table(rows: list[dict], *, N: int, D: int, dtype: str, causal: int,
         return ""
     import math
 
-    # The walk's order is the stage's own (its variants, in order), not the order rows were measured
-    # in: rungs measured in a later run still sit where they belong in the walk.
-    import stages
-
-    order = list(getattr(stages.STAGES.get(impl), "variants", None) or ())
-    steps.sort(key=lambda r: order.index(r["variant"]) if r["variant"] in order else len(order))
+    steps = views.walk_order(steps)
 
     b_ms, c_ms = b[-1]["ms_median"], full[-1]["ms_median"]
     total = math.log(b_ms / c_ms) if b_ms > c_ms else None

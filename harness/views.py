@@ -257,6 +257,18 @@ def cell_rows(rows: list[dict], *, N: int, D: int, dtype: str, causal: bool) -> 
     return [r for r in cand if (r["B"], r["H"]) == (B, H)]
 
 
+def walk_order(rows: list[dict]) -> list[dict]:
+    """Ablation rows in their stage's walk order (the order of its ``variants``), not the order they
+    were measured in: rungs measured in a later run still sit where they belong in the walk."""
+    import stages
+
+    def position(r: dict) -> int:
+        order = list(getattr(stages.STAGES.get(r["impl"]), "variants", None) or ())
+        return order.index(r["variant"]) if r["variant"] in order else len(order)
+
+    return sorted(rows, key=position)
+
+
 def interpreted(rows: list[dict]) -> bool:
     return any(r.get("device") == "interpreter" for r in rows)
 
