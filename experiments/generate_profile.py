@@ -1,0 +1,128 @@
+"""Where a generate() step goes, per attention implementation: the torch profiler over one greedy
+``generate()`` of a small transformers model (harness/generate.py's GPT-2- and Llama-shaped models,
+random weights), summarized per new token.
+
+    python experiments/generate_profile.py                       # both models, lab_c against sdpa
+    python experiments/generate_profile.py --model gpt2 --impls c,b,sdpa --new-tokens 32
+
+Per impl, per generated token: wall ms; GPU kernels launched and their summed GPU time (so the
+host-bound share shows as wall minus GPU); the attention calls' CPU time (the profiler's
+``*_attention_forward`` ranges); then the kernels by launches per token, so a kernel one impl
+launches and the other does not (a layout copy, a split-KV merge) stands out. Runs a warm-up
+generate per impl first, so no compilation is profiled. On a CPU it runs the tiny shapes under the
+interpreter (times are not GPU times).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import stages  # noqa: E402,F401  # (first: it chooses the interpreter on a machine without a GPU)
+import torch  # noqa: E402
+
+from harness import generate as G  # noqa: E402
+
+
+def timed_attention(impl_name: str):
+    """Wrap transformers' attention function of ``impl_name`` in a profiler range named
+    ``attention_forward``, so its CPU time can be summed (returns the undo)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    inner = ALL_ATTENTION_FUNCTIONS[impl_name]
+
+    def wrapped(*args, **kwargs):
+        with torch.profiler.record_function("attention_forward"):
+            return inner(*args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[impl_name] = wrapped
+    return lambda: ALL_ATTENTION_FUNCTIONS.__setitem__(impl_name, inner)
+
+
+def profile_generate(model, prompt, new_tokens: int, on_gpu: bool):
+    from torch.profiler import ProfilerActivity, profile
+
+    ones = torch.ones_like(prompt)
+
+    def run():
+        with torch.no_grad():
+            return model.generate(prompt, attention_mask=ones, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  do_sample=False, num_beams=1, pad_token_id=model.config.eos_token_id)
+
+    run()  # warm: compiles, plans, caches
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    G._sync(on_gpu)
+    with profile(activities=activities) as prof:
+        _, ms, _ = G.timed_call(run, on_gpu)
+    return prof, ms
+
+
+def summarize(prof, ms: float, new_tokens: int, on_gpu: bool) -> tuple[str, dict]:
+    kernels = collections.Counter()
+    kernel_us = collections.Counter()
+    attention_cpu_us = 0.0
+    for e in prof.events():
+        if on_gpu and e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name] += 1
+            kernel_us[e.name] += e.device_time
+        elif e.name == "attention_forward":
+            attention_cpu_us += e.cpu_time_total
+    gpu_ms = sum(kernel_us.values()) / 1e3
+    lines = [f"  wall {ms / new_tokens:.3f} ms per token; GPU kernels {sum(kernels.values()) / new_tokens:.1f} per "
+             f"token, {gpu_ms / new_tokens:.3f} ms of GPU time per token; attention calls' CPU time "
+             f"{attention_cpu_us / 1e3 / new_tokens:.3f} ms per token"]
+    return "\n".join(lines), {name: (kernels[name] / new_tokens, kernel_us[name] / new_tokens) for name in kernels}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="gpt2,llama")
+    ap.add_argument("--impls", default="c,sdpa", help="stages by name and transformers' own (sdpa, eager)")
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--top", type=int, default=12, help="kernels listed per model (by launches per token)")
+    args = ap.parse_args()
+    from stages import hf
+
+    hf.register()
+    on_gpu = torch.cuda.is_available()
+    shapes, sizes = (G.GPU_SHAPES, G.GPU_SIZES) if on_gpu else (G.TINY_SHAPES, G.TINY_SIZES)
+    new_tokens = args.new_tokens or sizes.new_tokens
+    device = "cuda" if on_gpu else "cpu"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    print(f"{torch.cuda.get_device_name() if on_gpu else 'CPU (Triton interpreter: not GPU times)'}; "
+          f"batch {sizes.batch}, prompt {sizes.prompt_len}, {new_tokens} new tokens, {dtype}")
+    for name in args.model.split(","):
+        shape = shapes[name]
+        model = G.build_model(shape, sizes, dtype, device, seed=0)
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, model.config.vocab_size, (sizes.batch, sizes.prompt_len), generator=g).to(device)
+        print(f"\n{name}: {shape.describe()}")
+        per_impl = {}
+        for impl in args.impls.split(","):
+            model.set_attn_implementation(G.attn_implementation(impl))
+            undo = timed_attention(G.attn_implementation(impl))
+            try:
+                prof, ms = profile_generate(model, prompt, new_tokens, on_gpu)
+            finally:
+                undo()
+            text, per_impl[impl] = summarize(prof, ms, new_tokens, on_gpu)
+            print(f" {impl}:\n{text}")
+        if on_gpu:
+            names = sorted({k for v in per_impl.values() for k in v},
+                           key=lambda k: -max(v.get(k, (0, 0))[0] for v in per_impl.values()))[:args.top]
+            print("  kernels, launches per token (µs of GPU time per token): " + " | ".join(args.impls.split(",")))
+            for k in names:
+                cells = [f"{per_impl[i].get(k, (0, 0))[0]:5.1f} ({per_impl[i].get(k, (0, 0))[1]:7.1f})"
+                         for i in args.impls.split(",")]
+                print(f"    {k[:70]:70} " + " | ".join(cells))
+        del model
+        G.free_memory()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
