@@ -18,6 +18,7 @@ writes every figure into ``<results_dir>/figures/``:
 ``backward_throughput.png``  the same as ``throughput.png`` for the backward pass (``pass = bwd`` rows)
 ``backward_waterfall.png``   A → B → C's backward at the headline cell (time, DRAM, training-step memory)
 ``models.png``      stage C over the fastest SDPA backend per model-suite cell, eager and GPU-only
+``head_dims.png``  TFLOPS vs head dim (32-256): stage C, cuDNN, FA2; where stage C pads D, and its cost
 ==================  ==========================================================================
 
 The forward figures draw only forward rows of the self-attention grid (:func:`harness.views.forward_grid`:
@@ -934,6 +935,128 @@ def plot_bandwidth_share(rows: list[dict], env: dict, out_dir, *, cell: dict | N
     return _save(fig, Path(out_dir), name, env, rows)
 
 
+# ------------------------------------------------------------------------------ 9. head dims
+
+HEAD_DIM_FIGURES = ("head_dims.png",)
+
+
+@_drawn_with_rc
+def plot_head_dims(rows: list[dict], env: dict, out_dir) -> Path | None:
+    """TFLOPS vs head dim D for stage C, SDPA CUDNN and SDPA FLASH (FA2), one panel per causal setting,
+    at the (N, dtype) with the most head dims measured (:func:`harness.report.head_dim_family`; the
+    sweep of ``experiments/head_dims_gpu.sh``). Stage C pads D to the next power of two inside its
+    kernel, so the figure shows where that costs: the head dims it pads are shaded per padded width,
+    its markers there hollow, with the padded width's extra work (padded / true D) written under each;
+    a grey dotted line is what stage C would reach at D if it ran at its padded width's rate
+    (TFLOPS there × D / padded D: padding alone, nothing else lost), from the tl kernel's row at that
+    width where measured (stage C without warp specialization, the kernel padded head dims run) and
+    from stage C's own row there otherwise. A peer that refused a head dim (``unsupported``) or failed
+    is an ✕ on the axis. Skipped, naming the sweep's command, with fewer than
+    :data:`harness.report.HEAD_DIM_MIN` head dims. Forward grid rows only."""
+    from .report import (HEAD_DIM_COMMAND, HEAD_DIM_IMPLS, HEAD_DIM_MIN, HEAD_DIM_SCRIPT, head_dim_family,
+                         head_dim_kernel_note, head_dim_points)
+
+    name = "head_dims.png"
+    rows = views.forward_grid(rows)
+    family = head_dim_family(rows)
+    if family is None:
+        _skip(name, f"stage C is timed at fewer than {HEAD_DIM_MIN} head dims of any one N and dtype "
+                    f"({HEAD_DIM_SCRIPT} measures the sweep on a GPU)", HEAD_DIM_COMMAND)
+        return None
+    N, dtype = family
+    points = head_dim_points(rows, N=N, dtype=dtype)
+    panels = sorted(points)
+    fig, axes = _new_figure(0.9 + 4.3 * len(panels), len(panels), 1, sharex=True)
+    ds = sorted({p["D"] for pts in points.values() for p in pts})
+    values = [r["tflops"] for pts in points.values() for p in pts for r in (p.get(i) for i in HEAD_DIM_IMPLS)
+              if r is not None and is_ok(r) and r.get("tflops")]
+    values += [p["padded_rate"] for pts in points.values() for p in pts if p["padded_rate"]]
+    top = max(values, default=1.0)
+    kernels_used: set[str] = set()
+    refused_any = False
+    for ax, causal in zip(axes, panels):
+        pts = points[causal]
+        # the head dims stage C pads, one band per padded width: (P/2, P) exclusive
+        widths = sorted({p["padded"] for p in pts if p["padded"] != p["D"]})
+        for k, P in enumerate(widths):
+            inside = [p["D"] for p in pts if p["padded"] == P and p["D"] != P]
+            ax.axvspan(min(inside) - 4, max(inside) + 4, color="0.5", alpha=0.10 if k % 2 == 0 else 0.16, lw=0)
+            ax.text((min(inside) + max(inside)) / 2, top * 1.17, f"C pads to {P}", ha="center", va="top",
+                    fontsize=10, color="0.25")
+        for impl in HEAD_DIM_IMPLS:
+            timed = [(p["D"], p[impl]["tflops"]) for p in pts if p[impl] is not None and is_ok(p[impl])
+                     and p[impl].get("tflops")]
+            failed = [p["D"] for p in pts if p[impl] is not None and not is_ok(p[impl])]
+            peer = impl != "c"
+            if timed:
+                # a line broken where a head dim has no time, so a gap is not drawn over
+                xs, ys = [], []
+                have = dict(timed)
+                for D in ds:
+                    xs.append(D)
+                    ys.append(have.get(D, float("nan")))
+                ax.plot(xs, ys, color=color(impl), linestyle="--" if peer else "-", linewidth=1.6 if peer else 2.4,
+                        marker="s" if peer else None, markersize=4.5, zorder=3)
+            if not peer:
+                padded = {p["D"] for p in pts if p["padded"] != p["D"]}
+                for D, t in timed:
+                    ax.plot([D], [t], marker="o", markersize=7, linestyle="none", zorder=4,
+                            markeredgecolor=color(impl), markeredgewidth=1.6,
+                            markerfacecolor="white" if D in padded else color(impl))
+            if failed:
+                refused_any = True
+                ax.plot(failed, [0] * len(failed), marker="X", markersize=9, linestyle="none", color=color(impl),
+                        markeredgecolor="black", markeredgewidth=0.6, zorder=5, clip_on=False)
+        bound = [(p["D"], p["padded_rate"]) for p in pts if p["padded_rate"] is not None]
+        if bound:
+            kernels_used |= {p["padded_rate_kernel"] for p in pts if p["padded_rate"] is not None}
+            for P in widths:  # one segment per padded width: the bound falls off as D moves below P
+                seg = [(D, t) for D, t in bound if next(p["padded"] for p in pts if p["D"] == D) == P]
+                if seg:
+                    ax.plot(*zip(*seg), color="0.35", linestyle=":", linewidth=1.8, marker=".", markersize=6,
+                            zorder=2)
+        for p in pts:  # the extra work of each padded head dim, under its point
+            if p["padded"] != p["D"]:
+                ax.text(p["D"], top * 0.015, f"×{p['padded'] / p['D']:.2f}", rotation=90, ha="center", va="bottom",
+                        fontsize=7.5, color="0.35")
+        ax.set_ylim(0, top * 1.2)
+        ax.set_ylabel("TFLOPS (true D)")
+        ax.set_title(f"{'causal' if causal else 'non-causal'}", fontsize=12)
+        ax.grid(axis="x", visible=False)
+    axes[-1].set_xticks(ds, [str(D) for D in ds], fontsize=9)
+    axes[-1].set_xlim(ds[0] - 6, ds[-1] + 6)
+    axes[-1].set_xlabel("head dim D  (×: stage C's padded width / D, its tile work per useful multiply-add)")
+    handles = [Line2D([], [], color=color("c"), linewidth=2.4, marker="o", markersize=7, label=label("c")),
+               Line2D([], [], color=color("c"), linestyle="none", marker="o", markersize=7, markerfacecolor="white",
+                      markeredgewidth=1.6, label="stage C at a padded head dim (hollow)")]
+    handles += [Line2D([], [], color=color(i), linestyle="--", marker="s", markersize=4.5, linewidth=1.6,
+                       label=label(i)) for i in HEAD_DIM_IMPLS if i != "c"]
+    if kernels_used:
+        # whose rate at the padded width: the tl kernel's (stage C without warp specialization, what a
+        # padded head dim runs) or stage C's own row there (at 64 and 128 the warp-specialized kernel's)
+        whose = {"tl": "the tl kernel's", "c": "stage C's default kernel's"}
+        handles.append(Line2D([], [], color="0.35", linestyle=":", linewidth=1.8, marker=".",
+                              label="padding alone: TFLOPS at the padded width × D / padded width\n("
+                                    + " or ".join(whose[k] for k in sorted(kernels_used, reverse=True))
+                                    + " rate there)"))
+    handles.append(Patch(color="0.5", alpha=0.13, label="shaded: head dims stage C pads to the next power of two"))
+    if refused_any:
+        handles.append(Line2D([], [], marker="X", color="0.5", markeredgecolor="black", linestyle="none",
+                              markersize=9, label="✕ on the axis: no time (unsupported, oom or error)"))
+    fig.legend(handles=handles, loc="outside lower center", ncol=2, frameon=False, fontsize=10)
+    c_rows = [p["c"] for pts in points.values() for p in pts if p["c"] is not None]
+    hidden = sorted({r["H"] * r["D"] for r in c_rows})
+    tokens = sorted({r["B"] * r["N"] for r in c_rows})
+    span = (lambda v: f"{v[0]}" if len(v) == 1 else f"{v[0]}–{v[-1]}")
+    runs = sorted({str(r["run_id"]) for r in c_rows if r.get("run_id")})
+    note = head_dim_kernel_note(env, dtype, c_rows)
+    fig.suptitle(f"Throughput vs head dim at N = {N}, {dtype} forward (B·N = {span(tokens)}, H·D = {span(hidden)}; "
+                 "FLOPs = 4·B·H·N²·D with the true D, causal: the visible pairs)\n"
+                 + (note.replace("; every", ";\nevery") + "\n" if note else "")
+                 + f"stage C from run{'s' if len(runs) > 1 else ''} {', '.join(runs)}", fontsize=11)
+    return _save(fig, Path(out_dir), name, env, rows)
+
+
 # ------------------------------------------------------------------------------ all + CLI
 
 def plot_all(results_dir, *, cell: dict | None = None, dtype: str = "fp16", out_dir=None) -> list[Path]:
@@ -957,6 +1080,7 @@ def plot_all(results_dir, *, cell: dict | None = None, dtype: str = "fp16", out_
         plot_backward_throughput(rows, env, out, dtype=dtype),
         plot_backward_waterfall(rows, env, out, cell=cell),
         plot_models(suite_rows, env, out),
+        plot_head_dims(rows, env, out),
     ]
     return [p for p in written if p is not None]
 

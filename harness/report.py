@@ -924,17 +924,260 @@ def render_decode_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> 
     return render(Path(results_dir) / DECODE_CSV) + "\n"
 
 
+# ------------------------------------------------------------------ the head-dim sweep
+
+#: what the head-dim sweep sets against each other, in display order: stage C, cuDNN (the goal), FA2
+HEAD_DIM_IMPLS = ("c", "sdpa_cudnn", "sdpa_flash")
+#: a sweep needs stage C timed at this many head dims of one (N, dtype): below it the figure is skipped
+#: and the README block is not refilled (the grid's two head dims, 64 and 128, are not a sweep)
+HEAD_DIM_MIN = 4
+#: the head dims of the sweep: every multiple of 8 from 32 to 256 (the stage contract's, from 32 up)
+HEAD_DIM_SWEEP = tuple(range(32, 257, 8))
+#: the script that measures the sweep on a GPU, and its one sweep command (the script runs it in parts)
+HEAD_DIM_SCRIPT = "experiments/head_dims_gpu.sh"
+HEAD_DIM_COMMAND = ("python -m harness sweep --stages c --peers flash,cudnn --N 4096 --D "
+                    + ",".join(map(str, HEAD_DIM_SWEEP)) + " --causal both --dtype bf16")
+#: stage C's variant without warp specialization: its row at D 64 or 128 is the tl kernel's rate at
+#: the width the head dims between powers of two are padded to (the warp-specialized kernel covers
+#: D 64 and 128 only, so every padded head dim runs the tl kernel)
+HEAD_DIM_TL_VARIANT = "-warp_specialization"
+
+
+def _is_timed(row: dict | None) -> bool:
+    return row is not None and is_ok(row) and bool(row.get("tflops"))
+
+
+def head_dim_kernel_note(env: dict, dtype: str, rows: list[dict]) -> str:
+    """Which kernel stage C runs at which head dim, where the rows say it: GPU rows of fp16 or bf16 on
+    a Hopper GPU (``compute_capability`` 9.0 in ``env.json``); '' elsewhere (a CPU run, fp32, another GPU)."""
+    if views.interpreted(rows) or dtype not in ("fp16", "bf16") or str(env.get("compute_capability")) != "9.0":
+        return ""
+    return ("D 64 and 128 run stage C's warp-specialized Hopper kernel; every other D runs its tl kernel with the "
+            "first tile configuration of its padded width (the tuning tables hold D 64 and 128 only)")
+
+
+def head_dim_family(rows: list[dict]) -> tuple[int, str] | None:
+    """(N, dtype) of the head-dim sweep in ``rows``: of the forward grid's (N, dtype) pairs, the one
+    where stage C has timed rows at the most distinct head dims (ties: N = 4096 first, then the larger
+    N, then the dtype's name); None when no pair reaches :data:`HEAD_DIM_MIN` head dims."""
+    dims: dict[tuple[int, str], set[int]] = {}
+    for r in views.plain(forward_grid(rows)):
+        if r["impl"] == "c" and _is_timed(r):
+            dims.setdefault((r["N"], r["dtype"]), set()).add(r["D"])
+    if not dims:
+        return None
+    best = max(dims, key=lambda k: (len(dims[k]), k[0] == views.HEADLINE_N, k[0], k[1]))
+    return best if len(dims[best]) >= HEAD_DIM_MIN else None
+
+
+def _head_dim_cell(rows: list[dict], *, N: int, D: int, dtype: str, causal: int) -> dict[str, dict]:
+    """Stage C's, cuDNN's and FA2's row at one cell (at the (B, H) most impls ran), taken from the latest
+    run that timed stage C beside a peer there (else the latest that ran C), so a ratio compares rows
+    measured side by side; an impl that run lacks contributes its latest row. Rows of any status."""
+    at = [r for r in views.cell_rows(views.plain(rows), N=N, D=D, dtype=dtype, causal=causal)
+          if r["impl"] in HEAD_DIM_IMPLS]
+    runs_c = {r["run_id"] for r in at if r["impl"] == "c"}
+    with_peer = runs_c & {r["run_id"] for r in at if r["impl"] != "c"}
+    run = max(with_peer or runs_c, default=None)
+    out = {}
+    for impl in HEAD_DIM_IMPLS:
+        mine = [r for r in at if r["impl"] == impl]
+        same_run = [r for r in mine if r["run_id"] == run]
+        if same_run or mine:
+            out[impl] = (same_run or mine)[-1]
+    return out
+
+
+def head_dim_points(rows: list[dict], *, N: int, dtype: str) -> dict[int, list[dict]]:
+    """The head-dim sweep at (N, dtype), per causal setting (0, 1): one dict per head dim that has a
+    stage C row, in order of D: ``D``, ``padded`` (:func:`stages.contract.padded_head_dim`, the tile
+    width stage C runs at), the rows ``c``, ``sdpa_cudnn``, ``sdpa_flash`` (None where absent; any
+    status), ``vs_cudnn`` and ``vs_flash`` (C's TFLOPS over the peer's where both are timed, else
+    None), and ``padded_rate``: where D is padded and stage C was timed at the padded width, the
+    TFLOPS stage C would reach at D if it ran at that width's rate (its TFLOPS there × D / padded),
+    with ``padded_rate_kernel`` saying whose rate it is: ``"tl"`` (stage C's
+    :data:`HEAD_DIM_TL_VARIANT` row at that width, the kernel padded head dims run) or ``"c"``
+    (stage C's own row there, the warp-specialized kernel at 64 and 128). Forward grid rows only."""
+    from stages.contract import padded_head_dim
+
+    grid = forward_grid(rows)
+    out: dict[int, list[dict]] = {}
+    for causal in (0, 1):
+        ds = sorted({r["D"] for r in views.plain(grid) if r["impl"] == "c" and r["N"] == N and r["dtype"] == dtype
+                     and int(r["causal"]) == causal})
+        cells = {D: _head_dim_cell(grid, N=N, D=D, dtype=dtype, causal=causal) for D in ds}
+        points = []
+        for D in ds:
+            found = cells[D]
+            c, cudnn, flash = found.get("c"), found.get("sdpa_cudnn"), found.get("sdpa_flash")
+            point = {"D": D, "padded": padded_head_dim(D), "c": c, "sdpa_cudnn": cudnn, "sdpa_flash": flash,
+                     "vs_cudnn": _ratio(c, cudnn) if _is_timed(c) and _is_timed(cudnn) else None,
+                     "vs_flash": _ratio(c, flash) if _is_timed(c) and _is_timed(flash) else None,
+                     "padded_rate": None, "padded_rate_kernel": None}
+            P = point["padded"]
+            if P != D:
+                tl = [r for r in select(grid, impl="c", kind="ablation", variant=HEAD_DIM_TL_VARIANT, N=N, D=P,
+                                        dtype=dtype, causal=causal) if _is_timed(r)]
+                own = cells.get(P, {}).get("c")
+                if tl:
+                    point["padded_rate"], point["padded_rate_kernel"] = tl[-1]["tflops"] * D / P, "tl"
+                elif _is_timed(own):
+                    point["padded_rate"], point["padded_rate_kernel"] = own["tflops"] * D / P, "c"
+            points.append(point)
+        if points:
+            out[causal] = points
+    return out
+
+
+def _d_ranges(ds: list[int], among: list[int]) -> str:
+    """``ds`` (a subset of the sorted head dims ``among``) as runs of neighbours in ``among``:
+    ``"32–56, 128 and 256"``."""
+    runs: list[list[int]] = []
+    for D in ds:
+        if runs and among.index(D) == among.index(runs[-1][-1]) + 1:
+            runs[-1].append(D)
+        else:
+            runs.append([D])
+    parts = [f"{r[0]}–{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs]
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def _head_dim_value(row: dict | None) -> str:
+    """A TFLOPS cell: the number, the status's first word where the row is not ``ok``, — where absent."""
+    if row is None:
+        return "—"
+    if not is_ok(row):
+        return _md(row["status"].split(":")[0])
+    t = row.get("tflops")
+    return fmt_num(t, ".0f" if t is not None and t >= 10 else ".2g")
+
+
+def head_dim_table(points: list[dict]) -> str:
+    """One causal setting of the sweep (:func:`head_dim_points`) as Markdown: D, the three impls'
+    TFLOPS, C's ratio to each peer (``†``: a timing whose samples spread more than
+    :data:`NOISY_SPREAD`), the padded width and its ratio to D; '' without points."""
+    if not points:
+        return ""
+    lines = ["| D | C TFLOPS | cuDNN | FA2 | C / cuDNN | C / FA2 | padded D |", "|--:|--:|--:|--:|--:|--:|--:|"]
+    for p in points:
+        ratios = []
+        for peer, key in (("sdpa_cudnn", "vs_cudnn"), ("sdpa_flash", "vs_flash")):
+            spreads = [sample_spread(p["c"]), sample_spread(p[peer])] if p[key] is not None else []
+            noisy = any(s is not None and s > NOISY_SPREAD for s in spreads)
+            ratios.append("—" if p[key] is None else f"{p[key]:.2f}" + ("†" if noisy else ""))
+        padded = f"{p['padded']} (×{p['padded'] / p['D']:.2f})" if p["padded"] != p["D"] else "—"
+        lines.append(f"| {p['D']} | {_head_dim_value(p['c'])} | {_head_dim_value(p['sdpa_cudnn'])} | "
+                     f"{_head_dim_value(p['sdpa_flash'])} | {ratios[0]} | {ratios[1]} | {padded} |")
+    if any("†" in line for line in lines):
+        lines += ["", f"† Noisy: the 20th and 80th percentiles of a side's samples lie more than {NOISY_SPREAD:.0%} "
+                      "of the median apart."]
+    return "\n".join(lines)
+
+
+def head_dim_reading(points_by_causal: dict[int, list[dict]]) -> str:
+    """One sentence from the ratios: C / cuDNN's min, median and max over every head dim and mask,
+    the medians at the power-of-two and at the padded head dims, and per mask the head dims where
+    stage C is at or above cuDNN; the head dims cuDNN refused. '' without a ratio."""
+    every = [p for pts in points_by_causal.values() for p in pts]
+    ratios = sorted(p["vs_cudnn"] for p in every if p["vs_cudnn"] is not None)
+    if not ratios:
+        return ""
+    text = (f"Stage C reaches {ratios[0]:.2f}–{ratios[-1]:.2f}× of cuDNN's throughput over the {len(ratios)} "
+            f"(head dim, mask) cells (median {statistics.median(ratios):.2f}")
+    medians = []
+    for what, padded in (("power-of-two", False), ("padded", True)):
+        vals = [p["vs_cudnn"] for p in every if p["vs_cudnn"] is not None and (p["padded"] != p["D"]) == padded]
+        if vals:
+            medians.append(f"{statistics.median(vals):.2f} at the {what} head dims")
+    text += ("; " + ", ".join(medians) if medians else "") + ")"
+    wins = []
+    for causal, pts in sorted(points_by_causal.items()):
+        among = [p["D"] for p in pts if p["vs_cudnn"] is not None]
+        if not among:
+            continue
+        ahead = [p["D"] for p in pts if p["vs_cudnn"] is not None and p["vs_cudnn"] >= 1.0]
+        where = ("at no head dim" if not ahead else "at every head dim" if len(ahead) == len(among)
+                 else f"at D {_d_ranges(ahead, among)}")
+        wins.append(f"{where} {'causal' if causal else 'non-causal'}")
+    text += ", and is at or above cuDNN " + " and ".join(wins)
+    refused = [p for p in every if p["sdpa_cudnn"] is not None and not is_ok(p["sdpa_cudnn"])]
+    if refused:
+        ds = sorted({p["D"] for p in refused})
+        statuses = sorted({_md(p["sdpa_cudnn"]["status"].split(":")[0]) for p in refused})
+        text += (f"; cuDNN gave no time at D {_d_ranges(ds, sorted({p['D'] for p in every}))} "
+                 f"({', '.join(statuses)})")
+    return text + "."
+
+
+def head_dims_present(results_dir) -> bool:
+    """Whether ``results_dir/runs.csv`` holds a head-dim sweep (:func:`head_dim_family`): the block's data gate."""
+    path = Path(results_dir) / "runs.csv"
+    return path.exists() and head_dim_family(load_rows(results_dir)) is not None
+
+
+def render_head_dims_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> str:
+    """The head-dim sweep (``results_dir/runs.csv``): at the (N, dtype) of :func:`head_dim_family`, per
+    causal setting, stage C, cuDNN and FA2 at every head dim measured, C's ratio to each, and the
+    width stage C pads D to; a sentence reading it (:func:`head_dim_reading`) and the figure.
+    ``dtype`` is not used: the sweep's own is shown."""
+    results_dir = Path(results_dir)
+    rel = _posix_rel(results_dir, Path(readme_dir))
+    parts = [_generated_note(rel)]
+    path = results_dir / "runs.csv"
+    rows = forward_grid(load_rows(results_dir)) if path.exists() else []
+    family = head_dim_family(rows)
+    if family is None:
+        parts.append(f"_No head-dim sweep yet (stage C at {HEAD_DIM_MIN} or more head dims of one N and dtype): run "
+                     f"`{HEAD_DIM_SCRIPT}` on a GPU (`{HEAD_DIM_COMMAND}`)._")
+        return "\n\n".join(parts) + "\n"
+    N, dt = family
+    points = head_dim_points(rows, N=N, dtype=dt)
+    c_rows = [p["c"] for pts in points.values() for p in pts if p["c"] is not None]
+    tokens = sorted({r["B"] * r["N"] for r in c_rows})
+    hidden = sorted({r["H"] * r["D"] for r in c_rows})
+    ds = sorted({p["D"] for pts in points.values() for p in pts})
+    try:
+        env = load_env(results_dir)
+    except ResultsError:
+        env = {}
+    span = (lambda v: f"{v[0]}" if len(v) == 1 else f"{v[0]}–{v[-1]}")
+    parts.append(
+        f"Measured on **{_md(_measured_on(env, c_rows))}**: stage C, SDPA CUDNN and SDPA FLASH (FA2) at N = {N}, "
+        f"{dt}, forward, at {len(ds)} head dims from {ds[0]} to {ds[-1]}; B·N = {span(tokens)} tokens and "
+        f"H·D = {span(hidden)} (the FlashAttention-paper setting: the harness takes B = tokens / N and H = hidden / D "
+        "rounded down). TFLOPS: 4·B·H·N²·D FLOPs (causal: the visible pairs) over the median time, with the true "
+        "D: the columns stage C pads are not counted. Stage C rounds D up to the next power of two inside the "
+        "kernel (the extra columns are masked zeros), so a padded head dim does the multiply-adds of its padded "
+        "width: padded D, and in parentheses that width over D. "
+        + (head_dim_kernel_note(env, dt, c_rows) + ". " if head_dim_kernel_note(env, dt, c_rows) else "")
+        + "Ratios are TFLOPS ratios of rows timed in the same run, above 1 when stage C is faster; an impl that "
+        "gave no time at a head dim shows its status.")
+    if views.interpreted(c_rows):
+        parts.append("> **Note:** these rows ran in the Triton interpreter on a CPU: their times are not GPU times.")
+    for causal, pts in sorted(points.items()):
+        parts.append(f"#### {'Causal' if causal else 'Non-causal'}\n\n" + head_dim_table(pts))
+    reading = head_dim_reading(points)
+    if reading:
+        parts.append(reading)
+    if (results_dir / "figures" / "head_dims.png").exists():
+        parts.append(f"![TFLOPS vs head dim: stage C, cuDNN and FA2, the head dims stage C pads shaded]"
+                     f"({rel}/figures/head_dims.png)")
+    return "\n\n".join(parts) + "\n"
+
+
 #: The blocks a file may hold, by marker name.
 BLOCKS = {"headline": render_headline_block, "results": render_block, "ratio": render_ratio_block,
           "ablation": render_ablation_block,
           "twins": render_twins_block, "models": render_models_block, "shapes": render_shapes_block,
           "backward": render_backward_block,
-          "latency": render_latency_block, "generate": render_generate_block, "decode": render_decode_block}
+          "latency": render_latency_block, "generate": render_generate_block, "decode": render_decode_block,
+          "head_dims": render_head_dims_block}
 
 #: Blocks refilled only when their data is there: without it a file keeps the block it has (the
 #: generate runs are measured separately, and a results folder without them says nothing about them).
 BLOCK_DATA = {"generate": lambda results_dir: (Path(results_dir) / "generate" / "runs.csv").exists(),
-              "decode": lambda results_dir: (Path(results_dir) / "decode.csv").exists()}
+              "decode": lambda results_dir: (Path(results_dir) / "decode.csv").exists(),
+              "head_dims": head_dims_present}
 
 
 #: The README a results folder gets (``report RESULTS --update`` writes it from :func:`results_page`
@@ -958,6 +1201,9 @@ RESULTS_PAGE_SECTIONS = (
     ("shapes", "Grouped-query attention, head dims 80 and 96, decode steps",
      "The cells of the stage contract that the FlashAttention-paper grid leaves out; for a decode step, "
      "the bandwidth it reaches against a device-to-device copy.", views.HINTS["shapes"]),
+    ("head_dims", "Every head dim from 32 to 256",
+     "Stage C, cuDNN and FlashAttention-2 at every multiple of 8 from 32 to 256 (N = 4096, bf16, causal and "
+     "not): what padding D to the next power of two costs stage C.", HEAD_DIM_SCRIPT),
     ("latency", "The host path",
      "What one call costs the CPU on a tiny problem, beside the launch of an empty Triton kernel.",
      views.HINTS["latency"]),

@@ -182,21 +182,23 @@ def _install() -> None:
     load, store = builder.create_masked_load, builder.create_masked_store
     rmw, cas = builder.create_atomic_rmw, builder.create_atomic_cas
 
-    def create_masked_load(self, ptrs, mask, other, *rest):
+    # Pass every other argument through as given: the interpreter's builder takes some by keyword
+    # (a load's cache_modifier, eviction_policy), and a kernel outside any lab calls these too.
+    def create_masked_load(self, ptrs, mask, other, *rest, **options):
         _check_access("load", ptrs, mask)
-        return load(self, ptrs, mask, other, *rest)
+        return load(self, ptrs, mask, other, *rest, **options)
 
-    def create_masked_store(self, ptrs, value, mask, *rest):
+    def create_masked_store(self, ptrs, value, mask, *rest, **options):
         _check_access("store", ptrs, mask)
-        return store(self, ptrs, value, mask, *rest)
+        return store(self, ptrs, value, mask, *rest, **options)
 
-    def create_atomic_rmw(self, op, ptr, val, mask, *rest):
+    def create_atomic_rmw(self, op, ptr, val, mask, *rest, **options):
         _check_access("atomic", ptr, mask)
-        return rmw(self, op, ptr, val, mask, *rest)
+        return rmw(self, op, ptr, val, mask, *rest, **options)
 
-    def create_atomic_cas(self, ptr, cmp, val, *rest):
+    def create_atomic_cas(self, ptr, cmp, val, *rest, **options):
         _check_access("atomic", ptr, None)
-        return cas(self, ptr, cmp, val, *rest)
+        return cas(self, ptr, cmp, val, *rest, **options)
 
     builder.create_masked_load = create_masked_load
     builder.create_masked_store = create_masked_store

@@ -369,3 +369,24 @@ def test_the_package_imports_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=LABS_DIR.parent).stdout.split()
     assert out == ["False", "False"]
+
+
+def test_the_bounds_guard_leaves_other_kernels_alone():
+    """The guard wraps the interpreter's memory operations for the whole process: kernels outside any
+    lab must still run, and exactly. Stage C's TMA path (arch 90) loads through tensor descriptors,
+    which the interpreter turns into masked loads with options passed by keyword."""
+    from labs import guard
+    from stages import contract
+    from stages.c_optimized import kernels as c_kernels
+
+    guard._install()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 70, 16, generator=g).half()
+    k, v = torch.randn(1, 2, 30, 16, generator=g).half(), torch.randn(1, 2, 30, 16, generator=g).half()
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), scale=0.25, attn_mask=torch.ones(70, 30, dtype=torch.bool).tril(-40))
+    for arch in (80, 90):
+        o = contract.new_output(q)
+        for launch in c_kernels.plan(q, k, v, o, causal=True, scale=0.25, arch=arch, split_kv=1):
+            launch.run()
+        assert torch.allclose(o.double().nan_to_num(), want.nan_to_num(), atol=2e-3), arch
