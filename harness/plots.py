@@ -950,8 +950,8 @@ def plot_head_dims(rows: list[dict], env: dict, out_dir) -> Path | None:
     a grey dotted line is what stage C would reach at D if it ran at its padded width's rate
     (TFLOPS there × D / padded D: padding alone, nothing else lost), from the tl kernel's row at that
     width where measured (stage C without warp specialization, the kernel padded head dims run) and
-    from stage C's own row there otherwise. A peer that refused a head dim (``unsupported``) or failed
-    is an ✕ on the axis. Skipped, naming the sweep's command, with fewer than
+    from stage C's own row there otherwise. An impl with no time at a head dim (a peer that refused it,
+    ``unsupported``, or a failure) is an ✕ on the axis. Skipped, naming the sweep's command, with fewer than
     :data:`harness.report.HEAD_DIM_MIN` head dims. Forward grid rows only."""
     from .report import (HEAD_DIM_COMMAND, HEAD_DIM_IMPLS, HEAD_DIM_MIN, HEAD_DIM_SCRIPT, head_dim_family,
                          head_dim_kernel_note, head_dim_points)
@@ -990,12 +990,8 @@ def plot_head_dims(rows: list[dict], env: dict, out_dir) -> Path | None:
             peer = impl != "c"
             if timed:
                 # a line broken where a head dim has no time, so a gap is not drawn over
-                xs, ys = [], []
                 have = dict(timed)
-                for D in ds:
-                    xs.append(D)
-                    ys.append(have.get(D, float("nan")))
-                ax.plot(xs, ys, color=color(impl), linestyle="--" if peer else "-", linewidth=1.6 if peer else 2.4,
+                ax.plot(ds, [have.get(D, float("nan")) for D in ds], color=color(impl), linestyle="--" if peer else "-", linewidth=1.6 if peer else 2.4,
                         marker="s" if peer else None, markersize=4.5, zorder=3)
             if not peer:
                 padded = {p["D"] for p in pts if p["padded"] != p["D"]}
@@ -1007,14 +1003,12 @@ def plot_head_dims(rows: list[dict], env: dict, out_dir) -> Path | None:
                 refused_any = True
                 ax.plot(failed, [0] * len(failed), marker="X", markersize=9, linestyle="none", color=color(impl),
                         markeredgecolor="black", markeredgewidth=0.6, zorder=5, clip_on=False)
-        bound = [(p["D"], p["padded_rate"]) for p in pts if p["padded_rate"] is not None]
-        if bound:
-            kernels_used |= {p["padded_rate_kernel"] for p in pts if p["padded_rate"] is not None}
-            for P in widths:  # one segment per padded width: the bound falls off as D moves below P
-                seg = [(D, t) for D, t in bound if next(p["padded"] for p in pts if p["D"] == D) == P]
-                if seg:
-                    ax.plot(*zip(*seg), color="0.35", linestyle=":", linewidth=1.8, marker=".", markersize=6,
-                            zorder=2)
+        bound = [p for p in pts if p["padded_rate"] is not None]
+        kernels_used |= {p["padded_rate_kernel"] for p in bound}
+        for P in widths:  # one segment per padded width: the bound falls off as D moves below P
+            seg = [(p["D"], p["padded_rate"]) for p in bound if p["padded"] == P]
+            if seg:
+                ax.plot(*zip(*seg), color="0.35", linestyle=":", linewidth=1.8, marker=".", markersize=6, zorder=2)
         for p in pts:  # the extra work of each padded head dim, under its point
             if p["padded"] != p["D"]:
                 ax.text(p["D"], top * 0.015, f"×{p['padded'] / p['D']:.2f}", rotation=90, ha="center", va="bottom",

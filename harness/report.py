@@ -1141,6 +1141,7 @@ def render_head_dims_block(results_dir, readme_dir=".", *, dtype: str = "fp16") 
     except ResultsError:
         env = {}
     span = (lambda v: f"{v[0]}" if len(v) == 1 else f"{v[0]}–{v[-1]}")
+    kernels = head_dim_kernel_note(env, dt, c_rows)
     parts.append(
         f"Measured on **{_md(_measured_on(env, c_rows))}**: stage C, SDPA CUDNN and SDPA FLASH (FA2) at N = {N}, "
         f"{dt}, forward, at {len(ds)} head dims from {ds[0]} to {ds[-1]}; B·N = {span(tokens)} tokens and "
@@ -1149,9 +1150,9 @@ def render_head_dims_block(results_dir, readme_dir=".", *, dtype: str = "fp16") 
         "D: the columns stage C pads are not counted. Stage C rounds D up to the next power of two inside the "
         "kernel (the extra columns are masked zeros), so a padded head dim does the multiply-adds of its padded "
         "width: padded D, and in parentheses that width over D. "
-        + (head_dim_kernel_note(env, dt, c_rows) + ". " if head_dim_kernel_note(env, dt, c_rows) else "")
-        + "Ratios are TFLOPS ratios of rows timed in the same run, above 1 when stage C is faster; an impl that "
-        "gave no time at a head dim shows its status.")
+        + (kernels + ". " if kernels else "")
+        + "Ratios: TFLOPS ratios, above 1 when stage C is faster, of the rows of the latest run that timed stage C "
+        "beside a peer at that head dim; an impl that gave no time there shows its status.")
     if views.interpreted(c_rows):
         parts.append("> **Note:** these rows ran in the Triton interpreter on a CPU: their times are not GPU times.")
     for causal, pts in sorted(points.items()):
