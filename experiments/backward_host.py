@@ -64,6 +64,7 @@ def main() -> None:
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     from stages.c_optimized import backward as bwd
+    from stages.contract import validate_backward_inputs
     from stages.c_optimized.kernels import attention_with_lse
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
@@ -92,7 +93,7 @@ def main() -> None:
     direct = lambda: bwd.attention_backward(do, qd, kd, vd, o, lse, causal=causal, scale=scale)  # noqa: E731
     print(f"  stage C attention_backward, direct: {per_call_us(direct, args.calls):8.1f}")
     print(f"  stage C attention_backward, GPU only (graph replay): {graph_us(direct, args.calls):8.1f}")
-    print(f"    checks: {per_call_us(lambda: bwd._check_backward_inputs(do, qd, kd, vd, o, lse, scale), args.calls):8.1f}")
+    print(f"    checks: {per_call_us(lambda: validate_backward_inputs(do, qd, kd, vd, o, lse, scale), args.calls):8.1f}")
     B, Hq, Nq, D = qd.shape
     plan = bwd.backward_plan(D, dtype, bwd.device_arch(qd.device), causal)
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device="cuda")

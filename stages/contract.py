@@ -334,6 +334,26 @@ def _allowed_head_dims(head_dims: tuple[int, ...]) -> str:
 poison_outputs: bool = False
 
 
+def validate_backward_inputs(do, q, k, v, o, lse, scale, *, causal: bool = False) -> None:
+    """Check what a stage's backward is given beside q, k, v (which :func:`validate_inputs` checks):
+    the output gradient ``do`` and the forward's output ``o``, shaped like q and contiguous in the
+    head dim, and its fp32 row log-sum-exp ``lse`` ``[B, Hq, Nq]``, contiguous."""
+    validate_inputs(q, k, v, causal=causal, sm_scale=scale)
+    for name, t in (("do", do), ("o", o)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor shaped like q, got {type(t).__name__}")
+        if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must match q's shape, dtype and device {tuple(q.shape)}/{q.dtype}/{q.device}, "
+                             f"got {tuple(t.shape)}/{t.dtype}/{t.device}")
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            raise ValueError(f"{name} must be contiguous in its last (head) dim, got stride(-1)={t.stride(-1)}")
+    if not isinstance(lse, torch.Tensor):
+        raise TypeError(f"lse must be a torch.Tensor, got {type(lse).__name__}")
+    if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or not lse.is_contiguous() or lse.device != q.device:
+        raise ValueError(f"lse must be a contiguous float32 tensor of shape {tuple(q.shape[:3])} on {q.device}, "
+                         f"got {tuple(lse.shape)}, {lse.dtype}, contiguous={lse.is_contiguous()}, {lse.device}")
+
+
 def new_output(q: torch.Tensor) -> torch.Tensor:
     """A fresh contiguous ``[B, H, N, D]`` output for ``q``'s problem (NaN-filled when poisoning)."""
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (cheaper than torch.empty: no shape parse)

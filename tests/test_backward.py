@@ -104,5 +104,5 @@ def test_stage_b_lse_entry_points(causal, device):
     ref = torch.autograd.grad(STAGES["b"].attention(qg, kg, vg, causal=causal), (qg, kg, vg), do)
     for got, exp in zip((dq, dk, dv), ref):
         assert torch.equal(got, exp)
-    with pytest.raises(ValueError, match="lse must be a float32"):
+    with pytest.raises(ValueError, match="lse must be a contiguous float32"):
         attention_backward(do, q, k, v, o, lse.double(), causal=causal, scale=scale)

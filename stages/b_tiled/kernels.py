@@ -40,7 +40,7 @@ import triton.language as tl
 
 from .. import ops
 from ..contract import (DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_output, padded_head_dim,
-                        validate_inputs)
+                        validate_backward_inputs, validate_inputs)
 from ..launch import Launch, compiles_without_interpreter
 
 BLOCK_M = 64   # rows of Q per program (and per step of the dK/dV kernel's loop)
@@ -488,15 +488,12 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     """Gradients (dq, dk, dv) of attention whose softmax is normalized by ``lse`` (natural log, as
     :func:`attention_with_lse` returns it) with output ``o``: any O and L, not only this call's own,
     which is what lets ring attention take one block's exact share of the gradient."""
-    validate_inputs(q, k, v, causal=causal, sm_scale=scale)
+    # A gradient, an output and a log-sum-exp may come in any layout: made contiguous where the kernels need it.
+    do, o = (ops.maybe_contiguous(t) if isinstance(t, torch.Tensor) else t for t in (do, o))
+    lse = lse.contiguous() if isinstance(lse, torch.Tensor) else lse
+    validate_backward_inputs(do, q, k, v, o, lse, scale, causal=causal)
     _check_dq_method(dq_method)
-    for name, t in (("do", do), ("o", o)):
-        if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name} must be a tensor of q's shape, dtype and device {tuple(q.shape)}/{q.dtype}/"
-                             f"{q.device}")
-    if not isinstance(lse, torch.Tensor) or lse.shape != q.shape[:3] or lse.dtype != torch.float32:
-        raise ValueError(f"lse must be a float32 tensor of shape {tuple(q.shape[:3])}")
-    return _backward(do, q, k, v, ops.maybe_contiguous(o), lse.contiguous(), causal, float(scale), dq_method)
+    return _backward(do, q, k, v, o, lse, causal, float(scale), dq_method)
 
 
 @compiles_without_interpreter

@@ -78,7 +78,7 @@ import triton.language as tl
 
 from .. import ops
 from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_output, padded_head_dim, \
-    validate_inputs
+    validate_backward_inputs
 from ..launch import Launch, compiles_without_interpreter
 from .configs import SHARED_MEMORY_LIMIT, TUNED_DIR, device_arch, gpu_slug
 
@@ -545,23 +545,6 @@ def attention_bwd_dq_kernel(
 
 # ------------------------------------------------------------------------------------------ host side
 
-def _check_backward_inputs(do, q, k, v, o, lse, scale) -> None:
-    validate_inputs(q, k, v, sm_scale=scale)
-    for name, t in (("do", do), ("o", o)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor shaped like q, got {type(t).__name__}")
-        if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name} must match q's shape, dtype and device {tuple(q.shape)}/{q.dtype}/{q.device}, "
-                             f"got {tuple(t.shape)}/{t.dtype}/{t.device}")
-        if t.stride(-1) != 1 and t.shape[-1] > 1:
-            raise ValueError(f"{name} must be contiguous in its last (head) dim, got stride(-1)={t.stride(-1)}")
-    if not isinstance(lse, torch.Tensor):
-        raise TypeError(f"lse must be a torch.Tensor, got {type(lse).__name__}")
-    if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or not lse.is_contiguous() or lse.device != q.device:
-        raise ValueError(f"lse must be a contiguous float32 tensor of shape {tuple(q.shape[:3])} on {q.device}, "
-                         f"got {tuple(lse.shape)}, {lse.dtype}, contiguous={lse.is_contiguous()}, {lse.device}")
-
-
 def _new_gradient(t: torch.Tensor) -> torch.Tensor:
     """A contiguous gradient buffer shaped like ``t`` (NaN-filled when the tests poison outputs)."""
     return new_output(t)
@@ -638,7 +621,7 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     """
     if isinstance(do, torch.Tensor):
         do = ops.maybe_contiguous(do)
-    _check_backward_inputs(do, q, k, v, o, lse, scale)
+    validate_backward_inputs(do, q, k, v, o, lse, scale, causal=causal)
     B, Hq, Nq, D = q.shape
     arch = device_arch(q.device)
     plan = backward_plan(D, q.dtype, arch, causal, deterministic=deterministic, tuned_tiles=tuned_tiles,
@@ -653,8 +636,8 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         dq_acc = torch.empty((B, Hq, Nq, D), dtype=torch.float32, device=q.device)
         dq = dq_acc if q.dtype == torch.float32 else None
     for launch in plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, causal=causal, scale=scale,
-                                arch=arch, deterministic=separate, exp2=exp2, causal_skip=causal_skip, tma=tma,
-                                config=config or plan.dkdv, dq_config=dq_config or (config or plan.dq)):
+                                arch=arch, deterministic=separate, tuned_tiles=tuned_tiles, pipelining=pipelining,
+                                exp2=exp2, causal_skip=causal_skip, tma=tma, config=config, dq_config=dq_config):
         launch.run()
     if dq is None:
         dq = dq_acc.to(q.dtype)
@@ -699,6 +682,8 @@ def bwd_hbm_bytes(p: Problem, deterministic: bool = False, tuned_tiles: bool = T
     """
     plan = backward_plan(p.D, DTYPES[p.dtype], device_arch(None), p.causal, deterministic=deterministic,
                          tuned_tiles=tuned_tiles, pipelining=pipelining)
+    # The tiles plan_backward launches: a forced config serves the dQ kernel too.
+    dq_config = plan.dq if config is None else config
     config = config or plan.dkdv
     separate = plan.separate_dq
     e, D = p.element_bytes, p.D
@@ -719,7 +704,7 @@ def bwd_hbm_bytes(p: Problem, deterministic: bool = False, tuned_tiles: bool = T
     read += 2 * p.kv_bytes + q_rows_all * (2 * row + 8)    # dK/dV: K, V once; Q, dO, lse, Δ per visit
     write += 2 * p.kv_bytes                                # dK, dV
     if separate:
-        dq_rows = plan.dq.block_n  # Q rows a dQ program keeps
+        dq_rows = dq_config.block_n  # Q rows a dQ program keeps
         kv_rows = 0
         for start_m in range(0, p.N, dq_rows):
             kv_rows += min(p.Nk, max(0, start_m + dq_rows + offset)) if skip else p.Nk
