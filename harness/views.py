@@ -262,9 +262,12 @@ def walk_order(rows: list[dict]) -> list[dict]:
     were measured in: rungs measured in a later run still sit where they belong in the walk."""
     import stages
 
+    orders = {impl: {name: i for i, name in enumerate(getattr(stages.STAGES.get(impl), "variants", None) or ())}
+              for impl in {r["impl"] for r in rows}}
+
     def position(r: dict) -> int:
-        order = list(getattr(stages.STAGES.get(r["impl"]), "variants", None) or ())
-        return order.index(r["variant"]) if r["variant"] in order else len(order)
+        order = orders[r["impl"]]
+        return order.get(r["variant"], len(order))
 
     return sorted(rows, key=position)
 
