@@ -3,11 +3,19 @@
 ``python -m harness train --stages a,b,c,sdpa`` (or ``--stage c``) is the end-to-end check of the
 backward passes. A decoder-only transformer (nanoGPT's shape: token and position embeddings,
 pre-LayerNorm blocks of causal self-attention and an MLP, an LM head tied to the token embedding)
-learns a small generated language, once per attention implementation, from the same initial weights
-and the same batches. If a stage's forward or backward is wrong the model notices:
+learns a small generated language, one model per attention implementation, all from the same initial
+weights and on the same batches. If a stage's forward or backward is wrong the model notices:
 a leak of future tokens drives the loss far below the others, a wrong gradient makes it learn slower.
 So the loss curves of A, B, C and SDPA must agree, within a tolerance that only rounding explains
 (:data:`LOSS_TOLERANCE`), and the run records what each costs per step: time, tokens/s, peak memory.
+
+The implementations train in lockstep (:func:`train_lockstep`): every model, optimizer and the
+batches are set up first, then at each step every implementation takes its step in turn, the first
+of the turn rotating from step to step, and each step is timed on its own. Trained one after the
+other, the stages' step times measured *when* each ran (on the H200 they drifted by half during a
+run); timed in turns, a drift of the clocks, the temperature or the host's load hits every stage
+alike. Peak memory is still each stage's own (how, with every model resident: :func:`train_lockstep`).
+A stage that fails (an out-of-memory, a kernel error) is marked so and the others go on.
 
 Every attention call goes through ``attention(q, k, v, causal=True)`` of the chosen stage with q
 ``[B, Hq, N, D]`` and k, v ``[B, Hkv, N, D]`` as strided views of the projections (no copies), and
@@ -16,11 +24,11 @@ use), so the GQA backward (dK, dV summed over each head group) does real work.
 
 Output, per run: ``<out>/train/losses.csv`` (run_id, stage, dtype, step, loss, step_ms),
 ``<out>/train/summary.csv`` (one row per stage: the config, median step time in ms, tokens/s, peak
-memory in bytes, final loss, largest loss gap to the reference stage), ``<out>/train/env.json``
-(provenance) and ``<out>/figures/train_loss.png``. ``<out>`` defaults to ``results/<gpu>/`` on a GPU
-and to a fresh temporary directory on a CPU, where the stages run in the Triton interpreter with a
-tiny model (seconds per stage for B and C, a minute or two for A, whose kernels the
-interpreter runs slowest) and the times are interpreter times, not GPU times.
+memory of a training step in bytes, final loss, largest loss gap to the reference stage),
+``<out>/train/env.json`` (provenance) and ``<out>/figures/train_loss.png``. ``<out>`` defaults to
+``results/<gpu>/`` on a GPU and to a fresh temporary directory on a CPU, where the stages run in the
+Triton interpreter with a tiny model (seconds per stage for B and C, a minute or two for A, whose
+kernels the interpreter runs slowest) and the times are interpreter times, not GPU times.
 
 ``python -m harness train --plot results/h200`` redraws the figure from the CSV without training.
 """
@@ -332,64 +340,213 @@ def batch_starts(n_tokens: int, context: int, batch: int, steps: int, seed: int)
     return torch.randint(0, n_tokens - context - 1, (steps, batch), generator=gen)
 
 
-def train(attention: AttentionFn, model_cfg: ModelConfig, cfg: TrainConfig, *, device: str | torch.device = "cpu",
-          stage: str = "", log: Callable[[str], None] | None = None, log_every: int = 0) -> TrainRun:
-    """Train a fresh :class:`GPT` with ``attention`` for ``cfg.steps`` steps; return the losses and times.
+#: The CUDA caching allocator hands out blocks in multiples of this many bytes; ``memory_allocated``
+#: counts the rounded sizes, so a stage's resident tensors are counted the same way.
+_ALLOCATOR_BLOCK = 512
 
-    The initial weights and the batches depend only on ``cfg.seed``, so two calls with different
-    attention functions train the same model on the same data: their loss curves differ only by
-    what the attention computes. Raises :class:`NoBackwardError` if ``attention`` is not differentiable.
+
+def _device_bytes(tensors, device: torch.device) -> int:
+    """Bytes the caching allocator holds for ``tensors`` on ``device``: each storage once (a tied or
+    viewed tensor shares its storage), rounded up to the allocator's block size."""
+    storages: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device == device:
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(-(-n // _ALLOCATOR_BLOCK) * _ALLOCATOR_BLOCK for n in storages.values())
+
+
+class _Batches:
+    """The text and the batch order, built once and shared by every stage: the same batches for all."""
+
+    def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device):
+        self.tokens = encode(make_corpus(max(20_000, 40 * model_cfg.context * cfg.batch), seed=cfg.seed)).to(device)
+        self.starts = batch_starts(len(self.tokens), model_cfg.context, cfg.batch, cfg.steps, cfg.seed + 1)
+        self.offsets = torch.arange(model_cfg.context + 1)
+
+    def get(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets of step ``step``, ``[batch, context]`` each."""
+        seq = self.tokens[(self.starts[step][:, None] + self.offsets).to(self.tokens.device)]
+        return seq[:, :-1], seq[:, 1:]
+
+
+class _StageTrainer:
+    """One attention implementation's model, optimizer and record, advanced one step at a time."""
+
+    def __init__(self, stage: str, attention: AttentionFn, model_cfg: ModelConfig, cfg: TrainConfig,
+                 device: torch.device, batches: _Batches):
+        self.cfg, self.device, self.batches = cfg, device, batches
+        self.on_gpu = device.type == "cuda"
+        attn_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
+        torch.manual_seed(cfg.seed)  # the same initial weights for every stage
+        self.model = GPT(model_cfg, attention, attn_dtype).to(device)
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]  # matrices decay; gains and biases do not
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+        # bf16 needs no loss scaling (it has fp32's exponent range), so plain autocast is the whole recipe.
+        self.amp = torch.autocast(device_type=device.type, dtype=torch.bfloat16) if cfg.dtype == "bf16" \
+            else contextlib.nullcontext()
+        self.run = TrainRun(stage=stage, tokens_per_step=cfg.batch * model_cfg.context)
+
+    def resident_bytes(self) -> int:
+        """What this stage keeps on the device between its steps: weights, gradients, AdamW's moments."""
+        params = list(self.model.parameters())
+        state = [t for s in self.opt.state.values() for t in s.values()]
+        return _device_bytes(params + [p.grad for p in params] + state, self.device)
+
+    def step(self, step: int) -> float:
+        """Take optimizer step ``step`` (0-based), timed on its own; record its loss, time and memory."""
+        cfg, run = self.cfg, self.run
+        for group in self.opt.param_groups:
+            group["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup))
+        if self.on_gpu:
+            resident = self.resident_bytes() + _device_bytes([self.batches.tokens], self.device)
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+        x, y = self.batches.get(step)
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)  # the clock starts on an idle device
+        t0 = time.perf_counter()
+        with self.amp:
+            logits = self.model(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.opt.step()
+        loss_value = loss.item()  # waits for the GPU: the step is done when its loss is known
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+        run.step_ms.append((time.perf_counter() - t0) * 1e3)
+        run.losses.append(loss_value)
+        if self.on_gpu:
+            peak = resident + torch.cuda.max_memory_allocated(self.device) - before
+            run.peak_memory_bytes = max(run.peak_memory_bytes or 0, int(peak))
+        return loss_value
+
+
+def _error_status(e: BaseException) -> str:
+    first = (str(e).splitlines() or [""])[0]
+    return f"error: {type(e).__name__}: {first}"[:400]
+
+
+def _release(on_gpu: bool) -> None:
+    """Free what a stage that stopped still held (its model, its saved tensors in a traceback)."""
+    gc.collect()
+    if on_gpu:
+        torch.cuda.empty_cache()
+
+
+def train_lockstep(attentions: dict[str, AttentionFn], model_cfg: ModelConfig, cfg: TrainConfig, *,
+                   device: str | torch.device = "cpu", log: Callable[[str], None] | None = None,
+                   log_every: int = 0, raise_errors: bool = False) -> dict[str, TrainRun]:
+    """Train one fresh :class:`GPT` per entry of ``attentions`` (stage name -> attention function), in
+    lockstep, for ``cfg.steps`` steps; return each stage's :class:`TrainRun`, in the order given.
+
+    Every stage's model, optimizer and batches are set up first: the initial weights and the batches
+    depend only on ``cfg.seed``, so the models are the same and see the same data, and their loss
+    curves differ only by what the attention computes. Then, step by step, every stage takes its
+    step in turn, in an order that rotates (step ``i`` starts with the stage ``i mod n`` of the
+    list), and each step is timed on its own between two device synchronizations. Step times of
+    different stages are then measured side by side, so a drift of the clocks, the temperature or
+    the host's load over the run hits every stage alike, and none is always first (or always after
+    the same neighbour) in a step.
+
+    Peak memory (GPU only): with every model resident at once, ``max_memory_allocated`` is shared,
+    so each stage's is measured around its own steps: ``reset_peak_memory_stats`` just before the
+    step, and the step's peak is ``max_memory_allocated`` during it minus ``memory_allocated`` before
+    it (what the step adds: its batch, activations, saved tensors, new gradients, optimizer
+    temporaries), plus what the stage keeps resident between steps (its weights, gradients and AdamW
+    moments, counted from its tensors as the allocator rounds them) and the shared token data. The
+    largest over its steps is the stage's ``peak_memory_bytes``: the peak of a training step of that
+    stage as if it trained alone. Memory of the process that no stage owns (cuBLAS's workspace, other
+    stages' models) is not counted.
+
+    A stage that fails (an exception at set-up or in a step: an out-of-memory, a kernel error, no
+    backward) gets ``status`` ``"error: <type>: <message>"`` and no losses; a non-finite loss stops
+    the stage with ``"error: loss is ... at step ..."`` and keeps the losses until then. Either way
+    its memory is released and the other stages go on. With ``raise_errors`` the exception is raised
+    instead (as :func:`train` does).
     """
     device = torch.device(device)
     on_gpu = device.type == "cuda"
-    attn_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
-    torch.manual_seed(cfg.seed)
-    model = GPT(model_cfg, attention, attn_dtype).to(device)
-    decay = [p for p in model.parameters() if p.dim() >= 2]        # matrices decay; gains and biases do not
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-    tokens = encode(make_corpus(max(20_000, 40 * model_cfg.context * cfg.batch), seed=cfg.seed)).to(device)
-    starts = batch_starts(len(tokens), model_cfg.context, cfg.batch, cfg.steps, cfg.seed + 1)
-    offsets = torch.arange(model_cfg.context + 1)
-    # bf16 needs no loss scaling (it has fp32's exponent range), so plain autocast is the whole recipe.
-    amp = torch.autocast(device_type=device.type, dtype=torch.bfloat16) if cfg.dtype == "bf16" \
-        else contextlib.nullcontext()
-    run = TrainRun(stage=stage, tokens_per_step=cfg.batch * model_cfg.context)
+    if on_gpu and device.index is None:  # tensors live on "cuda:0", and torch.device("cuda") != that
+        device = torch.device("cuda", torch.cuda.current_device())
+    names = list(attentions)
+    if not names:
+        raise ValueError("attentions is empty: nothing to train")
+    runs: dict[str, TrainRun] = {}
+
+    def stop(name: str, result: TrainRun) -> None:
+        runs[name] = result
+        if log:
+            log(f"  {name:>6}  {result.status}")
+        # Outside the ``except`` block, so the traceback (and the activations its frames hold) is gone.
+        _release(on_gpu)
+
+    batches = _Batches(model_cfg, cfg, device)
+    trainers: dict[str, _StageTrainer] = {}
+    for name in names:
+        error = None
+        try:
+            trainers[name] = _StageTrainer(name, attentions[name], model_cfg, cfg, device, batches)
+        except Exception as e:  # an OOM while allocating the model: record it, go on
+            if raise_errors:
+                raise
+            error = _error_status(e)
+        if error is not None:
+            stop(name, TrainRun(stage=name, status=error))
     if on_gpu:
-        # The previous stage's model and saved tensors must not count towards this one's peak.
         gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize(device)
+    n = len(names)
     for step in range(cfg.steps):
-        for group in opt.param_groups:
-            group["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup))
-        seq = tokens[(starts[step][:, None] + offsets).to(device)]
-        x, y = seq[:, :-1], seq[:, 1:]
-        t0 = time.perf_counter()
-        with amp:
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        loss_value = loss.item()  # waits for the GPU: the step is done when its loss is known
-        if on_gpu:
-            torch.cuda.synchronize()
-        run.step_ms.append((time.perf_counter() - t0) * 1e3)
-        run.losses.append(loss_value)
-        if not math.isfinite(loss_value):
-            run.status = f"error: loss is {loss_value} at step {step}"
-            break
+        for turn in range(n):  # step i starts with stage i mod n: the order rotates
+            name = names[(step + turn) % n]
+            trainer = trainers.get(name)
+            if trainer is None:  # failed or stopped
+                continue
+            error = None
+            try:
+                loss_value = trainer.step(step)
+            except Exception as e:  # no backward, an OOM, a kernel error: record it, the others go on
+                if raise_errors:
+                    raise
+                error = _error_status(e)
+            if error is None and math.isfinite(loss_value):
+                continue
+            if error is None:  # the losses until the stage diverged are kept
+                result = trainer.run
+                result.status = f"error: loss is {loss_value} at step {step}"
+            else:
+                result = TrainRun(stage=name, status=error)
+            del trainers[name], trainer
+            stop(name, result)
         if log and log_every and ((step + 1) % log_every == 0 or step == 0 or step + 1 == cfg.steps):
-            tps = run.tokens_per_step / (run.step_ms[-1] / 1e3)
-            log(f"  {stage:>6}  step {step + 1:>4}/{cfg.steps}  loss {loss_value:.4f}  "
-                f"{run.step_ms[-1]:8.1f} ms  {tps:>10,.0f} tok/s")
-    if on_gpu:
-        run.peak_memory_bytes = torch.cuda.max_memory_allocated()
-    return run
+            for name in names:
+                if name in trainers:
+                    record = trainers[name].run
+                    tps = record.tokens_per_step / (record.step_ms[-1] / 1e3)
+                    log(f"  step {step + 1:>4}/{cfg.steps}  {name:>6}  loss {record.losses[-1]:.4f}  "
+                        f"{record.step_ms[-1]:8.1f} ms  {tps:>10,.0f} tok/s")
+    for name, trainer in trainers.items():
+        runs[name] = trainer.run
+    return {name: runs[name] for name in names}
+
+
+def train(attention: AttentionFn, model_cfg: ModelConfig, cfg: TrainConfig, *, device: str | torch.device = "cpu",
+          stage: str = "", log: Callable[[str], None] | None = None, log_every: int = 0) -> TrainRun:
+    """Train a fresh :class:`GPT` with ``attention`` alone for ``cfg.steps`` steps; return the losses and times.
+
+    :func:`train_lockstep` with one stage: the initial weights and the batches depend only on
+    ``cfg.seed``, so two calls with different attention functions train the same model on the same
+    data. Raises :class:`NoBackwardError` if ``attention`` is not differentiable (and any other error
+    of a step).
+    """
+    return train_lockstep({stage: attention}, model_cfg, cfg, device=device, log=log, log_every=log_every,
+                          raise_errors=True)[stage]
 
 
 def max_loss_gap(losses: list[float], reference: list[float]) -> float:
@@ -526,7 +683,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     which.add_argument("--stage", default=None, metavar="NAME",
                        help="one attention to train with: a, b, c, sdpa or another registered stage with a backward")
     which.add_argument("--stages", type=_names, default=None, metavar="a,b,c,sdpa",
-                       help="several, one after the other from the same init and batches (default: a,b,c,sdpa)")
+                       help="several, from the same init and batches, trained in lockstep: every step, each stage takes "
+                            "its turn (default: a,b,c,sdpa)")
     p.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (GPU 200, CPU tiny 15)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, the text and the batches (default 0)")
     p.add_argument("--out", type=Path, default=None,
@@ -601,22 +759,18 @@ def run(args: argparse.Namespace) -> int:
                   f"({model_cfg.n_kv_head} K/V), head dim {model_cfg.head_dim}, context {model_cfg.context}, "
                   f"batch {cfg.batch}, {cfg.steps} steps, {cfg.dtype} attention, seed {cfg.seed}, on {where}")
     log_every = args.log_every or max(1, cfg.steps // 10)
-    # The reference runs first, so each stage's gap to it can be printed as soon as the stage ends.
-    order = ([REFERENCE] if REFERENCE in names else []) + [n for n in names if n != REFERENCE]
-    ref_losses = None
-    rows = []
-    for name in order:
-        try:
-            result = train(attention_for(name), model_cfg, cfg, device=device, stage=name,
-                           log=lambda line: console.print(line, markup=False), log_every=log_every)
-        except Exception as e:  # a stage without a backward, an OOM, a kernel error: record it, go on
-            first = (str(e).splitlines() or [""])[0]
-            result = TrainRun(stage=name, status=f"error: {type(e).__name__}: {first}"[:400])
-            console.print(f"  {name:>6}  {result.status}", style="red", markup=False)
-        if name == REFERENCE and result.status == "ok":
-            ref_losses = result.losses
-        rows.append(write_run(out, run_id, result, model_cfg, cfg, device=device,
-                              reference_losses=None if name == REFERENCE else ref_losses))
+    # Rows are written with the reference first, then the stages in the order asked for (each once).
+    order = list(dict.fromkeys(([REFERENCE] if REFERENCE in names else []) + names))
+    if len(order) > 1:
+        console.print(f"  in lockstep: each step, {', '.join(order)} take their turn (the first of the turn "
+                      f"rotates), each step timed alone", markup=False)
+    results = train_lockstep({name: attention_for(name) for name in order}, model_cfg, cfg, device=device,
+                             log=lambda line: console.print(line, markup=False), log_every=log_every)
+    ref = results.get(REFERENCE)
+    ref_losses = ref.losses if ref is not None and ref.status == "ok" else None
+    rows = [write_run(out, run_id, results[name], model_cfg, cfg, device=device,
+                      reference_losses=None if name == REFERENCE else ref_losses)
+            for name in order]
     return _report(console, rows, cfg, out)
 
 
@@ -642,7 +796,8 @@ def _report(console, rows: list[dict], cfg: TrainConfig, out) -> int:
     console.print(table)
     console.print(f"Agreement: every step's loss within {tol:g} nats of {REFERENCE}'s ({cfg.dtype}: only rounding "
                   f"separates correct kernels; see harness/train.py LOSS_TOLERANCE). Step time: median after the "
-                  f"first steps (compilation).")
+                  f"first steps (compilation); the stages took their steps in turns, each timed alone. Peak "
+                  f"memory: a stage's own training step (its model, optimizer state, data, activations).")
     path = plot_train_losses(out)
     console.print(f"rows written to {Path(out) / 'train'}" + (f"; figure {path}" if path else ""))
     return 1 if failed else 0
@@ -654,7 +809,7 @@ def _num(value, spec: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m harness.train ...`` works as well as ``python -m harness train ...``."""
-    import stages  # noqa: F401  (chooses the Triton interpreter before triton loads, without a GPU)
+    __import__("stages")  # chooses the Triton interpreter before triton loads, without a GPU
 
     parser = argparse.ArgumentParser(prog="harness train", description=__doc__.splitlines()[0])
     add_arguments(parser)

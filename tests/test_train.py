@@ -13,7 +13,6 @@ import math
 import pytest
 import torch
 
-from harness import cli
 from harness import train as T
 
 from .helpers import run_cli
@@ -106,6 +105,51 @@ def test_a_second_correct_implementation_agrees(sdpa_run):
 def test_the_check_catches_a_broken_attention(broken, sdpa_run):
     run = T.train(broken, MODEL, CONFIG, device=DEVICE)
     assert T.max_loss_gap(run.losses, sdpa_run.losses) > TOLERANCE
+
+
+def _recording(name: str, calls: list[str], attention=T.sdpa_attention):
+    def attend(q, k, v, *, causal=False):
+        calls.append(name)
+        return attention(q, k, v, causal=causal)
+    return attend
+
+
+def test_lockstep_interleaves_and_rotates_the_stages(sdpa_run):
+    """Every step, each stage takes its step in turn, and the first of the turn rotates (step i starts
+    with stage i mod n); each model still starts from the same weights and sees the same batches."""
+    names, calls = ["x", "y", "z"], []
+    runs = T.train_lockstep({n: _recording(n, calls) for n in names}, MODEL, CONFIG, device=DEVICE)
+    assert list(runs) == names
+    # MODEL has one block: one attention call per forward, so the calls are the steps' order
+    assert calls == [names[(step + turn) % 3] for step in range(CONFIG.steps) for turn in range(3)]
+    for run in runs.values():
+        assert run.status == "ok" and len(run.step_ms) == CONFIG.steps
+        assert run.losses == sdpa_run.losses  # as if trained alone
+
+
+def test_lockstep_a_failing_stage_lets_the_others_go_on(sdpa_run):
+    calls = []
+
+    def fails_at_step_3(q, k, v, *, causal=False):
+        if calls.count("boom") == 3:  # this is its third call (recorded before it runs)
+            raise RuntimeError("boom\nsecond line")
+        return T.sdpa_attention(q, k, v, causal=causal)
+
+    def diverges(q, k, v, *, causal=False):
+        return T.sdpa_attention(q, k, v, causal=causal) * float("nan")
+
+    runs = T.train_lockstep({"sdpa": _recording("sdpa", calls), "boom": _recording("boom", calls, fails_at_step_3),
+                             "nan": diverges}, MODEL, CONFIG, device=DEVICE)
+    assert runs["sdpa"].status == "ok" and runs["sdpa"].losses == sdpa_run.losses
+    assert runs["boom"].status == "error: RuntimeError: boom" and runs["boom"].losses == []
+    assert runs["nan"].status == "error: loss is nan at step 0" and len(runs["nan"].losses) == 1
+    assert calls.count("boom") == 3 and calls.count("sdpa") == CONFIG.steps  # boom stopped after failing
+
+
+def test_device_bytes_counts_each_storage_once_in_allocator_blocks():
+    a, b = torch.zeros(10), torch.zeros(200)  # 40 and 800 bytes: one and two 512-byte blocks
+    assert T._device_bytes([a, a[2:], b, None], torch.device("cpu")) == 3 * 512
+    assert T._device_bytes([a], torch.device("cuda", 0)) == 0
 
 
 def test_attention_without_backward_is_an_error():
