@@ -240,3 +240,64 @@ def test_backward_plan_reads_the_tuned_table(monkeypatch):
         assert bwd.backward_plan(128, torch.bfloat16, table["arch"], False, pipelining=False).dkdv.num_stages == 1
     finally:
         bwd.backward_plan.cache_clear()
+
+
+# ------------------------------------------------------------------------ the Hopper dK/dV kernel
+
+#: (B, Hq, Hkv, Nq, Nk, D): ragged N with GQA, one query row, MQA with Nq < Nk, Nq > Nk (causal rows
+#: that see no key), K/V tiles past Nk in a program that also has real keys, several Q tiles per K/V tile.
+WS_SHAPES = [
+    (2, 4, 2, 300, 300, 64),
+    (1, 2, 2, 1, 3, 128),
+    (1, 4, 1, 200, 450, 128),
+    (1, 2, 2, 450, 200, 64),
+    (1, 2, 1, 70, 130, 64),
+    (2, 2, 2, 512, 512, 128),
+]
+WS_CONFIGS = ["ws-M64-c2-s2", "ws-M32-c2-s3", "ws-M128-c1-s2", "ws-M64-c1-s3"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", WS_SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}-D{}".format(*s))
+def test_hopper_dkdv_kernel_matches_float64(shape, causal, device):
+    """The Gluon dK/dV kernel (forced; dQ from the tl kernel) against float64 autograd."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper dK/dV kernel needs sm_90")
+    B, Hq, Hkv, Nq, Nk, D = shape
+    config = "ws-M32-c2-s2" if D == 128 else "ws-M64-c2-s2"
+    for dtype_name in ("bf16", "fp16"):
+        q, k, v = make_qkv(B, Hq, Nq, D, DTYPES[dtype_name], device, Hkv=Hkv, Nk=Nk, seed=11)
+        check_gradients(attention, q, k, v, causal=causal, dtype_name=dtype_name, ws_config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", WS_CONFIGS)
+def test_every_hopper_dkdv_config_is_correct(config, device):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper dK/dV kernel needs sm_90")
+    for D, causal in ((64, True), (128, False)):
+        q, k, v = make_qkv(1, 4, 333, D, torch.bfloat16, device, Hkv=2, Nk=333, seed=12, layout="bnhd")
+        check_gradients(attention, q, k, v, causal=causal, dtype_name="bf16", ws_config=config)
+
+
+def test_hopper_dkdv_kernel_compiles_for_sm90():
+    """Compiled without a GPU: TMA loads and stores, wgmma, register reallocation, no atomics, no
+    spills to local memory; dQ from the tl kernel after it."""
+    kernels = bwd.compile_backward(Problem(1, 4, 200, 128, "bf16", True, Hkv=2, Nk=300), 90,
+                                   ws_config="ws-M32-c2-s2")
+    assert [k.name for k in kernels] == ["attention_bwd_delta_kernel", "ws_bwd_dkdv_kernel", "attention_bwd_dq_kernel"]
+    ptx = kernels[1].asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx and "setmaxnreg" in ptx
+    assert "atom.global" not in ptx and "red.global" not in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+def test_hopper_dkdv_config_errors_name_the_argument(device):
+    with pytest.raises(ValueError, match="ws-M64-c2-s2"):
+        bwd.WsConfig.parse("M64-c2")
+    assert str(bwd.WsConfig.parse("ws-M32-c2-s3")) == "ws-M32-c2-s3"
+    q, k, v = make_qkv(1, 2, 8, 16, torch.float16, device)  # D 16: no GPU runs the Hopper kernel there
+    o, lse = saved_forward(q, k, v, False, 0.25)
+    with pytest.raises(ValueError, match="ws_config"):
+        bwd.attention_backward(o, q, k, v, o, lse, causal=False, scale=0.25, ws_config="ws-M64-c2-s2")

@@ -170,17 +170,55 @@ def fits(config: BwdConfig, D_pad: int, element_bytes: int, arch: int) -> bool:
 
 
 @dataclass(frozen=True)
+class WsConfig:
+    """Tiles of the Hopper dK/dV kernel (``hopper_bwd.py``): ``consumers`` warpgroups of 64 K/V rows
+    each, Q/dO tiles of ``block_m`` rows streamed through ``stages`` shared-memory slots."""
+
+    block_m: int
+    consumers: int
+    stages: int
+
+    @property
+    def block_n(self) -> int:
+        return 64 * self.consumers
+
+    def __str__(self) -> str:
+        return f"ws-M{self.block_m}-c{self.consumers}-s{self.stages}"
+
+    @classmethod
+    def parse(cls, text: str) -> "WsConfig":
+        m = re.fullmatch(r"ws-M(\d+)-c(\d+)-s(\d+)", text)
+        if not m or int(m.group(2)) not in (1, 2) or int(m.group(1)) not in (32, 64, 128):
+            raise ValueError(f"a Hopper backward config looks like 'ws-M64-c2-s2' (M 32, 64 or 128 query rows, "
+                             f"c 1 or 2 consumer warpgroups, s stages), got {text!r}")
+        return cls(*(int(g) for g in m.groups()))
+
+    def shared_bytes(self, D: int, element_bytes: int) -> int:
+        """Shared memory of one program: the resident K and V tiles, ``stages`` slots of Q and dO."""
+        return (2 * self.block_n + 2 * self.stages * self.block_m) * D * element_bytes
+
+
+#: The Hopper dK/dV kernel's tiles per head dim before a GPU has chosen: the largest Q tile with no
+#: spills under ptxas (sm_90a, 240 registers per consumer thread): at D = 128, 64-row Q tiles spill
+#: (two fp32 64×128 accumulators leave too little for two 64×64 score tiles), 32-row ones do not.
+WS_HAND_CONFIGS = {64: WsConfig(64, 2, 2), 128: WsConfig(32, 2, 2)}
+
+
+@dataclass(frozen=True)
 class BwdPlan:
     """What one backward runs: the dK/dV kernel's tiles, whether dQ comes from a separate kernel
     (``separate_dq``: fixed order, no atomics) or from atomics in the dK/dV kernel, and the separate
-    dQ kernel's tiles (``block_n`` Q rows resident, ``block_m`` K/V rows per step)."""
+    dQ kernel's tiles (``block_n`` Q rows resident, ``block_m`` K/V rows per step). ``ws``: dK and dV
+    from the Hopper kernel with these tiles instead (dQ then always from the separate kernel)."""
 
     dkdv: BwdConfig
     separate_dq: bool
     dq: BwdConfig
+    ws: WsConfig | None = None
 
     def __str__(self) -> str:
-        return f"dkdv:{self.dkdv}+" + (f"dq:{self.dq}" if self.separate_dq else "atomic-dq")
+        dkdv = str(self.ws) if self.ws is not None else str(self.dkdv)
+        return f"dkdv:{dkdv}+" + (f"dq:{self.dq}" if self.separate_dq else "atomic-dq")
 
 
 def _hand_config(D_pad: int, dtype: torch.dtype, arch: int, element_bytes: int) -> BwdConfig:
@@ -214,14 +252,16 @@ def _tuned_entry(D_pad: int, dtype: torch.dtype, causal: bool, arch: int) -> dic
 
 @lru_cache(maxsize=None)
 def backward_plan(D: int, dtype: torch.dtype, arch: int, causal: bool = False, *, deterministic: bool = False,
-                  tuned_tiles: bool = True, pipelining: bool = True) -> BwdPlan:
+                  tuned_tiles: bool = True, pipelining: bool = True, warp_specialization: bool = True) -> BwdPlan:
     """The backward's tiles and dQ method for this head dim, dtype, mask and GPU.
 
     With ``tuned_tiles``: the tuner's measured winner on this GPU when there is one (which dQ method
     is faster depends on the head dim and the mask: measured, not assumed), else the first hand-picked
     candidate that fits, with atomic dQ. Off: stage B's 64×64 tiles. ``deterministic`` always takes
-    the separate dQ kernel. One stage everywhere when ``pipelining`` is off. Keyed on what changes the
-    kernel only: never on sequence lengths."""
+    the separate dQ kernel. One stage everywhere when ``pipelining`` is off. The Hopper dK/dV kernel
+    (``plan.ws``) only where the tuner measured it faster and ``warp_specialization`` is on (the
+    caller still checks TMA's alignment rules on the tensors). Keyed on what changes the kernel
+    only: never on sequence lengths."""
     D_pad = padded_head_dim(D)
     e = torch.empty((), dtype=dtype).element_size()
     plan = BwdPlan(BASELINE, False, BASELINE)
@@ -234,11 +274,24 @@ def backward_plan(D: int, dtype: torch.dtype, arch: int, causal: bool = False, *
             dq = BwdConfig.parse(entry["dq"]) if "dq" in entry else dkdv
             if fits(dkdv, D_pad, e, arch) and fits(dq, D_pad, e, arch):
                 plan = BwdPlan(dkdv, entry["dq_method"] == "separate", dq)
+            if "ws" in entry and warp_specialization and pipelining and hopper_bwd_supported(dtype, D, arch):
+                plan = BwdPlan(dkdv, True, dq, WsConfig.parse(entry["ws"]))
     if deterministic:
         plan = replace(plan, separate_dq=True)
     if not pipelining:
         plan = replace(plan, dkdv=replace(plan.dkdv, num_stages=1), dq=replace(plan.dq, num_stages=1))
     return plan
+
+
+def hopper_bwd_supported(dtype: torch.dtype, D: int, arch: int) -> bool:
+    """Where the Hopper dK/dV kernel runs: sm_90, fp16/bf16, D 64 or 128."""
+    return arch == 90 and dtype in (torch.float16, torch.bfloat16) and D in (64, 128)
+
+
+def _tma_ready(*tensors: torch.Tensor) -> bool:
+    """TMA's rules: 16-byte aligned base pointers and strides (all but the last, which must be 1)."""
+    return all((t.is_meta or t.data_ptr() % 16 == 0) and t.stride(-1) == 1
+               and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
 
 
 def backward_config(D: int, dtype: torch.dtype, arch: int, tuned_tiles: bool = True,
@@ -550,14 +603,36 @@ def _new_gradient(t: torch.Tensor) -> torch.Tensor:
     return new_output(t)
 
 
+def choose_ws(plan: BwdPlan, ws_config: WsConfig | str | None, q, k, v, do, arch: int, *,
+              switches_on: bool) -> WsConfig | None:
+    """The Hopper dK/dV kernel's tiles for this call, or None for the ``tl`` kernel: ``ws_config``
+    when forced (a ValueError where that kernel cannot run), else the plan's where the tensors meet
+    TMA's alignment rules. ``switches_on``: every ablation switch the Hopper kernel has built in
+    (tuned tiles, pipelining, exp2, causal skipping, warp specialization) is on."""
+    if ws_config is not None:
+        ws = WsConfig.parse(ws_config) if isinstance(ws_config, str) else ws_config
+        D = q.shape[-1]
+        if not (hopper_bwd_supported(q.dtype, D, arch) and _tma_ready(q, k, v, do) and switches_on):
+            raise ValueError(f"ws_config={ws}: the Hopper dK/dV kernel runs on sm_90 with fp16/bf16, D 64 or 128, "
+                             f"16-byte aligned strides and every switch on; got arch {arch}, {q.dtype}, D {D}, "
+                             f"switches on: {switches_on}")
+        return ws
+    if plan.ws is not None and switches_on and _tma_ready(q, k, v, do):
+        return plan.ws
+    return None
+
+
 def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: bool, scale: float, arch: int,
                   deterministic: bool = False, tuned_tiles: bool = True, pipelining: bool = True,
                   exp2: bool = True, causal_skip: bool = True, tma: bool = True,
-                  config: BwdConfig | None = None, dq_config: BwdConfig | None = None) -> list[Launch]:
+                  config: BwdConfig | None = None, dq_config: BwdConfig | None = None,
+                  ws: WsConfig | None = None) -> list[Launch]:
     """The backward's launches in order: Δ pre-pass, dK/dV (+ atomic dQ into ``dq_acc``), and with
     ``deterministic`` the dQ kernel writing ``dq``. ``dq_acc`` is None in deterministic mode. ``tma``
     is accepted and ignored (pointer loads everywhere, see the module docstring). ``config`` forces the
-    dK/dV kernel's tiles, ``dq_config`` the dQ kernel's (default: ``config`` the other way round)."""
+    dK/dV kernel's tiles, ``dq_config`` the dQ kernel's (default: ``config`` the other way round).
+    ``ws``: dK/dV from the Hopper kernel with these tiles (``choose_ws``; needs ``deterministic``,
+    the separate dQ kernel)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     D_pad = padded_head_dim(D)
@@ -566,6 +641,8 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
                              pipelining=pipelining)
         config, dq_config = plan.dkdv, dq_config or plan.dq
     dq_config = dq_config or config
+    if ws is not None and not deterministic:
+        raise ValueError("the Hopper dK/dV kernel computes no dQ: plan_backward needs deterministic=True with ws")
     BM, BN = config.block_m, config.block_n
     qk_scale = scale * LOG2E if exp2 else scale
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -578,18 +655,25 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
              stride_dob=do.stride(0), stride_doh=do.stride(1), stride_don=do.stride(2),
              H=Hq, N=Nq, D=D, D_PAD=D_pad, BLOCK=DELTA_BLOCK),
         num_warps=4, num_stages=1)]
-    launches.append(Launch(
-        attention_bwd_dkdv_kernel, (cdiv(Nk, BN), B * Hkv),
-        dict(Q=q, K=k, V=v, DO=do, DK=dk, DV=dv, LSE=lse, DELTA=delta, DQ_ACC=dq_acc,
-             qk_scale=qk_scale, sm_scale=scale,
-             stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qn=q.stride(2),
-             stride_kb=k.stride(0), stride_kh=k.stride(1), stride_kn=k.stride(2),
-             stride_vb=v.stride(0), stride_vh=v.stride(1), stride_vn=v.stride(2),
-             stride_dob=do.stride(0), stride_doh=do.stride(1), stride_don=do.stride(2),
-             stride_dkb=dk.stride(0), stride_dkh=dk.stride(1), stride_dkn=dk.stride(2),
-             stride_dvb=dv.stride(0), stride_dvh=dv.stride(1), stride_dvn=dv.stride(2),
-             Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, BLOCK_M=BM, BLOCK_N=BN, **common),
-        num_warps=config.num_warps, num_stages=config.num_stages))
+    if ws is not None:
+        from . import hopper_bwd  # (Gluon: imported only where it runs)
+
+        launches.append(hopper_bwd.plan_dkdv(q, k, v, do, dk, dv, lse, delta, causal=causal, qk_scale=qk_scale,
+                                             sm_scale=scale, block_m=ws.block_m, consumers=ws.consumers,
+                                             stages=ws.stages))
+    else:
+        launches.append(Launch(
+            attention_bwd_dkdv_kernel, (cdiv(Nk, BN), B * Hkv),
+            dict(Q=q, K=k, V=v, DO=do, DK=dk, DV=dv, LSE=lse, DELTA=delta, DQ_ACC=dq_acc,
+                 qk_scale=qk_scale, sm_scale=scale,
+                 stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qn=q.stride(2),
+                 stride_kb=k.stride(0), stride_kh=k.stride(1), stride_kn=k.stride(2),
+                 stride_vb=v.stride(0), stride_vh=v.stride(1), stride_vn=v.stride(2),
+                 stride_dob=do.stride(0), stride_doh=do.stride(1), stride_don=do.stride(2),
+                 stride_dkb=dk.stride(0), stride_dkh=dk.stride(1), stride_dkn=dk.stride(2),
+                 stride_dvb=dv.stride(0), stride_dvh=dv.stride(1), stride_dvn=dv.stride(2),
+                 Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, BLOCK_M=BM, BLOCK_N=BN, **common),
+            num_warps=config.num_warps, num_stages=config.num_stages))
     if deterministic:
         # The resident tile is the big one here too: block_n Q rows, block_m K/V rows per step.
         launches.append(Launch(
@@ -608,16 +692,19 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
 def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                        lse: torch.Tensor, *, causal: bool, scale: float, deterministic: bool = False,
                        tuned_tiles: bool = True, pipelining: bool = True, exp2: bool = True,
-                       causal_skip: bool = True, tma: bool = True, config: BwdConfig | None = None,
-                       dq_config: BwdConfig | None = None):
+                       causal_skip: bool = True, tma: bool = True, warp_specialization: bool = True,
+                       config: BwdConfig | None = None, dq_config: BwdConfig | None = None,
+                       ws_config: WsConfig | str | None = None):
     """Gradients (dq, dk, dv) of attention, in the input dtypes, shaped like q, k, v (contiguous).
 
     ``o`` is the forward's output and ``lse`` its fp32 ``[B, Hq, Nq]`` row log-sum-exp in base 2 of
     the scaled scores (+inf for a row that sees no key). ``deterministic=True`` computes dQ without
     atomics (bitwise reproducible, ~40 % more FLOPs); without it, ``backward_plan`` picks the faster
     of the two ways on this GPU (measured by the tuner). The other switches are the ablation's (module
-    docstring); ``config``/``dq_config`` force the kernels' tiles (tests, tuning). ``do`` may come in any layout (the gradient of ``o.sum()`` is an expanded tensor):
-    it is made contiguous where the kernels need that.
+    docstring); ``config``/``dq_config`` force the kernels' tiles (tests, tuning), ``ws_config`` the Hopper
+    dK/dV kernel and its tiles (``hopper_bwd.py``), which otherwise runs where the tuner measured it
+    faster; ``warp_specialization=False`` keeps to the ``tl`` kernels. ``do`` may come in any layout
+    (the gradient of ``o.sum()`` is an expanded tensor): it is made contiguous where the kernels need that.
     """
     if isinstance(do, torch.Tensor):
         do = ops.maybe_contiguous(do)
@@ -625,8 +712,10 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     B, Hq, Nq, D = q.shape
     arch = device_arch(q.device)
     plan = backward_plan(D, q.dtype, arch, causal, deterministic=deterministic, tuned_tiles=tuned_tiles,
-                         pipelining=pipelining)
-    separate = plan.separate_dq
+                         pipelining=pipelining, warp_specialization=warp_specialization)
+    switches_on = tuned_tiles and pipelining and exp2 and causal_skip and warp_specialization and config is None
+    ws = choose_ws(plan, ws_config, q, k, v, do, arch, switches_on=switches_on)
+    separate = plan.separate_dq or ws is not None
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     dk, dv = _new_gradient(k), _new_gradient(v)
     if separate:
@@ -637,7 +726,8 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         dq = dq_acc if q.dtype == torch.float32 else None
     for launch in plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, causal=causal, scale=scale,
                                 arch=arch, deterministic=separate, tuned_tiles=tuned_tiles, pipelining=pipelining,
-                                exp2=exp2, causal_skip=causal_skip, tma=tma, config=config, dq_config=dq_config):
+                                exp2=exp2, causal_skip=causal_skip, tma=tma, config=config, dq_config=dq_config,
+                                ws=ws):
         launch.run()
     if dq is None:
         dq = dq_acc.to(q.dtype)
@@ -647,7 +737,8 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 @compiles_without_interpreter
 def compile_backward(problem: Problem, arch: int, **switches) -> list[CompiledKernel]:
     """Compile the backward kernels for ``problem`` on an sm_``arch`` GPU without one (storage-free
-    ``meta`` tensors); ``switches`` as for ``attention_backward`` (``deterministic`` included)."""
+    ``meta`` tensors); ``switches`` as for ``attention_backward`` (``deterministic`` and ``ws_config``
+    included: the Hopper dK/dV kernel is compiled only when ``ws_config`` names its tiles)."""
     dtype = DTYPES[problem.dtype]
 
     def meta(*shape, dt=dtype):
@@ -657,10 +748,12 @@ def compile_backward(problem: Problem, arch: int, **switches) -> list[CompiledKe
     q, o, do, dq = (meta(B, Hq, Nq, D) for _ in range(4))
     k, v, dk, dv = (meta(B, Hkv, Nk, D) for _ in range(4))
     lse, delta = meta(B, Hq, Nq, dt=torch.float32), meta(B, Hq, Nq, dt=torch.float32)
-    deterministic = switches.get("deterministic", False)
+    ws = switches.pop("ws_config", None)
+    ws = WsConfig.parse(ws) if isinstance(ws, str) else ws
+    deterministic = switches.pop("deterministic", False) or ws is not None
     dq_acc = None if deterministic else meta(B, Hq, Nq, D, dt=torch.float32)
     launches = plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, causal=problem.causal,
-                             scale=D ** -0.5, arch=arch, **switches)
+                             scale=D ** -0.5, arch=arch, deterministic=deterministic, ws=ws, **switches)
     return [launch.compile(arch) for launch in launches]
 
 
@@ -684,8 +777,11 @@ def bwd_hbm_bytes(p: Problem, deterministic: bool = False, tuned_tiles: bool = T
                          tuned_tiles=tuned_tiles, pipelining=pipelining)
     # The tiles plan_backward launches: a forced config serves the dQ kernel too.
     dq_config = plan.dq if config is None else config
-    config = config or plan.dkdv
     separate = plan.separate_dq
+    if config is None and plan.ws is not None:
+        # The Hopper dK/dV kernel: 64-row K/V tiles per consumer, the same visits as the tl kernel's.
+        config, separate = BwdConfig(plan.ws.block_m, plan.ws.block_n, 4, plan.ws.stages), True
+    config = config or plan.dkdv
     e, D = p.element_bytes, p.D
     row = D * e
     BM, BN = config.block_m, config.block_n
@@ -730,5 +826,5 @@ def train_workspace_bytes(p: Problem, deterministic: bool = False) -> int:
     return 2 * rows * 4 + extra
 
 
-__all__ = ["BwdConfig", "BwdPlan", "BASELINE", "attention_backward", "backward_config", "backward_plan", "bwd_hbm_bytes", "compile_backward",
+__all__ = ["BwdConfig", "BwdPlan", "WsConfig", "BASELINE", "choose_ws", "attention_backward", "backward_config", "backward_plan", "bwd_hbm_bytes", "compile_backward",
            "plan_backward", "shared_memory_bytes", "train_workspace_bytes"]

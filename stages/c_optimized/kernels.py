@@ -786,19 +786,21 @@ def _(q, k, v, causal, scale, store_lse, *options):
 
 
 def _backward(do, q, k, v, o, lse, causal: bool, scale: float, deterministic: bool, tuned_tiles: bool,
-              pipelining: bool, exp2: bool, causal_skip: bool):
+              pipelining: bool, exp2: bool, causal_skip: bool, warp_specialization: bool):
     from .backward import attention_backward  # imported here: the forward does not need it
 
     return attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale,
                               deterministic=deterministic, tuned_tiles=tuned_tiles, pipelining=pipelining,
-                              exp2=exp2, causal_skip=causal_skip)
+                              exp2=exp2, causal_skip=causal_skip, warp_specialization=warp_specialization)
 
 
 @torch.library.custom_op(f"{ops.LIBRARY}::c_backward", mutates_args=(), device_types=None)
 def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                  lse: torch.Tensor, causal: bool, scale: float, deterministic: bool, tuned_tiles: bool,
-                 pipelining: bool, exp2: bool, causal_skip: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(do, q, k, v, o, lse, causal, scale, deterministic, tuned_tiles, pipelining, exp2, causal_skip)
+                 pipelining: bool, exp2: bool, causal_skip: bool,
+                 warp_specialization: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(do, q, k, v, o, lse, causal, scale, deterministic, tuned_tiles, pipelining, exp2, causal_skip,
+                     warp_specialization)
 
 
 @_backward_op.register_fake
@@ -813,8 +815,8 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.mark_non_differentiable(lse)
     # The ablation switches that the backward has too (the forward's tiles and TMA do not carry
-    # over: the backward has its own configs and reads through pointers).
-    ctx.args = (causal, scale, deterministic, tuned_tiles, pipelining, exp2, causal_skip)
+    # over: the backward has its own configs; warp_specialization=False keeps it to the tl kernels).
+    ctx.args = (causal, scale, deterministic, tuned_tiles, pipelining, exp2, causal_skip, warp_specialization)
 
 
 def _grad(ctx, do, dlse):

@@ -1,0 +1,246 @@
+"""Stage C's Hopper backward: dK and dV by a warp-specialized Gluon kernel.
+
+The ``tl`` dK/dV kernel (``backward.py``) asks Triton for the whole loop: pointer loads of Q and dO
+pipelined by ``cp.async``/async copies, ``tl.dot`` on wgmma, one program of 8 warps per K/V tile. On
+the H200 it holds one program per SM (208 registers, 140 KB of shared memory), with a third of its
+stalls at barriers: every warp loads, waits and computes in lock step. This kernel writes the roles
+down, as FlashAttention-3's backward does on Hopper:
+
+* **A producer warp** (``_producer``) loads this program's K and V tiles once, by TMA, then streams
+  the Q and dO tiles of every query head of the K/V head's group through a ring of ``STAGES``
+  shared-memory slots; mbarriers say when a slot's bytes have arrived (``ready``) and when every
+  consumer is done with it (``empty``).
+* **Consumer warpgroups** (``_consumer``), ``CONSUMERS`` of them, each owning 64 of the tile's K/V
+  rows, run the four products of a (K/V tile, Q tile) pair on wgmma, asynchronously:
+  ``Sᵀ = K·Qᵀ`` and ``dPᵀ = V·dOᵀ`` (operands from shared memory), then ``dV += Pᵀ·dO`` and
+  ``dK += dSᵀ·Q`` with Pᵀ and dSᵀ straight from registers (never stored). dK and dV stay in fp32
+  registers over the whole loop and leave once, through shared memory and a TMA store.
+* **Overlap**: the softmax of ``Sᵀ`` runs while ``dPᵀ`` is still on the tensor cores, and dSᵀ is
+  formed while ``dV``'s product runs; the consumer warpgroups are independent, so one's
+  exponentials run beside the other's products.
+
+dQ comes from the ``tl`` dQ kernel (``attention_bwd_dq_kernel``: Q resident, K/V streamed, dQ in
+registers, a fixed summation order), so this path is deterministic too. Row statistics: the
+forward's base-2 log-sum-exp and the pre-pass's Δ = rowsum(dO ∘ O), loaded per Q tile by the
+consumers (64 floats, from L2). Masks: keys past Nk and (causal, bottom-right) keys after a query are
+zeroed in Pᵀ after the exponential, only on the tiles that need it (a runtime branch); query rows
+past Nq read zeros by TMA and lse = +inf, so their P is exactly 0.
+
+Covers sm_90, fp16/bf16, D 64 and 128, Nq ≠ Nk, GQA, 16-byte aligned strides (TMA's rule).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from ..contract import cdiv
+from ..launch import Launch
+from .hopper_ws import PRODUCER_REGS, descriptor
+
+#: K/V rows per consumer warpgroup: wgmma's M is 64 per warpgroup.
+ROWS_PER_CONSUMER = 64
+
+
+@gluon.jit
+def _q_range(start_n, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """The Q tiles a K/V tile starting at key ``start_n`` meets: (first row, tiles, first row of the
+    tiles that see all its keys). Row i sees key j iff j <= i + (Nk - Nq) (bottom-right causal)."""
+    if CAUSAL:
+        offset = Nk - Nq
+        first = gl.maximum(start_n - offset, 0) // BLOCK_M * BLOCK_M
+        unmasked = gl.maximum(start_n + BLOCK_N - 1 - offset, first)
+    else:
+        first = start_n * 0
+        unmasked = first
+    return first, gl.cdiv(Nq - first, BLOCK_M), unmasked
+
+
+@gluon.jit
+def _producer(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, ring, b, h_kv, start_n, Nq, Nk,
+              GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+    """One warp: this program's K and V tiles (each consumer's 64 rows) once, then the Q and dO tiles
+    of every query head of the group, in the consumers' order, through the ring."""
+    q_bufs, do_bufs, ready, empty = ring
+    STAGES: gl.constexpr = q_bufs.shape[0]
+    BLOCK_M: gl.constexpr = q_bufs.shape[3]
+    CONSUMERS: gl.constexpr = k_bufs.shape[0]
+    ROWS: gl.constexpr = k_bufs.shape[3]
+    mbarrier.expect(kv_bar, 2 * CONSUMERS * k_desc.block_type.nbytes)
+    for c in gl.static_range(CONSUMERS):
+        tma.async_copy_global_to_shared(k_desc, [b, h_kv, start_n + c * ROWS, 0], kv_bar, k_bufs.index(c))
+        tma.async_copy_global_to_shared(v_desc, [b, h_kv, start_n + c * ROWS, 0], kv_bar, v_bufs.index(c))
+    first, n_tiles, unmasked = _q_range(start_n, Nq, Nk, BLOCK_M, ROWS * CONSUMERS, CAUSAL)
+    it = 0
+    for g in range(GROUP):
+        h = h_kv * GROUP + g
+        for j in range(n_tiles):
+            s = it % STAGES
+            # A fresh mbarrier counts as "phase 1 completed", so the first lap does not wait.
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            row = first + j * BLOCK_M
+            tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], ready.index(s), q_bufs.index(s))
+            tma.async_copy_global_to_shared(do_desc, [b, h, row, 0], ready.index(s), do_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _signal(bar):
+    """One arrival for the whole warpgroup, from one thread (``expect`` of zero bytes is an arrive;
+    see ``hopper_ws._signal`` for why no warpgroup barrier is needed in front)."""
+    mbarrier.expect(bar, 0)
+
+
+@gluon.jit
+def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+    """One warpgroup: dK and dV of its 64 K/V rows, over every Q tile of the group's query heads."""
+    (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, ring, LSE, DELTA, b, h_kv, start_n, Hq, Nq, Nk, qk_scale,
+     sm_scale) = args
+    q_bufs, do_bufs, ready, empty = ring
+    STAGES: gl.constexpr = q_bufs.shape[0]
+    BLOCK_M: gl.constexpr = q_bufs.shape[3]
+    D: gl.constexpr = q_bufs.shape[4]
+    CONSUMERS: gl.constexpr = k_bufs.shape[0]
+    ROWS: gl.constexpr = k_bufs.shape[3]
+    dtype: gl.constexpr = q_bufs.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)   # one value per K/V row of Sᵀ
+    query_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (column of Sᵀ)
+
+    first, n_tiles, unmasked = _q_range(start_n, Nq, Nk, BLOCK_M, ROWS * CONSUMERS, CAUSAL)
+    keys = start_n + WG * ROWS + gl.arange(0, ROWS, layout=key_layout)
+    ragged = start_n + ROWS * CONSUMERS > Nk  # this program's tile runs past the last key
+    offset = Nk - Nq
+    k_t = k_bufs.index(WG).reshape([ROWS, D])
+    v_t = v_bufs.index(WG).reshape([ROWS, D])
+    dk = gl.zeros([ROWS, D], gl.float32, acc_layout)
+    dv = gl.zeros([ROWS, D], gl.float32, acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    it = 0
+    for g in range(GROUP):
+        bh = (b * Hq + h_kv * GROUP + g).to(gl.int64)
+        for j in range(n_tiles):
+            row0 = first + j * BLOCK_M
+            queries = row0 + gl.arange(0, BLOCK_M, layout=query_layout)
+            # Asked for before the wait on the tile, so their latency hides behind it.
+            lse = gl.load(LSE + bh * Nq + queries, mask=queries < Nq, other=float("inf"))
+            delta = gl.load(DELTA + bh * Nq + queries, mask=queries < Nq, other=0.0)
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            q_t = q_bufs.index(s).reshape([BLOCK_M, D])
+            do_t = do_bufs.index(s).reshape([BLOCK_M, D])
+            st = warpgroup_mma(k_t, q_t.permute((1, 0)), gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout),
+                               use_acc=False, is_async=True)
+            dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout),
+                                use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(1, deps=(st, ))  # Sᵀ is done; dPᵀ may still be running
+            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))
+            need_mask = ragged
+            if CAUSAL:
+                need_mask = need_mask | (row0 < unmasked)
+            if need_mask:
+                valid = gl.expand_dims(keys, 1) < Nk
+                if CAUSAL:
+                    valid = valid & (gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0) + offset)
+                pt = gl.where(valid, pt, 0.0)
+            pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+            dv = warpgroup_mma(pt_op, do_t, dv, is_async=True)
+            dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # dPᵀ is done; dV's product may still be running
+            dst = pt * (dpt - gl.expand_dims(delta, 0))
+            dst_op = gl.convert_layout(dst.to(dtype), op_layout)
+            dk = warpgroup_mma(dst_op, q_t, dk, is_async=True)
+            dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+            _signal(empty.index(s))  # this consumer is done with the slot's Q and dO
+            it += 1
+    # Out through this consumer's own K and V buffers (nothing reads them any more), TMA-stored:
+    # the store clips rows past Nk.
+    k_bufs.index(WG).reshape([ROWS, D]).store((dk * sm_scale).to(dtype))
+    v_bufs.index(WG).reshape([ROWS, D]).store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, h_kv, start_n + WG * ROWS, 0], k_bufs.index(WG))
+    tma.async_copy_shared_to_global(dv_desc, [b, h_kv, start_n + WG * ROWS, 0], v_bufs.index(WG))
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["Hq", "Hkv", "Nq", "Nk"])
+def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, qk_scale, sm_scale,
+                       Hq, Hkv, Nq, Nk,
+                       STAGES: gl.constexpr, CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Grid (K/V tiles of ``CONSUMERS × 64`` rows, B · Hkv). See the module docstring."""
+    ROWS: gl.constexpr = k_desc.block_type.shape[2]
+    pid_n = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // Hkv
+    h_kv = bh % Hkv
+    start_n = pid_n * (ROWS * CONSUMERS)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [CONSUMERS] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [CONSUMERS] + v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+    ring = (q_bufs, do_bufs, ready, empty)
+    args = (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, ring, LSE, DELTA, b, h_kv, start_n, Hq, Nq, Nk, qk_scale,
+            sm_scale)
+    producer_args = (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, ring, b, h_kv, start_n, Nq, Nk,
+                     GROUP, CAUSAL)
+    if CONSUMERS == 1:
+        gl.warp_specialize([
+            (_consumer, (args, 0, GROUP, CAUSAL)),
+            (_producer, producer_args),
+        ], [1], [PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (args, 0, GROUP, CAUSAL)),
+            (_consumer, (args, 1, GROUP, CAUSAL)),
+            (_producer, producer_args),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ------------------------------------------------------------------------------------------ host side
+
+def supported(dtype: torch.dtype, D: int, arch: int) -> bool:
+    """sm_90, fp16/bf16, D 64 or 128 (the caller checks TMA's alignment rules on the tensors)."""
+    return arch == 90 and dtype in (torch.float16, torch.bfloat16) and D in (64, 128)
+
+
+def kernel_options(consumers: int) -> tuple[int, int, dict]:
+    """(consumer registers, producer registers, launch options): with two consumers the producer
+    keeps ``PRODUCER_REGS`` per thread and each consumer takes 240 (dK and dV in fp32 are 2 · D / 2
+    registers per thread on their own); with one, every warpgroup gets the even share."""
+    threads = 128 * (consumers + 1)
+    maxnreg = min((65536 // threads) // 8 * 8, 256)
+    if consumers == 2:
+        return 240, PRODUCER_REGS, {"maxnreg": maxnreg}
+    return maxnreg, maxnreg, {"maxnreg": maxnreg}
+
+
+def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float, sm_scale: float, block_m: int,
+              consumers: int, stages: int) -> Launch:
+    """The launch of ``ws_bwd_dkdv_kernel`` for these tensors: K/V tiles of ``consumers × 64`` rows,
+    Q/dO tiles of ``block_m`` rows through ``stages`` slots."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    rows = (1, 1, ROWS_PER_CONSUMER, D)
+    consumer_regs, producer_regs, extra = kernel_options(consumers)
+    args = dict(q_desc=descriptor(q, (1, 1, block_m, D)), k_desc=descriptor(k, rows), v_desc=descriptor(v, rows),
+                do_desc=descriptor(do, (1, 1, block_m, D)), dk_desc=descriptor(dk, rows),
+                dv_desc=descriptor(dv, rows), LSE=lse, DELTA=delta, qk_scale=qk_scale, sm_scale=sm_scale,
+                Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, STAGES=stages, CONSUMERS=consumers, GROUP=Hq // Hkv, CAUSAL=causal,
+                CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
+    grid = (cdiv(Nk, ROWS_PER_CONSUMER * consumers), B * Hkv)
+    return Launch(ws_bwd_dkdv_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)
