@@ -212,12 +212,16 @@ def test_every_tuned_backward_plan_is_correct(name, key, entry, device):
     """The tiles a GPU's tuning picked, forced here, on a problem with several tiles each way, a ragged
     last tile, GQA and a head dim below the padded one (so the column mask runs too)."""
     dtype_name, d, c = key.split("/")
-    D, causal = int(d[1:]) - 8, c == "causal1"
+    # A head dim below the padded one (the column mask), except where the entry has Hopper kernels (D 64, 128)
+    D, causal = int(d[1:]) - (0 if "ws" in entry or "ws_dq" in entry else 8), c == "causal1"
     config = bwd.BwdConfig.parse(entry["dkdv"])
     dq_config = bwd.BwdConfig.parse(entry["dq"]) if "dq" in entry else None
     q, k, v = make_qkv(1, 2, 150, D, DTYPES[dtype_name], device, Hkv=1, Nk=130, seed=7)
+    hopper = {name: entry[key] for name, key in (("ws_config", "ws"), ("ws_dq_config", "ws_dq")) if key in entry}
+    if hopper and not (device == "cuda" and torch.cuda.get_device_capability()[0] == 9 and D in (64, 128)):
+        hopper = {}  # (the Hopper kernels run on sm_90 at D 64 and 128: elsewhere the entry's tl kernels are tested)
     check_gradients(attention, q, k, v, causal=causal, dtype_name=dtype_name, config=config, dq_config=dq_config,
-                    deterministic=entry["dq_method"] == "separate")
+                    deterministic=entry["dq_method"] == "separate", **hopper)
 
 
 def test_backward_plan_reads_the_tuned_table(monkeypatch):
@@ -266,9 +270,10 @@ def test_hopper_dkdv_kernel_matches_float64(shape, causal, device):
         pytest.skip("the Hopper dK/dV kernel needs sm_90")
     B, Hq, Hkv, Nq, Nk, D = shape
     config = "ws-M32-c2-s2" if D == 128 else "ws-M64-c2-s2"
-    for dtype_name in ("bf16", "fp16"):
+    for dtype_name, kernels in (("bf16", {"ws_config": config}), ("fp16", {"ws_dq_config": "ws-M64-c2-s2"}),
+                                ("bf16", {"ws_config": config, "ws_dq_config": "ws-M128-c1-s2"})):
         q, k, v = make_qkv(B, Hq, Nq, D, DTYPES[dtype_name], device, Hkv=Hkv, Nk=Nk, seed=11)
-        check_gradients(attention, q, k, v, causal=causal, dtype_name=dtype_name, ws_config=config)
+        check_gradients(attention, q, k, v, causal=causal, dtype_name=dtype_name, **kernels)
 
 
 @pytest.mark.gpu
@@ -279,6 +284,7 @@ def test_every_hopper_dkdv_config_is_correct(config, device):
     for D, causal in ((64, True), (128, False)):
         q, k, v = make_qkv(1, 4, 333, D, torch.bfloat16, device, Hkv=2, Nk=333, seed=12, layout="bnhd")
         check_gradients(attention, q, k, v, causal=causal, dtype_name="bf16", ws_config=config)
+        check_gradients(attention, q, k, v, causal=not causal, dtype_name="bf16", ws_dq_config=config)
 
 
 def test_hopper_dkdv_kernel_compiles_for_sm90():
@@ -287,10 +293,14 @@ def test_hopper_dkdv_kernel_compiles_for_sm90():
     kernels = bwd.compile_backward(Problem(1, 4, 200, 128, "bf16", True, Hkv=2, Nk=300), 90,
                                    ws_config="ws-M32-c2-s2")
     assert [k.name for k in kernels] == ["attention_bwd_delta_kernel", "ws_bwd_dkdv_kernel", "attention_bwd_dq_kernel"]
-    ptx = kernels[1].asm["ptx"]
-    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx and "setmaxnreg" in ptx
-    assert "atom.global" not in ptx and "red.global" not in ptx
-    assert "ld.local" not in ptx and "st.local" not in ptx
+    both = bwd.compile_backward(Problem(1, 4, 200, 64, "bf16", False, Hkv=2, Nk=300), 90,
+                                ws_config="ws-M64-c2-s2", ws_dq_config="ws-M64-c2-s3")
+    assert [k.name for k in both] == ["attention_bwd_delta_kernel", "ws_bwd_dkdv_kernel", "ws_bwd_dq_kernel"]
+    for kernel in (kernels[1], *both[1:]):
+        ptx = kernel.asm["ptx"]
+        assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx and "setmaxnreg" in ptx
+        assert "atom.global" not in ptx and "red.global" not in ptx
+        assert "ld.local" not in ptx and "st.local" not in ptx
 
 
 def test_hopper_dkdv_config_errors_name_the_argument(device):

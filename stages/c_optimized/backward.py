@@ -171,8 +171,9 @@ def fits(config: BwdConfig, D_pad: int, element_bytes: int, arch: int) -> bool:
 
 @dataclass(frozen=True)
 class WsConfig:
-    """Tiles of the Hopper dK/dV kernel (``hopper_bwd.py``): ``consumers`` warpgroups of 64 K/V rows
-    each, Q/dO tiles of ``block_m`` rows streamed through ``stages`` shared-memory slots."""
+    """Tiles of a Hopper backward kernel (``hopper_bwd.py``): ``consumers`` warpgroups of 64 resident
+    rows each, tiles of ``block_m`` rows streamed through ``stages`` shared-memory slots. In the dK/dV
+    kernel the K/V rows are resident and Q/dO streamed; in the dQ kernel the other way round."""
 
     block_m: int
     consumers: int
@@ -194,7 +195,7 @@ class WsConfig:
         return cls(*(int(g) for g in m.groups()))
 
     def shared_bytes(self, D: int, element_bytes: int) -> int:
-        """Shared memory of one program: the resident K and V tiles, ``stages`` slots of Q and dO."""
+        """Shared memory of one program: the two resident tiles, ``stages`` slots of the two streamed ones."""
         return (2 * self.block_n + 2 * self.stages * self.block_m) * D * element_bytes
 
 
@@ -209,16 +210,19 @@ class BwdPlan:
     """What one backward runs: the dK/dV kernel's tiles, whether dQ comes from a separate kernel
     (``separate_dq``: fixed order, no atomics) or from atomics in the dK/dV kernel, and the separate
     dQ kernel's tiles (``block_n`` Q rows resident, ``block_m`` K/V rows per step). ``ws``: dK and dV
-    from the Hopper kernel with these tiles instead (dQ then always from the separate kernel)."""
+    from the Hopper kernel with these tiles instead (dQ then always from a separate kernel), ``ws_dq``:
+    dQ from the Hopper dQ kernel with these tiles."""
 
     dkdv: BwdConfig
     separate_dq: bool
     dq: BwdConfig
     ws: WsConfig | None = None
+    ws_dq: WsConfig | None = None
 
     def __str__(self) -> str:
         dkdv = str(self.ws) if self.ws is not None else str(self.dkdv)
-        return f"dkdv:{dkdv}+" + (f"dq:{self.dq}" if self.separate_dq else "atomic-dq")
+        dq = str(self.ws_dq) if self.ws_dq is not None else str(self.dq)
+        return f"dkdv:{dkdv}+" + (f"dq:{dq}" if self.separate_dq else "atomic-dq")
 
 
 def _hand_config(D_pad: int, dtype: torch.dtype, arch: int, element_bytes: int) -> BwdConfig:
@@ -274,8 +278,11 @@ def backward_plan(D: int, dtype: torch.dtype, arch: int, causal: bool = False, *
             dq = BwdConfig.parse(entry["dq"]) if "dq" in entry else dkdv
             if fits(dkdv, D_pad, e, arch) and fits(dq, D_pad, e, arch):
                 plan = BwdPlan(dkdv, entry["dq_method"] == "separate", dq)
-            if "ws" in entry and warp_specialization and pipelining and hopper_bwd_supported(dtype, D, arch):
-                plan = BwdPlan(dkdv, True, dq, WsConfig.parse(entry["ws"]))
+            if warp_specialization and pipelining and hopper_bwd_supported(dtype, D, arch):
+                ws = WsConfig.parse(entry["ws"]) if "ws" in entry else None
+                ws_dq = WsConfig.parse(entry["ws_dq"]) if "ws_dq" in entry else None
+                if ws is not None or ws_dq is not None:
+                    plan = BwdPlan(dkdv, True, dq, ws, ws_dq)
     if deterministic:
         plan = replace(plan, separate_dq=True)
     if not pipelining:
@@ -603,22 +610,22 @@ def _new_gradient(t: torch.Tensor) -> torch.Tensor:
     return new_output(t)
 
 
-def choose_ws(plan: BwdPlan, ws_config: WsConfig | str | None, q, k, v, do, arch: int, *,
-              switches_on: bool) -> WsConfig | None:
-    """The Hopper dK/dV kernel's tiles for this call, or None for the ``tl`` kernel: ``ws_config``
-    when forced (a ValueError where that kernel cannot run), else the plan's where the tensors meet
-    TMA's alignment rules. ``switches_on``: every ablation switch the Hopper kernel has built in
-    (tuned tiles, pipelining, exp2, causal skipping, warp specialization) is on."""
-    if ws_config is not None:
-        ws = WsConfig.parse(ws_config) if isinstance(ws_config, str) else ws_config
+def choose_ws(planned: WsConfig | None, forced: WsConfig | str | None, q, k, v, do, arch: int, *,
+              switches_on: bool, name: str = "ws_config") -> WsConfig | None:
+    """A Hopper backward kernel's tiles for this call, or None for the ``tl`` kernel: ``forced``
+    (the argument ``name``) when given, a ValueError where that kernel cannot run; else the plan's
+    where the tensors meet TMA's alignment rules. ``switches_on``: every ablation switch the Hopper
+    kernels have built in (tuned tiles, pipelining, exp2, causal skipping, warp specialization) is on."""
+    if forced is not None:
+        ws = WsConfig.parse(forced) if isinstance(forced, str) else forced
         D = q.shape[-1]
         if not (hopper_bwd_supported(q.dtype, D, arch) and _tma_ready(q, k, v, do) and switches_on):
-            raise ValueError(f"ws_config={ws}: the Hopper dK/dV kernel runs on sm_90 with fp16/bf16, D 64 or 128, "
+            raise ValueError(f"{name}={ws}: the Hopper backward kernels run on sm_90 with fp16/bf16, D 64 or 128, "
                              f"16-byte aligned strides and every switch on; got arch {arch}, {q.dtype}, D {D}, "
                              f"switches on: {switches_on}")
         return ws
-    if plan.ws is not None and switches_on and _tma_ready(q, k, v, do):
-        return plan.ws
+    if planned is not None and switches_on and _tma_ready(q, k, v, do):
+        return planned
     return None
 
 
@@ -626,13 +633,13 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
                   deterministic: bool = False, tuned_tiles: bool = True, pipelining: bool = True,
                   exp2: bool = True, causal_skip: bool = True, tma: bool = True,
                   config: BwdConfig | None = None, dq_config: BwdConfig | None = None,
-                  ws: WsConfig | None = None) -> list[Launch]:
+                  ws: WsConfig | None = None, ws_dq: WsConfig | None = None) -> list[Launch]:
     """The backward's launches in order: Δ pre-pass, dK/dV (+ atomic dQ into ``dq_acc``), and with
     ``deterministic`` the dQ kernel writing ``dq``. ``dq_acc`` is None in deterministic mode. ``tma``
     is accepted and ignored (pointer loads everywhere, see the module docstring). ``config`` forces the
     dK/dV kernel's tiles, ``dq_config`` the dQ kernel's (default: ``config`` the other way round).
     ``ws``: dK/dV from the Hopper kernel with these tiles (``choose_ws``; needs ``deterministic``,
-    the separate dQ kernel)."""
+    the separate dQ kernel); ``ws_dq``: dQ from the Hopper dQ kernel (``deterministic`` too)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     D_pad = padded_head_dim(D)
@@ -641,8 +648,9 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
                              pipelining=pipelining)
         config, dq_config = plan.dkdv, dq_config or plan.dq
     dq_config = dq_config or config
-    if ws is not None and not deterministic:
-        raise ValueError("the Hopper dK/dV kernel computes no dQ: plan_backward needs deterministic=True with ws")
+    if (ws is not None or ws_dq is not None) and not deterministic:
+        raise ValueError("the Hopper kernels form dQ in a kernel of its own: plan_backward needs deterministic=True "
+                         "with ws or ws_dq")
     BM, BN = config.block_m, config.block_n
     qk_scale = scale * LOG2E if exp2 else scale
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -674,7 +682,13 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
                  stride_dvb=dv.stride(0), stride_dvh=dv.stride(1), stride_dvn=dv.stride(2),
                  Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, BLOCK_M=BM, BLOCK_N=BN, **common),
             num_warps=config.num_warps, num_stages=config.num_stages))
-    if deterministic:
+    if ws_dq is not None:
+        from . import hopper_bwd
+
+        launches.append(hopper_bwd.plan_dq(q, k, v, do, dq, lse, delta, causal=causal, qk_scale=qk_scale,
+                                           sm_scale=scale, block_n=ws_dq.block_m, consumers=ws_dq.consumers,
+                                           stages=ws_dq.stages))
+    elif deterministic:
         # The resident tile is the big one here too: block_n Q rows, block_m K/V rows per step.
         launches.append(Launch(
             attention_bwd_dq_kernel, (cdiv(Nq, dq_config.block_n), B * Hq),
@@ -694,7 +708,7 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                        tuned_tiles: bool = True, pipelining: bool = True, exp2: bool = True,
                        causal_skip: bool = True, tma: bool = True, warp_specialization: bool = True,
                        config: BwdConfig | None = None, dq_config: BwdConfig | None = None,
-                       ws_config: WsConfig | str | None = None):
+                       ws_config: WsConfig | str | None = None, ws_dq_config: WsConfig | str | None = None):
     """Gradients (dq, dk, dv) of attention, in the input dtypes, shaped like q, k, v (contiguous).
 
     ``o`` is the forward's output and ``lse`` its fp32 ``[B, Hq, Nq]`` row log-sum-exp in base 2 of
@@ -702,8 +716,8 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     atomics (bitwise reproducible, ~40 % more FLOPs); without it, ``backward_plan`` picks the faster
     of the two ways on this GPU (measured by the tuner). The other switches are the ablation's (module
     docstring); ``config``/``dq_config`` force the kernels' tiles (tests, tuning), ``ws_config`` the Hopper
-    dK/dV kernel and its tiles (``hopper_bwd.py``), which otherwise runs where the tuner measured it
-    faster; ``warp_specialization=False`` keeps to the ``tl`` kernels. ``do`` may come in any layout
+    dK/dV kernel and its tiles (``hopper_bwd.py``), ``ws_dq_config`` the Hopper dQ kernel; each
+    otherwise runs where the tuner measured it faster; ``warp_specialization=False`` keeps to the ``tl`` kernels. ``do`` may come in any layout
     (the gradient of ``o.sum()`` is an expanded tensor): it is made contiguous where the kernels need that.
     """
     if isinstance(do, torch.Tensor):
@@ -713,9 +727,12 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     arch = device_arch(q.device)
     plan = backward_plan(D, q.dtype, arch, causal, deterministic=deterministic, tuned_tiles=tuned_tiles,
                          pipelining=pipelining, warp_specialization=warp_specialization)
-    switches_on = tuned_tiles and pipelining and exp2 and causal_skip and warp_specialization and config is None
-    ws = choose_ws(plan, ws_config, q, k, v, do, arch, switches_on=switches_on)
-    separate = plan.separate_dq or ws is not None
+    switches_on = tuned_tiles and pipelining and exp2 and causal_skip and warp_specialization
+    auto = config is None and dq_config is None  # forced tl tiles: the tl kernels, unless a Hopper one is forced too
+    ws = choose_ws(plan.ws if auto else None, ws_config, q, k, v, do, arch, switches_on=switches_on)
+    ws_dq = choose_ws(plan.ws_dq if auto else None, ws_dq_config, q, k, v, do, arch, switches_on=switches_on,
+                      name="ws_dq_config")
+    separate = plan.separate_dq or ws is not None or ws_dq is not None
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     dk, dv = _new_gradient(k), _new_gradient(v)
     if separate:
@@ -727,7 +744,7 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     for launch in plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, causal=causal, scale=scale,
                                 arch=arch, deterministic=separate, tuned_tiles=tuned_tiles, pipelining=pipelining,
                                 exp2=exp2, causal_skip=causal_skip, tma=tma, config=config, dq_config=dq_config,
-                                ws=ws):
+                                ws=ws, ws_dq=ws_dq):
         launch.run()
     if dq is None:
         dq = dq_acc.to(q.dtype)
@@ -748,12 +765,13 @@ def compile_backward(problem: Problem, arch: int, **switches) -> list[CompiledKe
     q, o, do, dq = (meta(B, Hq, Nq, D) for _ in range(4))
     k, v, dk, dv = (meta(B, Hkv, Nk, D) for _ in range(4))
     lse, delta = meta(B, Hq, Nq, dt=torch.float32), meta(B, Hq, Nq, dt=torch.float32)
-    ws = switches.pop("ws_config", None)
-    ws = WsConfig.parse(ws) if isinstance(ws, str) else ws
-    deterministic = switches.pop("deterministic", False) or ws is not None
+    ws, ws_dq = (switches.pop(name, None) for name in ("ws_config", "ws_dq_config"))
+    ws, ws_dq = (WsConfig.parse(c) if isinstance(c, str) else c for c in (ws, ws_dq))
+    deterministic = switches.pop("deterministic", False) or ws is not None or ws_dq is not None
     dq_acc = None if deterministic else meta(B, Hq, Nq, D, dt=torch.float32)
     launches = plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, causal=problem.causal,
-                             scale=D ** -0.5, arch=arch, deterministic=deterministic, ws=ws, **switches)
+                             scale=D ** -0.5, arch=arch, deterministic=deterministic, ws=ws, ws_dq=ws_dq,
+                             **switches)
     return [launch.compile(arch) for launch in launches]
 
 
@@ -781,6 +799,8 @@ def bwd_hbm_bytes(p: Problem, deterministic: bool = False, tuned_tiles: bool = T
     if config is None and plan.ws is not None:
         # The Hopper dK/dV kernel: 64-row K/V tiles per consumer, the same visits as the tl kernel's.
         config, separate = BwdConfig(plan.ws.block_m, plan.ws.block_n, 4, plan.ws.stages), True
+    if plan.ws_dq is not None:  # resident Q rows (block_n) and streamed K/V rows, as the tl dQ kernel's
+        dq_config, separate = BwdConfig(plan.ws_dq.block_m, plan.ws_dq.block_n, 4, plan.ws_dq.stages), True
     config = config or plan.dkdv
     e, D = p.element_bytes, p.D
     row = D * e

@@ -244,3 +244,159 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
     grid = (cdiv(Nk, ROWS_PER_CONSUMER * consumers), B * Hkv)
     return Launch(ws_bwd_dkdv_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)
+
+
+# ------------------------------------------------------------------------------------------ dQ
+
+@gluon.jit
+def _kv_range(start_m, Nq, Nk, ROWS_PER_PROGRAM: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """The K/V tiles a block of query rows from ``start_m`` visits, and how many of the first ones
+    every row sees whole (no mask): causal, row i sees keys j <= i + (Nk - Nq)."""
+    if CAUSAL:
+        offset = Nk - Nq
+        hi = gl.maximum(gl.minimum(start_m + ROWS_PER_PROGRAM + offset, Nk), 0)
+        n_unmasked = gl.maximum(start_m + offset + 1, 0) // BLOCK_N
+    else:
+        hi = Nk
+        n_unmasked = Nk // BLOCK_N
+    return gl.cdiv(hi, BLOCK_N), gl.minimum(n_unmasked, Nk // BLOCK_N)
+
+
+@gluon.jit
+def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_bar, ring, b, h, start_m, Nq, Nk,
+                 GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+    """One warp: each consumer's 64 Q and dO rows once, then the K/V tiles through the ring."""
+    k_bufs, v_bufs, ready, empty = ring
+    STAGES: gl.constexpr = k_bufs.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.shape[3]
+    CONSUMERS: gl.constexpr = q_bufs.shape[0]
+    ROWS: gl.constexpr = q_bufs.shape[3]
+    mbarrier.expect(q_bar, 2 * CONSUMERS * q_desc.block_type.nbytes)
+    for c in gl.static_range(CONSUMERS):
+        tma.async_copy_global_to_shared(q_desc, [b, h, start_m + c * ROWS, 0], q_bar, q_bufs.index(c))
+        tma.async_copy_global_to_shared(do_desc, [b, h, start_m + c * ROWS, 0], q_bar, do_bufs.index(c))
+    n_tiles, n_unmasked = _kv_range(start_m, Nq, Nk, ROWS * CONSUMERS, BLOCK_N, CAUSAL)
+    h_kv = h // GROUP
+    for j in range(n_tiles):
+        s = j % STAGES
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, h_kv, j * BLOCK_N, 0], ready.index(s), k_bufs.index(s))
+        tma.async_copy_global_to_shared(v_desc, [b, h_kv, j * BLOCK_N, 0], ready.index(s), v_bufs.index(s))
+
+
+@gluon.jit
+def _dq_consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr):
+    """One warpgroup: dQ of its 64 query rows, over the K/V tiles they see."""
+    dq_desc, q_bufs, do_bufs, q_bar, ring, LSE, DELTA, b, h, start_m, Hq, Nq, Nk, qk_scale, sm_scale = args
+    k_bufs, v_bufs, ready, empty = ring
+    STAGES: gl.constexpr = k_bufs.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.shape[3]
+    D: gl.constexpr = k_bufs.shape[4]
+    CONSUMERS: gl.constexpr = q_bufs.shape[0]
+    ROWS: gl.constexpr = q_bufs.shape[3]
+    dtype: gl.constexpr = q_bufs.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    n_tiles, n_unmasked = _kv_range(start_m, Nq, Nk, ROWS * CONSUMERS, BLOCK_N, CAUSAL)
+    offset = Nk - Nq
+    rows = start_m + WG * ROWS + gl.arange(0, ROWS, layout=row_layout)
+    bh = (b * Hq + h).to(gl.int64)
+    lse = gl.load(LSE + bh * Nq + rows, mask=rows < Nq, other=float("inf"))
+    delta = gl.load(DELTA + bh * Nq + rows, mask=rows < Nq, other=0.0)
+    q_t = q_bufs.index(WG).reshape([ROWS, D])
+    do_t = do_bufs.index(WG).reshape([ROWS, D])
+    dq = gl.zeros([ROWS, D], gl.float32, acc_layout)
+    mbarrier.wait(q_bar, 0)
+    for j in range(n_tiles):
+        s = j % STAGES
+        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+        k_t = k_bufs.index(s).reshape([BLOCK_N, D])
+        v_t = v_bufs.index(s).reshape([BLOCK_N, D])
+        st = warpgroup_mma(q_t, k_t.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+                           use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_t, v_t.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+                           use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=(st, ))  # S is done; dP may still be running
+        p = gl.exp2(st * qk_scale - gl.expand_dims(lse, 1))
+        if j >= n_unmasked:
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+            valid = gl.expand_dims(cols, 0) < Nk
+            if CAUSAL:
+                valid = valid & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + offset)
+            p = gl.where(valid, p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=(dp, ))
+        ds = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), op_layout)
+        dq = warpgroup_mma(ds, k_t, dq, is_async=True)
+        dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
+        _signal(empty.index(s))  # this consumer is done with the slot's K and V
+    # Out through this consumer's Q buffer (nothing reads it any more), TMA-stored (rows past Nq clipped).
+    q_bufs.index(WG).reshape([ROWS, D]).store((dq * sm_scale).to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [b, h, start_m + WG * ROWS, 0], q_bufs.index(WG))
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["Hq", "Nq", "Nk"])
+def ws_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, qk_scale, sm_scale, Hq, Nq, Nk,
+                     STAGES: gl.constexpr, CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Grid (query blocks of ``CONSUMERS × 64`` rows, B · Hq); causal blocks longest first."""
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # the last rows see the most keys: first
+    else:
+        pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    start_m = pid_m * (ROWS * CONSUMERS)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [CONSUMERS] + do_desc.block_type.shape, do_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    ring = (k_bufs, v_bufs, ready, empty)
+    args = (dq_desc, q_bufs, do_bufs, q_bar, ring, LSE, DELTA, b, h, start_m, Hq, Nq, Nk, qk_scale, sm_scale)
+    producer_args = (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_bar, ring, b, h, start_m, Nq, Nk, GROUP,
+                     CAUSAL)
+    if CONSUMERS == 1:
+        gl.warp_specialize([
+            (_dq_consumer, (args, 0, CAUSAL)),
+            (_dq_producer, producer_args),
+        ], [1], [PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_dq_consumer, (args, 0, CAUSAL)),
+            (_dq_consumer, (args, 1, CAUSAL)),
+            (_dq_producer, producer_args),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def plan_dq(q, k, v, do, dq, lse, delta, *, causal: bool, qk_scale: float, sm_scale: float, block_n: int,
+            consumers: int, stages: int) -> Launch:
+    """The launch of ``ws_bwd_dq_kernel``: query blocks of ``consumers × 64`` rows, K/V tiles of
+    ``block_n`` rows through ``stages`` slots."""
+    B, Hq, Nq, D = q.shape
+    Hkv = k.shape[1]
+    rows = (1, 1, ROWS_PER_CONSUMER, D)
+    consumer_regs, producer_regs, extra = kernel_options(consumers)
+    args = dict(q_desc=descriptor(q, rows), k_desc=descriptor(k, (1, 1, block_n, D)),
+                v_desc=descriptor(v, (1, 1, block_n, D)), do_desc=descriptor(do, rows), dq_desc=descriptor(dq, rows),
+                LSE=lse, DELTA=delta, qk_scale=qk_scale, sm_scale=sm_scale, Hq=Hq, Nq=Nq, Nk=k.shape[2],
+                STAGES=stages, CONSUMERS=consumers, GROUP=Hq // Hkv, CAUSAL=causal, CONSUMER_REGS=consumer_regs,
+                PRODUCER_REGS=producer_regs)
+    grid = (cdiv(Nq, ROWS_PER_CONSUMER * consumers), B * Hq)
+    return Launch(ws_bwd_dq_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)

@@ -24,6 +24,12 @@ Compiling is the slow part (a backward kernel takes seconds, and a cell has ~100
 compile-time facts (Triton's on-disk cache then serves the timing process); the timing itself
 runs in this process alone, one kernel at a time. ``--budget-s`` stops tuning new cells once spent
 and keeps what was measured. Every timing goes to ``--csv``.
+
+``--hopper`` races the Hopper kernels (``hopper_bwd.py``: the dK/dV and the dQ kernel, each with its
+own tile candidates) against the tl plans already tuned, and keeps each where the whole backward
+measures faster with it (``ws`` and ``ws_dq`` in the JSON's entries):
+
+    python -m stages.c_optimized.tune_backward --hopper --D 64,128 --dtype bf16
 """
 
 from __future__ import annotations
@@ -200,6 +206,98 @@ def tune_cell(dtype_name: str, D: int, causal: bool, N: int, statuses: dict, row
     return entry
 
 
+def ws_candidates(D: int, element_bytes: int) -> list:
+    """Tile configs of the Hopper backward kernels (``hopper_bwd.py``) that fit shared memory: two
+    consumer warpgroups with 32- or 64-row streamed tiles, or one with 64 or 128, and 2 or 3 stages."""
+    from .backward import WsConfig
+    from .configs import SHARED_MEMORY_LIMIT
+
+    limit = SHARED_MEMORY_LIMIT.get(90, 227 * 1024) - 2048
+    tried = [WsConfig(m, 2, s) for m in (32, 64) for s in (2, 3)] + [WsConfig(m, 1, 2) for m in (64, 128)]
+    return [c for c in tried if c.shared_bytes(D, element_bytes) <= limit]
+
+
+def tune_hopper_cell(dtype_name: str, D: int, causal: bool, N: int, entry: dict, rows: list) -> dict:
+    """The Hopper kernels against the tuned tl plan ``entry`` at one cell: every candidate of the dK/dV
+    and the dQ kernel timed alone (each checked against the tl kernels' gradients first), then whole
+    backwards in interleaved rounds: the tl plan, and the tl plan with the fastest Hopper dK/dV kernel,
+    the fastest Hopper dQ kernel, both. Returns ``entry`` with ``ws``/``ws_dq`` set where the whole
+    backward measured faster with them (and removed where not)."""
+    from .backward import BwdConfig, attention_backward
+
+    tensors = _inputs(dtype_name, D, causal, N)
+    q, k, v, o, lse, do = tensors
+    scale = D ** -0.5
+    cell = {"dtype": dtype_name, "D": D, "causal": int(causal), "N": N}
+    tl_kw = dict(deterministic=True, config=BwdConfig.parse(entry["dkdv"]),
+                 dq_config=BwdConfig.parse(entry.get("dq", entry["dkdv"])))
+    tl_grads = attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, **tl_kw)
+    tl_launches = _plan("dkdv", tl_kw["config"], tensors, causal)
+    best = {}
+    for kind, index in (("ws", 1), ("ws_dq", 2)):
+        for ws in ws_candidates(D, q.element_size()):
+            kw = {"ws_config" if kind == "ws" else "ws_dq_config": ws}
+            status, ms = "ok", None
+            try:
+                grads = attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, **kw)
+                torch.cuda.synchronize()
+                diff = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+                           for a, b in zip(grads, tl_grads))
+                if not diff < 0.02:
+                    status = f"wrong: max relative difference {diff:.2e} from the tl kernels"
+                else:
+                    launches = _ws_launches(tensors, causal, tl_kw, kw)
+                    ms = _bench(launches[index].run)
+            except Exception as e:  # noqa: BLE001 - recorded, the rest go on
+                status = f"error: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+            rows.append({**cell, "kind": kind, "config": str(ws), "ms": f"{ms:.4f}" if ms else "", "status": status})
+            if ms is not None and (kind not in best or ms < best[kind][0]):
+                best[kind] = (ms, ws)
+    tl_ms = {"ws": _bench(tl_launches[1].run), "ws_dq": _bench(_plan("dq", tl_kw["dq_config"], tensors, causal)[2].run)}
+    for kind in ("ws", "ws_dq"):
+        rows.append({**cell, "kind": kind, "config": "tl", "ms": f"{tl_ms[kind]:.4f}", "status": "ok"})
+    plans = {"tl": {}}
+    if "ws" in best:
+        plans["ws"] = {"ws_config": best["ws"][1]}
+    if "ws_dq" in best:
+        plans["ws_dq"] = {"ws_dq_config": best["ws_dq"][1]}
+    if "ws" in best and "ws_dq" in best:
+        plans["ws+ws_dq"] = {**plans["ws"], **plans["ws_dq"]}
+    samples = {name: [] for name in plans}
+    for _ in range(ROUNDS):
+        for name, kw in plans.items():
+            samples[name].append(_bench(lambda: attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale,
+                                                                   **tl_kw, **kw)))
+    medians = {name: statistics.median(t) for name, t in samples.items()}
+    for name, ms in medians.items():
+        rows.append({**cell, "kind": f"whole_{name}", "config": ",".join(str(c) for c in plans[name].values()) or "tl",
+                     "ms": f"{ms:.4f}", "status": "ok"})
+    winner = min(medians, key=medians.get)
+    print(f"{dtype_name} D={D} causal={int(causal)} N={N} Hopper kernels: "
+          + ", ".join(f"{n} {medians[n]:.3f} ms" for n in medians) + f" -> {winner}", flush=True)
+    out = {key: value for key, value in entry.items() if key not in ("ws", "ws_dq")}
+    for key, config in plans[winner].items():
+        out["ws" if key == "ws_config" else "ws_dq"] = str(config)
+    if winner != "tl":
+        out["dq_method"] = "separate"  # the Hopper kernels form dQ in a kernel of its own
+    return out
+
+
+def _ws_launches(tensors, causal: bool, tl_kw: dict, kw: dict):
+    """The launches of a backward with the tl plan ``tl_kw`` and the Hopper kernels ``kw``."""
+    from .backward import WsConfig, plan_backward
+    from .configs import device_arch
+
+    q, k, v, o, lse, do = tensors
+    B, Hq, Nq, D = q.shape
+    delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+    dk, dv, dq = torch.empty_like(k), torch.empty_like(v), torch.empty_like(q)
+    ws, ws_dq = (WsConfig.parse(c) if isinstance(c, str) else c for c in (kw.get("ws_config"), kw.get("ws_dq_config")))
+    return plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, None, causal=causal, scale=D ** -0.5,
+                         arch=device_arch(q.device), deterministic=True, config=tl_kw["config"],
+                         dq_config=tl_kw["dq_config"], ws=ws, ws_dq=ws_dq)
+
+
 def _describe(kw: dict) -> str:
     if "config" not in kw:
         return "untuned"
@@ -222,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=None, help="stop starting new cells after this many seconds")
     ap.add_argument("--csv", default=None, help="also write every timing to this CSV")
     ap.add_argument("--out", default=None, help="the JSON to write (default: tuned/<gpu-slug>-backward.json)")
+    ap.add_argument("--hopper", action="store_true",
+                    help="tune only the Hopper kernels (hopper_bwd.py, sm_90, D 64/128) against the tl plans "
+                         "already in the JSON, keeping them where they measure faster")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("tuning needs a CUDA GPU; none found", file=sys.stderr)
@@ -238,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     data.setdefault("best", {})
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     cells = [(dt, int(D), c) for dt in args.dtype.split(",") for D in args.D.split(",") for c in causals]
+    if args.hopper:
+        return _tune_hopper(args, cells, data, path, start)
     jobs = [Job(dt, D, c, kind, str(cfg)) for dt, D, c in cells for kind in ("dkdv_atomic", "dkdv", "dq")
             for cfg in candidates(D, DTYPES[dt], 90)]
     print(f"compiling {len(jobs)} kernels in {args.workers} processes", flush=True)
@@ -255,6 +358,35 @@ def main(argv: list[str] | None = None) -> int:
                 data["best"][tuned_key(dt, padded_head_dim(D), c)] = entry
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    finally:
+        if args.csv and rows:
+            with open(args.csv, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                w.writeheader()
+                w.writerows(rows)
+    print(f"wrote {path}")
+    return 0
+
+
+def _tune_hopper(args, cells, data: dict, path, start: float) -> int:
+    from ..contract import DTYPES, padded_head_dim
+    from .backward import hopper_bwd_supported
+
+    if data.get("arch") != 90:
+        print("the Hopper kernels need an sm_90 GPU", file=sys.stderr)
+        return 2
+    rows: list[dict] = []
+    try:
+        for dt, D, c in cells:
+            key = tuned_key(dt, padded_head_dim(D), c)
+            if not hopper_bwd_supported(DTYPES[dt], D, 90) or key not in data["best"]:
+                print(f"{key}: no Hopper kernel or no tuned tl plan to race; skipped", flush=True)
+                continue
+            if args.budget_s is not None and time.monotonic() - start > args.budget_s:
+                print(f"budget spent: {key} not tuned", flush=True)
+                continue
+            data["best"][key] = tune_hopper_cell(dt, D, c, args.N, data["best"][key], rows)
+            path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     finally:
         if args.csv and rows:
             with open(args.csv, "w", newline="") as f:
