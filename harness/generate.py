@@ -504,9 +504,12 @@ def generate_tables(rows: list[dict]) -> str:
     """Markdown from ``generate/runs.csv`` rows (the latest of each (model, impl, pass) is used):
     per model, a decode table (tokens/s and × SDPA, time to first token, ms per decode step, the
     share of tokens equal to SDPA's, peak memory) and a training table (step ms and × SDPA,
-    tokens/s, peak memory). × SDPA is above 1 when the impl is faster. '' without rows."""
+    tokens/s, peak memory). × SDPA is above 1 when the impl is faster, and compares an impl's row
+    with SDPA's row *of the same run* (the impls of a run take turns; rows of different runs are
+    not timed side by side): '—' where that run had no SDPA row. '' without rows."""
     from .views import fmt_bytes
 
+    every = rows
     rows = latest_rows(rows)
     parts = []
     for model in sorted({r["model"] for r in rows}, key=lambda m: (m not in MODEL_TITLES, m)):
@@ -515,7 +518,8 @@ def generate_tables(rows: list[dict]) -> str:
                         key=lambda r: _impl_order(r["impl"]))
             if not at:
                 continue
-            ref = next((r for r in at if r["impl"] == REFERENCE), None)
+            refs = {r["run_id"]: r for r in every
+                    if r["model"] == model and r["pass"] == pass_ and r["impl"] == REFERENCE}
             r0 = at[0]
             title = MODEL_TITLES.get(model, model)
             if pass_ == "decode":
@@ -527,7 +531,7 @@ def generate_tables(rows: list[dict]) -> str:
                     ok = _ok(r)
                     lines.append("| " + " | ".join([
                         _md(_impl_label(r["impl"])), _amount(r["tokens_per_s"] if ok else None),
-                        _versus(r, ref, lambda a, b: a["tokens_per_s"] / b["tokens_per_s"]),
+                        _versus(r, refs.get(r["run_id"]), lambda a, b: a["tokens_per_s"] / b["tokens_per_s"]),
                         _amount(r["ttft_ms"] if ok else None), _amount(r["decode_step_ms"] if ok else None),
                         _num(r["same_tokens_frac"], ".0%"),
                         "—" if r["peak_mem_bytes"] is None else fmt_bytes(r["peak_mem_bytes"]),
@@ -540,7 +544,7 @@ def generate_tables(rows: list[dict]) -> str:
                     ok = _ok(r)
                     lines.append("| " + " | ".join([
                         _md(_impl_label(r["impl"])), _amount(r["ms_median"] if ok else None),
-                        _versus(r, ref, lambda a, b: b["ms_median"] / a["ms_median"]),
+                        _versus(r, refs.get(r["run_id"]), lambda a, b: b["ms_median"] / a["ms_median"]),
                         _amount(r["tokens_per_s"] if ok else None),
                         "—" if r["peak_mem_bytes"] is None else fmt_bytes(r["peak_mem_bytes"]),
                         _md(r["status"])]) + " |")
@@ -579,12 +583,13 @@ def render_block(results_dir, readme_dir=".") -> str:
             "prompt's prefill and one step) and the time of each later step. Same tokens as SDPA: the share "
             "of the new tokens equal to SDPA's (random weights give nearly flat logits, so one rounding "
             "difference can change a token and all after it). Training step: forward, loss, backward and "
-            "AdamW step, median over the timed steps. × SDPA: above 1 when the impl is faster. The impls "
-            "share one model and take turns. Peak memory: the most allocated during a call, weights, "
+            "AdamW step, median over the timed steps. × SDPA: above 1 when the impl is faster, against SDPA's "
+            "row of the same run (the impls of a run share one model and take turns; each impl's latest run "
+            "is shown, so impls can come from different runs). Peak memory: the most allocated during a call, weights, "
             "optimizer state and cache included (1 GB = 10⁹ bytes).")
     if interpreted:
         text += " **Some rows ran in the Triton interpreter on a CPU: their times are not GPU times.**"
-    return "\n\n".join([note, measured + " " + text, generate_tables(latest)]) + "\n"
+    return "\n\n".join([note, measured + " " + text, generate_tables(rows)]) + "\n"
 
 
 # ------------------------------------------------------------------------------------------------- CLI

@@ -130,6 +130,19 @@ def test_report_block_renders_the_latest_run_against_sdpa(results_dir):
     assert "not GPU times" not in block
 
 
+def test_times_against_sdpa_compare_rows_of_one_run(tmp_path):
+    """An impl whose latest run is older than SDPA's is set against SDPA's row of its own run (the impls
+    of a run take turns), not against a later run's; without an SDPA row in its run, no ratio."""
+    first, second = "2026-12-01T10:00:00.000000Z", "2026-12-01T11:00:00.000000Z"
+    G.append_rows(tmp_path / "generate", [decode("b", 300.0, run_id=first), decode("sdpa", 600.0, run_id=first),
+                                          decode("a", 100.0, run_id="2026-12-01T09:00:00.000000Z"),
+                                          decode("c", 900.0, run_id=second), decode("sdpa", 1000.0, run_id=second)])
+    block = report.render_generate_block(tmp_path, tmp_path)
+    assert "| B tiled | 300 | 0.50× |" in block      # 300 / its own run's 600, not / 1,000
+    assert "| C optimized | 900 | 0.90× |" in block
+    assert "| A naive | 100 | — |" in block         # its run timed no SDPA
+
+
 def test_report_fills_the_readme_block_only_when_the_generate_csv_exists(results_dir, tmp_path_factory):
     begin, end = report.markers("generate")
     readme = tmp_path_factory.mktemp("readme") / "README.md"
