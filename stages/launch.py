@@ -241,6 +241,52 @@ class FastLaunch:
             self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
 
 
+def _is_descriptor(value) -> bool:
+    """A TMA descriptor argument (Triton's host ``TensorDescriptor`` or Gluon's): it wraps a tensor."""
+    return hasattr(value, "block_shape") and isinstance(getattr(value, "base", None), torch.Tensor)
+
+
+class KeptLaunch:
+    """A :class:`Launch` planned once and run again on other tensors of the same layout.
+
+    ``roles`` names, for every tensor or TMA-descriptor argument of the launch, which of a call's
+    tensors it takes (``{"Q": "q", "q_desc": "q", ...}``); every other argument (sizes, strides,
+    scales, constexprs) and the grid stay as planned, so the caller keys what it keeps on everything
+    they depend on (shapes, strides, dtype, scale). A call hands over ``{role: tensor}``; a descriptor
+    is rebuilt over its tensor from the planned one's fields (block shape, shared-memory layout),
+    without the class's checks, which held for the planned layout. Launched through
+    :class:`FastLaunch` (the compiled kernel's own launcher after the first call)."""
+
+    def __init__(self, launch: Launch, roles: dict[str, str]):
+        static, tensors, descs = {}, [], []
+        for name, value in launch.args.items():
+            if isinstance(value, torch.Tensor):
+                tensors.append((name, roles[name]))
+            elif _is_descriptor(value):
+                fields = {k: v for k, v in vars(value).items() if k not in ("base", "shape", "strides")}
+                descs.append((name, roles[name], type(value), fields))
+            else:
+                static[name] = value
+        self.kernel, self.grid = launch.kernel, tuple(launch.grid)
+        self.tensors, self.descs = tuple(tensors), tuple(descs)
+        self.fast = FastLaunch(launch.kernel, static, tuple(n for n, _ in tensors) + tuple(d[0] for d in descs),
+                               pointers=len(tensors), num_warps=launch.num_warps, num_stages=launch.num_stages,
+                               extra=launch.extra)
+
+    def values(self, tensors: dict) -> list:
+        values = [tensors[role] for _, role in self.tensors]
+        for _, role, cls, fields in self.descs:
+            t = tensors[role]
+            desc = object.__new__(cls)
+            desc.__dict__.update(fields)
+            desc.base, desc.shape, desc.strides = t, list(t.shape), list(t.stride())
+            values.append(desc)
+        return values
+
+    def __call__(self, tensors: dict) -> None:
+        self.fast(self.grid, *self.values(tensors))
+
+
 def meta_inputs(B: int, H: int, N: int, D: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """Storage-free stand-ins for q, k, v (``device="meta"``): shapes, strides and dtype, no memory,
     so compiling a plan for N = 16384 allocates nothing."""

@@ -311,3 +311,20 @@ def test_hopper_dkdv_config_errors_name_the_argument(device):
     o, lse = saved_forward(q, k, v, False, 0.25)
     with pytest.raises(ValueError, match="ws_config"):
         bwd.attention_backward(o, q, k, v, o, lse, causal=False, scale=0.25, ws_config="ws-M64-c2-s2")
+
+
+def test_a_layout_is_planned_once_and_its_launches_take_new_tensors(monkeypatch, device):
+    """The second call of a layout runs the kept launches on its own tensors (right gradients for new
+    data, nothing planned); a new scale or a new stride is a new layout."""
+    calls = []
+    plan = bwd.plan_backward
+    monkeypatch.setattr(bwd, "plan_backward", lambda *a, **kw: calls.append(1) or plan(*a, **kw))
+    bwd._KEPT.clear()
+    for seed in (21, 22):
+        q, k, v = make_qkv(1, 4, 70, 32, torch.float16, device, Hkv=2, Nk=90, seed=seed)
+        check_gradients(attention, q, k, v, causal=True, dtype_name="fp16", sm_scale=0.2)
+    assert len(calls) == 1
+    check_gradients(attention, q, k, v, causal=True, dtype_name="fp16", sm_scale=0.3)
+    q, k, v = make_qkv(1, 4, 70, 32, torch.float16, device, Hkv=2, Nk=90, seed=23, layout="bnhd")
+    check_gradients(attention, q, k, v, causal=True, dtype_name="fp16", sm_scale=0.3)
+    assert len(calls) == 3

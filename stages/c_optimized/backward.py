@@ -79,7 +79,7 @@ import triton.language as tl
 from .. import ops
 from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_output, padded_head_dim, \
     validate_backward_inputs
-from ..launch import Launch, compiles_without_interpreter
+from ..launch import KeptLaunch, Launch, compiles_without_interpreter
 from .configs import SHARED_MEMORY_LIMIT, TUNED_DIR, device_arch, gpu_slug
 
 LOG2E = 1.4426950408889634
@@ -723,7 +723,63 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     if isinstance(do, torch.Tensor):
         do = ops.maybe_contiguous(do)
     validate_backward_inputs(do, q, k, v, o, lse, scale, causal=causal)
+    # The lean path: what this layout runs (plan, tiles, kernels, every argument but the tensors) is
+    # worked out at its first call and kept; a later call allocates the gradients and hands its
+    # tensors to the kept launches (stages/launch.py, KeptLaunch). Keyed on everything the launches'
+    # other arguments depend on: shapes, strides, dtype, alignment, the scale, the options.
+    aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | do.data_ptr() | o.data_ptr()) % 16 == 0
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), q.dtype, q.device,
+           aligned, causal, scale, deterministic, tuned_tiles, pipelining, exp2, causal_skip, tma,
+           warp_specialization, config, dq_config, ws_config, ws_dq_config)
+    kept = _KEPT.get(key)
+    if kept is None:
+        kept = _plan_layout(do, q, k, v, o, lse, causal=causal, scale=scale, deterministic=deterministic,
+                            tuned_tiles=tuned_tiles, pipelining=pipelining, exp2=exp2, causal_skip=causal_skip,
+                            tma=tma, warp_specialization=warp_specialization, config=config, dq_config=dq_config,
+                            ws_config=ws_config, ws_dq_config=ws_dq_config)
+        if len(_KEPT) >= _KEPT_MAX:
+            _KEPT.clear()  # a model's layouts come back every step; a cleared table refills
+        _KEPT[key] = kept
+    separate, launches = kept
+    tensors = _allocate(q, k, v, separate)
+    tensors.update(do=do, q=q, k=k, v=v, o=o, lse=lse)
+    for launch in launches:
+        launch(tensors)
+    dq = tensors["dq"]
+    if dq is None:
+        dq = tensors["dq_acc"].to(q.dtype)
+    return dq, tensors["dk"], tensors["dv"]
+
+
+#: layout key -> (separate dQ, the KeptLaunches): ``attention_backward``'s memo of the layouts seen
+_KEPT: dict = {}
+_KEPT_MAX = 256
+
+#: Which call tensor each tensor or descriptor argument of the backward kernels takes.
+_ROLES = {"Q": "q", "K": "k", "V": "v", "O": "o", "DO": "do", "DQ": "dq", "DK": "dk", "DV": "dv", "LSE": "lse",
+          "DELTA": "delta", "DQ_ACC": "dq_acc", "q_desc": "q", "k_desc": "k", "v_desc": "v", "do_desc": "do",
+          "dq_desc": "dq", "dk_desc": "dk", "dv_desc": "dv"}
+
+
+def _allocate(q, k, v, separate: bool) -> dict:
+    """The buffers one backward writes: Δ, dK, dV, and dQ (separate kernel) or the fp32 atomic
+    accumulator (which fp32 inputs use as dQ itself)."""
     B, Hq, Nq, D = q.shape
+    out = dict(delta=torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device), dk=_new_gradient(k),
+               dv=_new_gradient(v))
+    if separate:
+        out.update(dq=_new_gradient(q), dq_acc=None)
+    else:
+        # fp32 inputs accumulate straight into dq; the pre-pass zeroes it.
+        dq_acc = torch.empty((B, Hq, Nq, D), dtype=torch.float32, device=q.device)
+        out.update(dq_acc=dq_acc, dq=dq_acc if q.dtype == torch.float32 else None)
+    return out
+
+
+def _plan_layout(do, q, k, v, o, lse, *, causal, scale, deterministic, tuned_tiles, pipelining, exp2, causal_skip,
+                 tma, warp_specialization, config, dq_config, ws_config, ws_dq_config) -> tuple:
+    """(separate dQ, the KeptLaunches) of a layout: the plan, the Hopper kernels' choice, the launches."""
+    D = q.shape[-1]
     arch = device_arch(q.device)
     plan = backward_plan(D, q.dtype, arch, causal, deterministic=deterministic, tuned_tiles=tuned_tiles,
                          pipelining=pipelining, warp_specialization=warp_specialization)
@@ -733,22 +789,12 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     ws_dq = choose_ws(plan.ws_dq if auto else None, ws_dq_config, q, k, v, do, arch, switches_on=switches_on,
                       name="ws_dq_config")
     separate = plan.separate_dq or ws is not None or ws_dq is not None
-    delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
-    dk, dv = _new_gradient(k), _new_gradient(v)
-    if separate:
-        dq, dq_acc = _new_gradient(q), None
-    else:
-        # fp32 inputs accumulate straight into dq; the pre-pass zeroes it.
-        dq_acc = torch.empty((B, Hq, Nq, D), dtype=torch.float32, device=q.device)
-        dq = dq_acc if q.dtype == torch.float32 else None
-    for launch in plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, causal=causal, scale=scale,
-                                arch=arch, deterministic=separate, tuned_tiles=tuned_tiles, pipelining=pipelining,
-                                exp2=exp2, causal_skip=causal_skip, tma=tma, config=config, dq_config=dq_config,
-                                ws=ws, ws_dq=ws_dq):
-        launch.run()
-    if dq is None:
-        dq = dq_acc.to(q.dtype)
-    return dq, dk, dv
+    t = _allocate(q, k, v, separate)  # (planned over stand-ins of this call's buffers: only their layout counts)
+    launches = plan_backward(do, q, k, v, o, lse, t["delta"], t["dq"], t["dk"], t["dv"], t["dq_acc"], causal=causal,
+                             scale=scale, arch=arch, deterministic=separate, tuned_tiles=tuned_tiles,
+                             pipelining=pipelining, exp2=exp2, causal_skip=causal_skip, tma=tma, config=config,
+                             dq_config=dq_config, ws=ws, ws_dq=ws_dq)
+    return separate, tuple(KeptLaunch(launch, _ROLES) for launch in launches)
 
 
 @compiles_without_interpreter
