@@ -9,7 +9,9 @@ Each line is the mean wall time per call over ``--calls`` calls, the GPU synchro
 
 * ``autograd.grad`` through each impl's attention (what training pays), and through SDPA's backends;
 * stage C's ``attention_backward`` called directly (no autograd);
-* its parts: the checks, ``plan_backward`` (building the launches as data), each launch run alone.
+* its parts: the checks, ``plan_backward`` (building the launches as data), each launch run alone
+  through Triton's ``kernel[grid]``, then what the direct call does instead: allocating the
+  gradients and each kept launch (planned at the layout's first call, ``launch.KeptLaunch``).
 
 The kernels' own GPU time comes from a CUDA graph of the direct call, replayed.
 """
@@ -106,7 +108,13 @@ def main() -> None:
 
     print(f"    plan_backward: {per_call_us(planned, args.calls):8.1f}   ({plan})")
     for launch in planned():
-        print(f"    run {launch.kernel.fn.__name__}: {per_call_us(launch.run, args.calls):8.1f}")
+        print(f"    run {launch.kernel.fn.__name__} through kernel[grid]: {per_call_us(launch.run, args.calls):8.1f}")
+    # What the direct call runs: the launches it planned at its first call and kept (launch.KeptLaunch).
+    separate, kept = list(bwd._KEPT.values())[-1]
+    tensors = {**bwd._allocate(qd, kd, vd, separate), "do": do, "q": qd, "k": kd, "v": vd, "o": o, "lse": lse}
+    print(f"    allocating the gradients: {per_call_us(lambda: bwd._allocate(qd, kd, vd, separate), args.calls):8.1f}")
+    for launch in kept:
+        print(f"    run {launch.kernel.fn.__name__} kept: {per_call_us(lambda: launch(tensors), args.calls):8.1f}")
 
 
 if __name__ == "__main__":
