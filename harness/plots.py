@@ -65,7 +65,7 @@ _EXTRA = ("#e377c2", "#393b79", "#637939", "#843c39")
 FORWARD_FIGURES = ("waterfall.png", "throughput.png", "dram_bytes.png", "peak_memory.png",
                    "roofline.png", "energy.png", "bandwidth_share.png")
 BACKWARD_FIGURES = ("backward_throughput.png", "backward_waterfall.png")
-FIGURE_NAMES = FORWARD_FIGURES + BACKWARD_FIGURES + ("models.png",)
+FIGURE_NAMES = FORWARD_FIGURES + BACKWARD_FIGURES + ("models.png", "head_dims.png")
 STAGE_IMPLS = ("a", "b", "c", "b_cuda", "c_cuda")
 
 

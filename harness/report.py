@@ -506,9 +506,11 @@ def run_history_table(rows: list[dict], commits: dict[str, str] | None = None, *
 
 
 def render_ratio_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> str:
-    """Stage C against SDPA CUDNN over the whole sweep, fp16 and bf16, with min/median/max, then the
-    same ratio over the latest runs (:func:`run_history_table`)."""
-    rows = forward_grid(load_rows(results_dir))  # all runs: ratios pair the two impls within one run
+    """Stage C against SDPA CUDNN over the FlashAttention grid's head dims (D 64 and 128; the
+    head-dim sweep has a block of its own), fp16 and bf16, with min/median/max, then the same ratio
+    over the latest runs (:func:`run_history_table`)."""
+    # all runs: ratios pair the two impls within one run
+    rows = [r for r in forward_grid(load_rows(results_dir)) if r["D"] in views.HEADLINE_DS]
     parts = [_generated_note(_posix_rel(Path(results_dir), Path(readme_dir)))]
     for dt in ("fp16", "bf16"):
         pairs = paired_rows(rows, dtype=dt)  # once per dtype: the table and the summary line share it

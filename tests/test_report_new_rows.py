@@ -274,7 +274,10 @@ def test_report_check_notices_a_stale_new_block(tmp_path, capsys):
 
 @pytest.fixture
 def everything(tmp_path) -> Path:
-    d = build_results(tmp_path / "r", rows=build_rows() + build_backward_rows(dtypes=("fp16",)) + build_foreign_rows())
+    from .test_head_dims import sweep_rows
+
+    d = build_results(tmp_path / "r", rows=build_rows() + build_backward_rows(dtypes=("fp16",)) + build_foreign_rows()
+                      + sweep_rows())
     return build_suite(d)
 
 
