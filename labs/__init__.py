@@ -50,6 +50,8 @@ LABS: tuple[Lab, ...] = (
         "stages/a_naive/README.md, stages/b_tiled/README.md"),
     Lab("gpu_timed", "Tune a slow Triton kernel until it runs within 2x of PyTorch's SDPA (needs a GPU)",
         "stages/c_optimized (tuned tiles), the harness"),
+    Lab("backward_dq", "The backward's dQ as a second pass: a query tile's program walks the keys in a fixed order",
+        "stages/c_optimized/backward.py (separate dQ)"),
 )
 
 

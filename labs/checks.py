@@ -399,6 +399,46 @@ def check_backward_dkdv(lab) -> str:
 
 
 # -------------------------------------------------------------------------------------------------
+# lab 13: dQ in a second pass
+
+def check_backward_dq(lab) -> str:
+    g = torch.Generator().manual_seed(13)
+    cases = [(2, 2, 37, 45, 16, False, 16 ** -0.5, 16, 16),
+             (2, 2, 37, 45, 16, True, 16 ** -0.5, 16, 16),
+             (1, 2, 45, 29, 32, True, 0.3, 16, 16)]   # Nq > Nk, causal: the first 16 rows see no key
+    for B, H, Nq, Nk, D, causal, scale, bm, bn in cases:
+        q, do = (torch.randn(B, H, Nq, D, generator=g) for _ in range(2))
+        k, v = (torch.randn(B, H, Nk, D, generator=g) for _ in range(2))
+        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+        o64, lse64 = _reference(q64, k64, v64, causal=causal, scale=scale)
+        o64.backward(do.double())
+        lse = lse64.detach().float()
+        delta = (do.double() * o64.detach()).sum(-1).float()
+        grid = (triton.cdiv(Nq, bm), B * H)
+        what = f"(B={B}, H={H}, Nq={Nq}, Nk={Nk}, D={D}, causal={causal}, scale={scale:.3g})"
+        runs = []
+        for _ in range(2):
+            dq, tiles = _nan(B, H, Nq, D), torch.full((grid[0] * grid[1],), -1, dtype=torch.int32)
+            _launch(lab.dq_kernel, grid, q, k, v, do, lse, delta, dq, tiles, scale, Nq, Nk,
+                    D=D, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal)
+            runs.append(dq)
+        _close_heads(runs[0], q64.grad, f"dQ {what}")
+        if not torch.equal(runs[0].view(torch.int32), runs[1].view(torch.int32)):
+            raise AssertionError(f"dQ {what}: two runs gave different bits; a second pass sums in one order")
+        # The fewest key tiles: every tile up to the one holding the last key the tile's last row sees.
+        for pid_m in range(grid[0]):
+            last = min(Nq, (pid_m + 1) * bm) - 1 + (Nk - Nq) if causal else Nk - 1
+            want = 0 if last < 0 else min(last // bn + 1, triton.cdiv(Nk, bn))
+            got = int(tiles[pid_m])
+            if got != want:
+                raise AssertionError(f"dQ {what}: query tile {pid_m} visited {got} key tiles, the fewest that "
+                                     f"cover its rows' keys is {want}" + (" (-1: TILES never written)" if got < 0
+                                                                          else ""))
+    return ("dQ matches autograd of float64 attention (causal and not, Nq ≠ Nk, ragged tiles, rows that see no "
+            "key), bit for bit the same on a second run, visiting the fewest key tiles")
+
+
+# -------------------------------------------------------------------------------------------------
 # lab 10: the split-KV merge
 
 def _split_partials(g: torch.Generator):

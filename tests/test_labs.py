@@ -224,6 +224,20 @@ def test_backward_usual_mistakes_fail(tmp_path, edit):
 
 
 # -------------------------------------------------------------------------------------------------
+# lab 13: dQ in a second pass
+
+@pytest.mark.parametrize("edit,what", [
+    (("dq * scale, mask", "dq, mask"), "dQ"),                                  # dQ without the scale of S
+    (("p * (dp - delta[:, None])", "p * dp"), "dQ"),                           # dS without delta
+    (("hi = tl.minimum(tl.maximum(tl.minimum(pid_m * BLOCK_M + BLOCK_M, Nq) + offset, 0), Nk)", "hi = Nk"),
+     "key tiles"),                                                             # every key tile, masked
+], ids=["no-scale", "no-delta", "no-causal-stop"])
+def test_backward_dq_usual_mistakes_fail(tmp_path, edit, what):
+    result = labs.grade("backward_dq", path=_variant(tmp_path, "backward_dq", edit))
+    assert result.status == "not_yet" and what in result.message, result.message
+
+
+# -------------------------------------------------------------------------------------------------
 # lab 10: the split-KV merge
 
 _MERGE_AVERAGE = '''    cnt = tl.zeros((BLOCK_R,), tl.float32)
