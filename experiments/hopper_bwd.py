@@ -27,16 +27,10 @@ import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
 from stages.c_optimized import backward as bwd  # noqa: E402
-from stages.c_optimized.configs import SHARED_MEMORY_LIMIT, device_arch  # noqa: E402
-from stages.c_optimized.tune_backward import _inputs  # noqa: E402
+from stages.c_optimized.configs import device_arch  # noqa: E402
+from stages.c_optimized.tune_backward import _inputs, ws_candidates  # noqa: E402
 
 ROUNDS = 5
-
-
-def ws_candidates(D: int, element_bytes: int) -> list[bwd.WsConfig]:
-    limit = SHARED_MEMORY_LIMIT.get(90, 227 * 1024) - 2048
-    tried = [bwd.WsConfig(m, 2, s) for m in (32, 64) for s in (2, 3)] + [bwd.WsConfig(m, 1, 2) for m in (64, 128)]
-    return [c for c in tried if c.shared_bytes(D, element_bytes) <= limit]
 
 
 def bench(fn) -> float:

@@ -376,25 +376,31 @@ def check_fused_forward(lab) -> str:
 # -------------------------------------------------------------------------------------------------
 # lab 9: dK and dV
 
+def _backward_case(g: torch.Generator, B: int, H: int, Nq: int, Nk: int, D: int, causal: bool, scale: float):
+    """Random float32 q, k, v, dO of one backward case, the forward's saved LSE and the pre-pass's δ
+    (float32, [B, H, Nq]), and autograd's (dq, dk, dv) of the float64 reference."""
+    q, do = (torch.randn(B, H, Nq, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, H, Nk, D, generator=g) for _ in range(2))
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    o64, lse64 = _reference(q64, k64, v64, causal=causal, scale=scale)
+    o64.backward(do.double())
+    delta = (do.double() * o64.detach()).sum(-1).float()
+    return q, k, v, do, lse64.detach().float(), delta, (q64.grad, k64.grad, v64.grad)
+
+
 def check_backward_dkdv(lab) -> str:
     g = torch.Generator().manual_seed(9)
     cases = [(2, 2, 37, 45, 16, False, 16 ** -0.5, 16, 16),
              (2, 2, 37, 45, 16, True, 16 ** -0.5, 16, 16),
              (1, 2, 45, 29, 32, True, 0.3, 32, 16)]
     for B, H, Nq, Nk, D, causal, scale, bm, bn in cases:
-        q, do = (torch.randn(B, H, Nq, D, generator=g) for _ in range(2))
-        k, v = (torch.randn(B, H, Nk, D, generator=g) for _ in range(2))
-        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-        o64, lse64 = _reference(q64, k64, v64, causal=causal, scale=scale)
-        o64.backward(do.double())
-        lse = lse64.detach().float()
-        delta = (do.double() * o64.detach()).sum(-1).float()
+        q, k, v, do, lse, delta, grads = _backward_case(g, B, H, Nq, Nk, D, causal, scale)
         dk, dv = _nan(B, H, Nk, D), _nan(B, H, Nk, D)
         _launch(lab.dkdv_kernel, (triton.cdiv(Nk, bn), B * H), q, k, v, do, lse, delta, dk, dv, scale, Nq, Nk,
                 D=D, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal)
         what = f"(B={B}, H={H}, Nq={Nq}, Nk={Nk}, D={D}, causal={causal}, scale={scale:.3g})"
-        _close_heads(dv, v64.grad, f"dV {what}")
-        _close_heads(dk, k64.grad, f"dK {what}")
+        _close_heads(dv, grads[2], f"dV {what}")
+        _close_heads(dk, grads[1], f"dK {what}")
     return "dK and dV match autograd of float64 attention, causal and not, Nq ≠ Nk, ragged tiles"
 
 
@@ -407,13 +413,7 @@ def check_backward_dq(lab) -> str:
              (2, 2, 37, 45, 16, True, 16 ** -0.5, 16, 16),
              (1, 2, 45, 29, 32, True, 0.3, 16, 16)]   # Nq > Nk, causal: the first 16 rows see no key
     for B, H, Nq, Nk, D, causal, scale, bm, bn in cases:
-        q, do = (torch.randn(B, H, Nq, D, generator=g) for _ in range(2))
-        k, v = (torch.randn(B, H, Nk, D, generator=g) for _ in range(2))
-        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-        o64, lse64 = _reference(q64, k64, v64, causal=causal, scale=scale)
-        o64.backward(do.double())
-        lse = lse64.detach().float()
-        delta = (do.double() * o64.detach()).sum(-1).float()
+        q, k, v, do, lse, delta, grads = _backward_case(g, B, H, Nq, Nk, D, causal, scale)
         grid = (triton.cdiv(Nq, bm), B * H)
         what = f"(B={B}, H={H}, Nq={Nq}, Nk={Nk}, D={D}, causal={causal}, scale={scale:.3g})"
         runs = []
@@ -422,7 +422,7 @@ def check_backward_dq(lab) -> str:
             _launch(lab.dq_kernel, grid, q, k, v, do, lse, delta, dq, tiles, scale, Nq, Nk,
                     D=D, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal)
             runs.append(dq)
-        _close_heads(runs[0], q64.grad, f"dQ {what}")
+        _close_heads(runs[0], grads[0], f"dQ {what}")
         if not torch.equal(runs[0].view(torch.int32), runs[1].view(torch.int32)):
             raise AssertionError(f"dQ {what}: two runs gave different bits; a second pass sums in one order")
         # The fewest key tiles: every tile up to the one holding the last key the tile's last row sees.

@@ -359,13 +359,18 @@ def main(argv: list[str] | None = None) -> int:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     finally:
-        if args.csv and rows:
-            with open(args.csv, "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=list(rows[0]))
-                w.writeheader()
-                w.writerows(rows)
+        _write_csv(args.csv, rows)
     print(f"wrote {path}")
     return 0
+
+
+def _write_csv(path, rows: list[dict]) -> None:
+    """Every timing of the run, one row each (nothing when no ``--csv`` was asked or nothing was timed)."""
+    if path and rows:
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
 
 
 def _tune_hopper(args, cells, data: dict, path, start: float) -> int:
@@ -388,11 +393,7 @@ def _tune_hopper(args, cells, data: dict, path, start: float) -> int:
             data["best"][key] = tune_hopper_cell(dt, D, c, args.N, data["best"][key], rows)
             path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     finally:
-        if args.csv and rows:
-            with open(args.csv, "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=list(rows[0]))
-                w.writeheader()
-                w.writerows(rows)
+        _write_csv(args.csv, rows)
     print(f"wrote {path}")
     return 0
 
