@@ -2,7 +2,8 @@
 # Stage C's backward on one GPU: the GPU run of the backward tests (every test of those files runs on
 # the GPU, not only the gpu-marked ones), the host time of a small backward piece by piece
 # (experiments/backward_host.py), the tuner (stages/c_optimized/tune_backward.py: every tile config of
-# each backward kernel, the dQ method per head dim and mask, written to tuned/<gpu>-backward.json),
+# each backward kernel, the dQ method per head dim and mask, then on Hopper the Gluon kernels against
+# those plans, written to tuned/<gpu>-backward.json),
 # and the measurements into results/<gpu>/: the backward grid (fp16 and bf16, N 1k/4k/16k, D 64/128,
 # causal both, stages B and C beside cuDNN and FA2), D 256 and the padded head dims, the model-suite
 # cells' backward rows, and the small GPT's training run (harness train).
@@ -33,6 +34,9 @@ fi
 if has tune; then
   run timeout ${TUNE_S:-600} $py -m stages.c_optimized.tune_backward --budget-s 480 \
       --csv results/$gpu/experiments/${day}_bwd_tuning.csv
+  # then, on Hopper, the Gluon kernels raced against the tl plans just tuned (kept where faster)
+  run timeout ${HOPPER_S:-420} $py -m stages.c_optimized.tune_backward --hopper --D 64,128 --dtype bf16 \
+      --csv results/$gpu/experiments/${day}_hopper_bwd_tuning.csv
 fi
 if has grid; then
   run timeout ${GRID_S:-420} $py -m harness sweep --pass bwd --stages b,c --peers flash,cudnn --N 1024,4096,16384 \
