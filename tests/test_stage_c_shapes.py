@@ -326,6 +326,54 @@ def test_gpu_extended_shapes(D):
             _check_lse(lse, q, k, causal=causal)
 
 
+@pytest.fixture
+def ws_padded_head_dims(monkeypatch):
+    """hopper_ws.PADDED_HEAD_DIMS on, with the choices cached under the other setting forgotten."""
+    def clear():
+        for cached in (c_kernels._select, configs.choose_config, configs.shape_aware_config):
+            cached.cache_clear()
+        c_kernels._LAYOUT_PLANS.clear()
+
+    monkeypatch.setattr(hopper_ws, "PADDED_HEAD_DIMS", True)
+    monkeypatch.setenv("LAB_WS_PADDED_HEAD_DIMS", "1")  # for compile()'s child process
+    clear()
+    yield
+    monkeypatch.undo()
+    clear()
+
+
+def test_ws_padded_head_dims_compile_for_sm90(ws_padded_head_dims):
+    """With PADDED_HEAD_DIMS, a head dim between the powers of two takes the warp-specialized kernel
+    at its padded width (TMA tiles of 64 or 128 columns, no L2 prefetch of lines past the row);
+    D 32 and 136 keep the tl kernel."""
+    for D, width in ((40, 64), (96, 128), (120, 128)):
+        assert hopper_ws.supported(torch.bfloat16, D, 90)
+        kernels = c_kernels.compile(Problem(2, 8, 1000, D, "bf16", True), 90)
+        assert [k.name for k in kernels] == ["ws_attention_kernel"], (D, kernels)
+        ptx = kernels[0].asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "prefetch.global.L2" not in ptx
+        choice = c_kernels.select(2, 8, 8, 1000, 1000, D, torch.bfloat16, True, 90, 132)
+        assert choice.path == "ws" and choice.config in configs.WS_SHAPES[width]
+    for D in (32, 136):
+        assert not hopper_ws.supported(torch.bfloat16, D, 90)
+    assert not hopper_ws.supported(torch.float32, 96, 90) and not hopper_ws.supported(torch.bfloat16, 96, 80)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [40, 56, 72, 96, 120])
+def test_gpu_ws_padded_head_dims(D, ws_padded_head_dims):
+    """The warp-specialized kernel at a padded head dim: GQA, ragged N, causal both, fp16 and bf16,
+    strided inputs, against float64 (the GPU check that PADDED_HEAD_DIMS waits for)."""
+    if configs.device_arch(torch.device("cuda")) != 90:
+        pytest.skip("the warp-specialized kernel is for sm_90")
+    for dtype_name, layout, N in (("fp16", "bhnd", 1000), ("bf16", "bnhd", 333), ("bf16", "bhnd", 4096)):
+        for causal in (False, True):
+            q, k, v = make_qkv(2, 8, N, D, DTYPES[dtype_name], "cuda", Hkv=2, layout=layout)
+            assert c_kernels.select(2, 8, 2, N, N, D, q.dtype, causal, 90, 132).path == "ws"
+            o = attention(q, k, v, causal=causal)
+            check_against_reference(o, q, k, v, causal=causal, dtype_name=dtype_name)
+
+
 def test_grouped_decode_on_a_full_gpu_reads_each_kv_head_once(monkeypatch, device):
     """Many sequences of grouped-query decoding fill the GPU without splitting, but still take the
     split kernel, unsplit (one program holds a KV head's whole query group), never the one-pass

@@ -123,7 +123,9 @@ def candidate_configs(D: int, dtype: torch.dtype, arch: int, warp_specialization
     """The configurations worth trying for this head dim and GPU, best guess first; only those that
     fit. On Hopper (fp16/bf16, D 64/128) the warp-specialized kernel's configs come first. A head dim
     that is not a power of two (72, 200, ...) takes the configs of its padded tile width."""
-    ws_D = D
+    # The warp-specialized kernel runs a head dim between the powers of two at its padded width
+    # (hopper_ws.PADDED_HEAD_DIMS): its configs are the padded width's.
+    ws_D = padded_head_dim(D) if hopper_ws.supported(dtype, D, arch) else D
     D = padded_head_dim(D)
     if dtype == torch.float32:
         # fp32 products run on the FMA units ("ieee"), where each thread holds its slice of both
@@ -313,7 +315,7 @@ def shape_aware_config(config: Config, B: int, Hq: int, Nq: int, D: int, dtype: 
     e = torch.tensor([], dtype=dtype).element_size()
     if config.ws:
         options = [(config, grid_cost(B, Hq, Nq, config.block_m, sms, ROW_COST[f"ws{config.block_m}"]))]
-        for c in WS_SHAPES.get(D, []):
+        for c in WS_SHAPES.get(padded_head_dim(D), []):
             if c.block_m != config.block_m and c.persistent:
                 options.append((c, grid_cost(B, Hq, Nq, c.block_m, sms, ROW_COST[f"ws{c.block_m}"])))
         tl64 = next((c for c in candidate_configs(D, dtype, arch, False) if c.block_m == 64), None)

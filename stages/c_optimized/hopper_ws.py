@@ -76,6 +76,7 @@ inlined copy of the code, and at D = 64 with three consumers the instruction cac
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import torch
@@ -85,6 +86,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
+from ..contract import padded_head_dim
 from ..launch import Launch
 
 #: Query rows per consumer warpgroup: wgmma's M is 64 per warpgroup.
@@ -660,8 +662,9 @@ def descriptor(t, block: tuple) -> GluonTensorDescriptor:
 
 def descriptors(q, k, v, o, block_n: int):
     """The four descriptors of one call: Q and O in 64-row tiles (one consumer's), K and V in
-    ``block_n``-row tiles over their own [B, Hkv, Nk, D] shape."""
-    D = q.shape[-1]
+    ``block_n``-row tiles over their own [B, Hkv, Nk, D] shape; the tiles as wide as the padded head
+    dim (the copy engine fills the columns past D with zeros and the store leaves them out)."""
+    D = padded_head_dim(q.shape[-1])
     return (descriptor(q, (1, 1, ROWS_PER_CONSUMER, D)), descriptor(k, (1, 1, block_n, D)),
             descriptor(v, (1, 1, block_n, D)), descriptor(o, (1, 1, ROWS_PER_CONSUMER, D)))
 
@@ -672,10 +675,22 @@ def q_buffers(persistent: bool) -> int:
     return 2 if persistent else 1
 
 
+#: The warp-specialized kernel at the head dims between the powers of two (40-56 as 64, 72-120 as
+#: 128): the tiles are as wide as the padded head dim and TMA fills the columns past D with zeros on
+#: load and leaves them out on store, so the kernel is the D 64 or 128 one, doing the padded width's
+#: multiply-adds at its rate. Compiled and tested on a CPU; off until its GPU tests
+#: (``tests/test_stage_c_shapes.py::test_gpu_ws_padded_head_dims``) and a head-dim sweep have run
+#: on an H200 (``LAB_WS_PADDED_HEAD_DIMS=1`` in the environment turns it on for such a run).
+PADDED_HEAD_DIMS = os.environ.get("LAB_WS_PADDED_HEAD_DIMS", "0") == "1"
+
+
 def supported(dtype: torch.dtype, D: int, arch: int) -> bool:
-    """The warp-specialized path covers Hopper, fp16/bf16 and D in {64, 128} (and Nq = Nk: the
-    caller checks that, it is not a property of the dtype or head dim)."""
-    return arch == 90 and dtype in (torch.float16, torch.bfloat16) and D in (64, 128)
+    """The warp-specialized path covers Hopper, fp16/bf16 and D in {64, 128}, and with
+    :data:`PADDED_HEAD_DIMS` every multiple of 8 from 40 to 120 (and Nq = Nk: the caller checks
+    that, it is not a property of the dtype or head dim)."""
+    if arch != 90 or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return D in (64, 128) or (PADDED_HEAD_DIMS and D % 8 == 0 and 40 <= D <= 120)
 
 
 #: The ladder of the module docstring, bottom to top: (name, what the rung adds). Stage C's

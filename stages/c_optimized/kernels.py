@@ -343,7 +343,7 @@ def _ws_rung_choice(B, Hq, Nq, Nk, D, dtype, causal, arch, sms, tma_ok, config, 
     if config is None:
         config = shape_aware_config(choose_config(D, dtype, causal, arch, Nq, True), B, Hq, Nq, D, dtype, arch, sms)
         if not config.ws:  # a tuned table whose winner here is a tl config: the ladder builds on the first ws one
-            config = WS_SHAPES[D][0]
+            config = WS_SHAPES[padded_head_dim(D)][0]
     return Choice("ws", ws_rung_config(config, ws_rung), ws_rung)
 
 
@@ -507,11 +507,14 @@ def _recipe(path: str, config, dtype: torch.dtype, D: int, group: int, causal: b
         return _split_recipe(config, dtype, D, group, causal, dot_precision, store_lse, sms)
     if path == "ws":
         options = config.ws_options(ws_rung)
+        BD = padded_head_dim(D)  # tiles as wide as the padded head dim: TMA zero-fills the columns past D
+        if BD != D:
+            options["prefetch_l2"] = False  # its lines cover BD columns: past the end of the last row
         constants, extra = hopper_ws.kernel_constants(causal=causal, group=group, even_n=even_n, **options)
         block_n = config.block_n
-        descs = (("q_desc", "q", (1, 1, hopper_ws.ROWS_PER_CONSUMER, D), True),
-                 ("k_desc", "k", (1, 1, block_n, D), True), ("v_desc", "v", (1, 1, block_n, D), True),
-                 ("o_desc", "o", (1, 1, hopper_ws.ROWS_PER_CONSUMER, D), True))
+        descs = (("q_desc", "q", (1, 1, hopper_ws.ROWS_PER_CONSUMER, BD), True),
+                 ("k_desc", "k", (1, 1, block_n, BD), True), ("v_desc", "v", (1, 1, block_n, BD), True),
+                 ("o_desc", "o", (1, 1, hopper_ws.ROWS_PER_CONSUMER, BD), True))
         launch = _LaunchRecipe(hopper_ws.ws_attention_kernel, tuple(constants.items()), (("Q", "q"),), descs,
                                hopper_ws.RUNTIME_ARGS, num_warps=4, num_stages=1, extra=tuple(extra.items()),
                                dtype=dtype)
