@@ -15,7 +15,8 @@
 #     experiments/head_dims_gpu.sh d32 d96          # some parts: tests tl d32 d96 d160 d224 wspad
 #
 # The part `wspad` (not in the default set) runs the warp-specialized kernel at the padded head dims
-# (hopper_ws.PADDED_HEAD_DIMS, switched on by LAB_WS_PADDED_HEAD_DIMS=1): its GPU tests, then the sweep
+# (hopper_ws.PADDED_HEAD_DIMS, switched on by LAB_WS_PADDED_HEAD_DIMS=1): its GPU tests (forward and the
+# Hopper backward kernels), then the forward sweep
 # at D 40-56 and 72-120 with it, whose rows are stage C's latest at those head dims.
 #
 # Then, on any machine: `python -m harness plot results/<gpu>` and
@@ -54,7 +55,8 @@ if has d160; then sweep 160,168,176,184,192,200,208,216; fi
 if has d224; then sweep 224,232,240,248,256; fi
 if has wspad; then
   export LAB_WS_PADDED_HEAD_DIMS=1
-  run timeout ${TEST_S:-300} $py -m pytest -q -p no:cacheprovider tests/test_stage_c_shapes.py -k "ws_padded"
+  run timeout ${TEST_S:-300} $py -m pytest -q -p no:cacheprovider tests/test_stage_c_shapes.py \
+      tests/test_stage_c_backward.py -k "ws_padded or padded_head_dims"
   sweep 40,48,56,72,80,88,96,104,112,120
   unset LAB_WS_PADDED_HEAD_DIMS
 fi

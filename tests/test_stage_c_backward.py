@@ -328,3 +328,37 @@ def test_a_layout_is_planned_once_and_its_launches_take_new_tensors(monkeypatch,
     q, k, v = make_qkv(1, 4, 70, 32, torch.float16, device, Hkv=2, Nk=90, seed=23, layout="bnhd")
     check_gradients(attention, q, k, v, causal=True, dtype_name="fp16", sm_scale=0.3)
     assert len(calls) == 3
+
+
+@pytest.fixture
+def ws_padded_head_dims(monkeypatch):
+    """hopper_ws.PADDED_HEAD_DIMS on (and for compile's child process), the cached plans forgotten."""
+    from stages.c_optimized import hopper_ws
+
+    monkeypatch.setattr(hopper_ws, "PADDED_HEAD_DIMS", True)
+    monkeypatch.setenv("LAB_WS_PADDED_HEAD_DIMS", "1")
+    bwd.backward_plan.cache_clear()
+    bwd._KEPT.clear()
+    yield
+    monkeypatch.undo()
+    bwd.backward_plan.cache_clear()
+    bwd._KEPT.clear()
+
+
+def test_hopper_backward_at_padded_head_dims_compiles_for_sm90(ws_padded_head_dims):
+    """With PADDED_HEAD_DIMS the Hopper backward kernels take D 96 in tiles of 128 columns."""
+    both = bwd.compile_backward(Problem(1, 4, 200, 96, "bf16", True, Hkv=2, Nk=300), 90,
+                                ws_config="ws-M32-c2-s2", ws_dq_config="ws-M64-c2-s2")
+    assert [k.name for k in both] == ["attention_bwd_delta_kernel", "ws_bwd_dkdv_kernel", "ws_bwd_dq_kernel"]
+    assert all("wgmma.mma_async" in k.asm["ptx"] and "ld.local" not in k.asm["ptx"] for k in both[1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [48, 80, 96, 120])
+def test_gpu_hopper_backward_at_padded_head_dims(D, ws_padded_head_dims, device):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper backward kernels need sm_90")
+    for causal in (False, True):
+        q, k, v = make_qkv(2, 4, 300, D, torch.bfloat16, device, Hkv=2, Nk=300, seed=31)
+        check_gradients(attention, q, k, v, causal=causal, dtype_name="bf16", ws_config="ws-M32-c2-s2",
+                        ws_dq_config="ws-M64-c2-s2")

@@ -291,8 +291,11 @@ def backward_plan(D: int, dtype: torch.dtype, arch: int, causal: bool = False, *
 
 
 def hopper_bwd_supported(dtype: torch.dtype, D: int, arch: int) -> bool:
-    """Where the Hopper dK/dV kernel runs: sm_90, fp16/bf16, D 64 or 128."""
-    return arch == 90 and dtype in (torch.float16, torch.bfloat16) and D in (64, 128)
+    """Where the Hopper backward kernels run: where the warp-specialized forward does (sm_90,
+    fp16/bf16, D 64 or 128, and the padded head dims between with ``hopper_ws.PADDED_HEAD_DIMS``)."""
+    from . import hopper_ws
+
+    return hopper_ws.supported(dtype, D, arch)
 
 
 def _tma_ready(*tensors: torch.Tensor) -> bool:

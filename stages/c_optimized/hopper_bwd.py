@@ -26,18 +26,18 @@ consumers (64 floats, from L2). Masks: keys past Nk and (causal, bottom-right) k
 zeroed in Pᵀ after the exponential, only on the tiles that need it (a runtime branch); query rows
 past Nq read zeros by TMA and lse = +inf, so their P is exactly 0.
 
-Covers sm_90, fp16/bf16, D 64 and 128, Nq ≠ Nk, GQA, 16-byte aligned strides (TMA's rule).
+Covers sm_90, fp16/bf16, D 64 and 128 (and, with ``hopper_ws.PADDED_HEAD_DIMS``, the multiples of 8
+between them, in tiles of the padded width), Nq ≠ Nk, GQA, 16-byte aligned strides (TMA's rule).
 """
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ..contract import cdiv
+from ..contract import cdiv, padded_head_dim
 from ..launch import Launch
 from .hopper_ws import PRODUCER_REGS, descriptor
 
@@ -213,9 +213,6 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, D
 
 # ------------------------------------------------------------------------------------------ host side
 
-def supported(dtype: torch.dtype, D: int, arch: int) -> bool:
-    """sm_90, fp16/bf16, D 64 or 128 (the caller checks TMA's alignment rules on the tensors)."""
-    return arch == 90 and dtype in (torch.float16, torch.bfloat16) and D in (64, 128)
 
 
 def kernel_options(consumers: int) -> tuple[int, int, dict]:
@@ -233,8 +230,9 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
               consumers: int, stages: int) -> Launch:
     """The launch of ``ws_bwd_dkdv_kernel`` for these tensors: K/V tiles of ``consumers × 64`` rows,
     Q/dO tiles of ``block_m`` rows through ``stages`` slots."""
-    B, Hq, Nq, D = q.shape
+    B, Hq, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
+    D = padded_head_dim(q.shape[-1])  # tiles of the padded width: TMA zero-fills past the head dim
     rows = (1, 1, ROWS_PER_CONSUMER, D)
     consumer_regs, producer_regs, extra = kernel_options(consumers)
     args = dict(q_desc=descriptor(q, (1, 1, block_m, D)), k_desc=descriptor(k, rows), v_desc=descriptor(v, rows),
@@ -389,8 +387,9 @@ def plan_dq(q, k, v, do, dq, lse, delta, *, causal: bool, qk_scale: float, sm_sc
             consumers: int, stages: int) -> Launch:
     """The launch of ``ws_bwd_dq_kernel``: query blocks of ``consumers × 64`` rows, K/V tiles of
     ``block_n`` rows through ``stages`` slots."""
-    B, Hq, Nq, D = q.shape
+    B, Hq, Nq, _ = q.shape
     Hkv = k.shape[1]
+    D = padded_head_dim(q.shape[-1])
     rows = (1, 1, ROWS_PER_CONSUMER, D)
     consumer_regs, producer_regs, extra = kernel_options(consumers)
     args = dict(q_desc=descriptor(q, rows), k_desc=descriptor(k, (1, 1, block_n, D)),
