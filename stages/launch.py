@@ -241,6 +241,17 @@ class FastLaunch:
             self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
 
 
+def descriptor_over(cls, fields: dict, t: torch.Tensor):
+    """A TMA descriptor of class ``cls`` over tensor ``t``, its other fields (block shape, padding,
+    Gluon's shared-memory layout) from ``fields``, built without the class's checks: the caller
+    checked strides and block for this layout once, and a launcher keys on the pointers' alignment.
+    The fixed lists in ``fields`` are shared between calls: Triton's launcher only reads them."""
+    desc = object.__new__(cls)
+    desc.__dict__.update(fields)
+    desc.base, desc.shape, desc.strides = t, list(t.shape), list(t.stride())
+    return desc
+
+
 def _is_descriptor(value) -> bool:
     """A TMA descriptor argument (Triton's host ``TensorDescriptor`` or Gluon's): it wraps a tensor."""
     return hasattr(value, "block_shape") and isinstance(getattr(value, "base", None), torch.Tensor)
@@ -253,8 +264,7 @@ class KeptLaunch:
     tensors it takes (``{"Q": "q", "q_desc": "q", ...}``); every other argument (sizes, strides,
     scales, constexprs) and the grid stay as planned, so the caller keys what it keeps on everything
     they depend on (shapes, strides, dtype, scale). A call hands over ``{role: tensor}``; a descriptor
-    is rebuilt over its tensor from the planned one's fields (block shape, shared-memory layout),
-    without the class's checks, which held for the planned layout. Launched through
+    is rebuilt over its tensor from the planned one's fields (:func:`descriptor_over`). Launched through
     :class:`FastLaunch` (the compiled kernel's own launcher after the first call)."""
 
     def __init__(self, launch: Launch, roles: dict[str, str]):
@@ -275,12 +285,7 @@ class KeptLaunch:
 
     def values(self, tensors: dict) -> list:
         values = [tensors[role] for _, role in self.tensors]
-        for _, role, cls, fields in self.descs:
-            t = tensors[role]
-            desc = object.__new__(cls)
-            desc.__dict__.update(fields)
-            desc.base, desc.shape, desc.strides = t, list(t.shape), list(t.stride())
-            values.append(desc)
+        values.extend(descriptor_over(cls, fields, tensors[role]) for _, role, cls, fields in self.descs)
         return values
 
     def __call__(self, tensors: dict) -> None:

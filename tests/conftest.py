@@ -41,3 +41,23 @@ def fake_stages():
     yield stages.register
     stages.STAGES.clear()
     stages.STAGES.update(saved)
+
+
+@pytest.fixture
+def ws_padded_head_dims(monkeypatch):
+    """``hopper_ws.PADDED_HEAD_DIMS`` on (and for ``compile``'s child process, through the environment),
+    with every plan and choice cached under the other setting forgotten, before and after."""
+    from stages.c_optimized import backward, configs, hopper_ws, kernels
+
+    def clear():
+        for cached in (kernels._select, configs.choose_config, configs.shape_aware_config, backward.backward_plan):
+            cached.cache_clear()
+        kernels._LAYOUT_PLANS.clear()
+        backward._KEPT.clear()
+
+    monkeypatch.setattr(hopper_ws, "PADDED_HEAD_DIMS", True)
+    monkeypatch.setenv("LAB_WS_PADDED_HEAD_DIMS", "1")
+    clear()
+    yield
+    monkeypatch.undo()
+    clear()

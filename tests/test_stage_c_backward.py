@@ -330,21 +330,6 @@ def test_a_layout_is_planned_once_and_its_launches_take_new_tensors(monkeypatch,
     assert len(calls) == 3
 
 
-@pytest.fixture
-def ws_padded_head_dims(monkeypatch):
-    """hopper_ws.PADDED_HEAD_DIMS on (and for compile's child process), the cached plans forgotten."""
-    from stages.c_optimized import hopper_ws
-
-    monkeypatch.setattr(hopper_ws, "PADDED_HEAD_DIMS", True)
-    monkeypatch.setenv("LAB_WS_PADDED_HEAD_DIMS", "1")
-    bwd.backward_plan.cache_clear()
-    bwd._KEPT.clear()
-    yield
-    monkeypatch.undo()
-    bwd.backward_plan.cache_clear()
-    bwd._KEPT.clear()
-
-
 def test_hopper_backward_at_padded_head_dims_compiles_for_sm90(ws_padded_head_dims):
     """With PADDED_HEAD_DIMS the Hopper backward kernels take D 96 in tiles of 128 columns."""
     both = bwd.compile_backward(Problem(1, 4, 200, 96, "bf16", True, Hkv=2, Nk=300), 90,

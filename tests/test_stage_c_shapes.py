@@ -326,22 +326,6 @@ def test_gpu_extended_shapes(D):
             _check_lse(lse, q, k, causal=causal)
 
 
-@pytest.fixture
-def ws_padded_head_dims(monkeypatch):
-    """hopper_ws.PADDED_HEAD_DIMS on, with the choices cached under the other setting forgotten."""
-    def clear():
-        for cached in (c_kernels._select, configs.choose_config, configs.shape_aware_config):
-            cached.cache_clear()
-        c_kernels._LAYOUT_PLANS.clear()
-
-    monkeypatch.setattr(hopper_ws, "PADDED_HEAD_DIMS", True)
-    monkeypatch.setenv("LAB_WS_PADDED_HEAD_DIMS", "1")  # for compile()'s child process
-    clear()
-    yield
-    monkeypatch.undo()
-    clear()
-
-
 def test_ws_padded_head_dims_compile_for_sm90(ws_padded_head_dims):
     """With PADDED_HEAD_DIMS, a head dim between the powers of two takes the warp-specialized kernel
     at its padded width (TMA tiles of 64 or 128 columns, no L2 prefetch of lines past the row);

@@ -81,6 +81,8 @@ from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_ou
     validate_backward_inputs
 from ..launch import KeptLaunch, Launch, compiles_without_interpreter
 from .configs import SHARED_MEMORY_LIMIT, TUNED_DIR, device_arch, gpu_slug
+from . import hopper_ws  # (where the Hopper kernels run: the warp-specialized forward's rule)
+from .kernels import tma_supported
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -278,7 +280,7 @@ def backward_plan(D: int, dtype: torch.dtype, arch: int, causal: bool = False, *
             dq = BwdConfig.parse(entry["dq"]) if "dq" in entry else dkdv
             if fits(dkdv, D_pad, e, arch) and fits(dq, D_pad, e, arch):
                 plan = BwdPlan(dkdv, entry["dq_method"] == "separate", dq)
-            if warp_specialization and pipelining and hopper_bwd_supported(dtype, D, arch):
+            if warp_specialization and pipelining and hopper_ws.supported(dtype, D, arch):
                 ws = WsConfig.parse(entry["ws"]) if "ws" in entry else None
                 ws_dq = WsConfig.parse(entry["ws_dq"]) if "ws_dq" in entry else None
                 if ws is not None or ws_dq is not None:
@@ -288,20 +290,6 @@ def backward_plan(D: int, dtype: torch.dtype, arch: int, causal: bool = False, *
     if not pipelining:
         plan = replace(plan, dkdv=replace(plan.dkdv, num_stages=1), dq=replace(plan.dq, num_stages=1))
     return plan
-
-
-def hopper_bwd_supported(dtype: torch.dtype, D: int, arch: int) -> bool:
-    """Where the Hopper backward kernels run: where the warp-specialized forward does (sm_90,
-    fp16/bf16, D 64 or 128, and the padded head dims between with ``hopper_ws.PADDED_HEAD_DIMS``)."""
-    from . import hopper_ws
-
-    return hopper_ws.supported(dtype, D, arch)
-
-
-def _tma_ready(*tensors: torch.Tensor) -> bool:
-    """TMA's rules: 16-byte aligned base pointers and strides (all but the last, which must be 1)."""
-    return all((t.is_meta or t.data_ptr() % 16 == 0) and t.stride(-1) == 1
-               and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
 
 
 def backward_config(D: int, dtype: torch.dtype, arch: int, tuned_tiles: bool = True,
@@ -622,12 +610,12 @@ def choose_ws(planned: WsConfig | None, forced: WsConfig | str | None, q, k, v, 
     if forced is not None:
         ws = WsConfig.parse(forced) if isinstance(forced, str) else forced
         D = q.shape[-1]
-        if not (hopper_bwd_supported(q.dtype, D, arch) and _tma_ready(q, k, v, do) and switches_on):
+        if not (hopper_ws.supported(q.dtype, D, arch) and tma_supported(arch, q, k, v, do) and switches_on):
             raise ValueError(f"{name}={ws}: the Hopper backward kernels run on sm_90 with fp16/bf16, D 64 or 128, "
                              f"16-byte aligned strides and every switch on; got arch {arch}, {q.dtype}, D {D}, "
                              f"switches on: {switches_on}")
         return ws
-    if planned is not None and switches_on and _tma_ready(q, k, v, do):
+    if planned is not None and switches_on and tma_supported(arch, q, k, v, do):
         return planned
     return None
 

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..contract import cdiv, padded_head_dim
 from ..launch import Launch
-from .hopper_ws import PRODUCER_REGS, descriptor
+from .hopper_ws import _signal, descriptor, register_budget
 
 #: K/V rows per consumer warpgroup: wgmma's M is 64 per warpgroup.
 ROWS_PER_CONSUMER = 64
@@ -86,13 +86,6 @@ def _producer(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, ring, b, 
             tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], ready.index(s), q_bufs.index(s))
             tma.async_copy_global_to_shared(do_desc, [b, h, row, 0], ready.index(s), do_bufs.index(s))
             it += 1
-
-
-@gluon.jit
-def _signal(bar):
-    """One arrival for the whole warpgroup, from one thread (``expect`` of zero bytes is an arrive;
-    see ``hopper_ws._signal`` for why no warpgroup barrier is needed in front)."""
-    mbarrier.expect(bar, 0)
 
 
 @gluon.jit
@@ -216,14 +209,11 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, D
 
 
 def kernel_options(consumers: int) -> tuple[int, int, dict]:
-    """(consumer registers, producer registers, launch options): with two consumers the producer
-    keeps ``PRODUCER_REGS`` per thread and each consumer takes 240 (dK and dV in fp32 are 2 · D / 2
-    registers per thread on their own); with one, every warpgroup gets the even share."""
-    threads = 128 * (consumers + 1)
-    maxnreg = min((65536 // threads) // 8 * 8, 256)
-    if consumers == 2:
-        return 240, PRODUCER_REGS, {"maxnreg": maxnreg}
-    return maxnreg, maxnreg, {"maxnreg": maxnreg}
+    """(consumer registers, producer registers, launch options): the forward's budget
+    (``hopper_ws.register_budget``): with two consumers the producer keeps its minimum and each
+    consumer takes 240 (dK and dV in fp32 are 2 · D / 2 registers per thread on their own)."""
+    consumer_regs, producer_regs, maxnreg = register_budget(consumers)
+    return consumer_regs, producer_regs, {"maxnreg": maxnreg}
 
 
 def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float, sm_scale: float, block_m: int,

@@ -759,15 +759,7 @@ def kernel_constants(*, causal: bool, block_n: int, stages: int, consumers: int 
     if consumers not in (1, 2, 3):
         raise ValueError(f"consumers must be 1, 2 or 3, got {consumers}")
     zigzag = causal and persistent
-    # 4 warps run the default partition (consumer 0); the workers add 4 per further consumer and 1
-    # producer warp, rounded up to whole warpgroups. maxnreg sets the register pool they share:
-    # 65536 registers over all the threads (at most 256 each: setmaxnreg's ceiling).
-    threads = 128 * (consumers + 1)
-    maxnreg = min((65536 // threads) // 8 * 8, 256)
-    if register_realloc and consumers > 1:
-        consumer_regs, producer_regs = (240 if consumers == 2 else 160), PRODUCER_REGS
-    else:  # every partition asks for the even share: the default partition is left the same
-        consumer_regs = producer_regs = maxnreg
+    consumer_regs, producer_regs, maxnreg = register_budget(consumers, register_realloc)
     constants = dict(BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, CAUSAL=causal,
                      EVEN_N=even_n, ZIGZAG=zigzag, Q_BUFS=q_buffers(persistent),
                      CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
@@ -775,6 +767,21 @@ def kernel_constants(*, causal: bool, block_n: int, stages: int, consumers: int 
                      EXP_TURNS=pingpong and consumers == 2, PREFETCH_L2=prefetch_l2, LAZY_RESCALE=lazy_rescale,
                      GROUP=group, LANE_ROW_SUMS=lane_row_sums)
     return constants, {"maxnreg": maxnreg}
+
+
+def register_budget(consumers: int, register_realloc: bool = True) -> tuple[int, int, int]:
+    """(registers per consumer thread, per producer thread, ``maxnreg``) of a kernel with ``consumers``
+    consumer warpgroups and one producer warp (this kernel and ``hopper_bwd.py``'s). 4 warps run the
+    default partition (consumer 0); the workers add 4 per further consumer and 1 producer warp,
+    rounded up to whole warpgroups. ``maxnreg`` sets the register pool they share: 65536 registers
+    over all the threads (at most 256 each: setmaxnreg's ceiling). With ``register_realloc`` the
+    producer keeps ``PRODUCER_REGS`` and the consumers take the rest (240 with two, 160 with three);
+    without it, or with one consumer, every partition asks for the even share."""
+    threads = 128 * (consumers + 1)
+    maxnreg = min((65536 // threads) // 8 * 8, 256)
+    if register_realloc and consumers > 1:
+        return (240 if consumers == 2 else 160), PRODUCER_REGS, maxnreg
+    return maxnreg, maxnreg, maxnreg
 
 
 def runtime_args(B: int, H: int, N: int, q_stride: tuple, *, causal: bool, consumers: int, persistent: bool,

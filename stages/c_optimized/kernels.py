@@ -56,7 +56,7 @@ import triton.language as tl
 
 from .. import contract, ops
 from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_output, padded_head_dim, validate_inputs
-from ..launch import FastLaunch, Launch, compiles_without_interpreter
+from ..launch import FastLaunch, Launch, compiles_without_interpreter, descriptor_over
 from . import decode, hopper_ws
 from .configs import (BASELINE, WS_SHAPES, Config, choose_config, device_arch, shape_aware_config, shared_memory_bytes,
                       sm_count, ws_rung_config)
@@ -244,8 +244,10 @@ def _strides_tma_ok(strides: tuple, element_bytes: int) -> bool:
     return all((s * element_bytes) % 16 == 0 for s in strides[:-1])
 
 
-def _tma_supported(arch: int, *tensors: torch.Tensor) -> bool:
-    """TMA needs sm_90+, 16-byte aligned base pointers and 16-byte aligned strides (all but the last)."""
+def tma_supported(arch: int, *tensors: torch.Tensor) -> bool:
+    """TMA needs sm_90+, 16-byte aligned base pointers and 16-byte aligned strides (all but the last,
+    which the stage contract makes 1). The forward checks its four tensors inline, on its hot path;
+    the backward's Hopper kernels ask this."""
     if arch < 90:
         return False
     return all(_aligned(t) and _strides_tma_ok(t.stride(), t.element_size()) for t in tensors)
@@ -388,15 +390,9 @@ class _LaunchRecipe:
         """The dynamic arguments of one call: its tensors (by role), descriptors built over them, its
         sizes and strides, and the scale."""
         values = [tensors[role] for _, role in self.tensors]
-        for (_, role, _, _), (cls, fields) in zip(self.descs, self.desc_templates):
-            # A descriptor without its class's checks (the recipe checked strides and block for this
-            # key; the launcher keys on the pointers' alignment), its fixed lists shared between calls:
-            # Triton's launcher only reads them.
-            t = tensors[role]
-            desc = object.__new__(cls)
-            desc.__dict__.update(fields)
-            desc.base, desc.shape, desc.strides = t, list(t.shape), list(t.stride())
-            values.append(desc)
+        # (the recipe checked strides and block for this key: launch.descriptor_over skips the checks)
+        values.extend(descriptor_over(cls, fields, tensors[role])
+                      for (_, role, _, _), (cls, fields) in zip(self.descs, self.desc_templates))
         values.extend(ints)
         if self.scale_factor is not None:
             values.append(scale * self.scale_factor)

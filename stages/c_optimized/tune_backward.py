@@ -375,7 +375,7 @@ def _write_csv(path, rows: list[dict]) -> None:
 
 def _tune_hopper(args, cells, data: dict, path, start: float) -> int:
     from ..contract import DTYPES, padded_head_dim
-    from .backward import hopper_bwd_supported
+    from . import hopper_ws
 
     if data.get("arch") != 90:
         print("the Hopper kernels need an sm_90 GPU", file=sys.stderr)
@@ -384,7 +384,7 @@ def _tune_hopper(args, cells, data: dict, path, start: float) -> int:
     try:
         for dt, D, c in cells:
             key = tuned_key(dt, padded_head_dim(D), c)
-            if not hopper_bwd_supported(DTYPES[dt], D, 90) or key not in data["best"]:
+            if not hopper_ws.supported(DTYPES[dt], D, 90) or key not in data["best"]:
                 print(f"{key}: no Hopper kernel or no tuned tl plan to race; skipped", flush=True)
                 continue
             if args.budget_s is not None and time.monotonic() - start > args.budget_s:
