@@ -940,9 +940,31 @@ HEAD_DIM_SCRIPT = "experiments/head_dims_gpu.sh"
 HEAD_DIM_COMMAND = ("python -m harness sweep --stages c --peers flash,cudnn --N 4096 --D "
                     + ",".join(map(str, HEAD_DIM_SWEEP)) + " --causal both --dtype bf16")
 #: stage C's variant without warp specialization: its row at D 64 or 128 is the tl kernel's rate at
-#: the width the head dims between powers of two are padded to (the warp-specialized kernel covers
-#: D 64 and 128 only, so every padded head dim runs the tl kernel)
+#: the width a head dim between powers of two is padded to, the bound for such a head dim where it
+#: runs the tl kernel (with ``LAB_WS_PADDED_HEAD_DIMS=0``; by default the warp-specialized kernel runs
+#: D 40-120 in its padded width's tiles, and stage C's own row at that width is the bound)
 HEAD_DIM_TL_VARIANT = "-warp_specialization"
+
+
+def _ws_runs(dtype: str, D: int) -> bool:
+    """Whether stage C runs head dim ``D`` in ``dtype`` with its warp-specialized kernel on a Hopper GPU
+    (the code's rule, ``hopper_ws.supported``; the rows do not record which kernel ran)."""
+    from stages.c_optimized import hopper_ws
+    from stages.contract import DTYPES
+
+    return dtype in DTYPES and hopper_ws.supported(DTYPES[dtype], D, 90)
+
+
+def _spans(ds: list[int]) -> str:
+    """Head dims as runs of consecutive multiples of 8: [32, 40, 48, 64] -> 'D 32–48 and 64'."""
+    runs: list[list[int]] = []
+    for D in sorted(ds):
+        if runs and D - runs[-1][-1] == 8:
+            runs[-1].append(D)
+        else:
+            runs.append([D])
+    parts = [f"{r[0]}" if len(r) == 1 else f"{r[0]}–{r[-1]}" for r in runs]
+    return "D " + (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0])
 
 
 def _is_timed(row: dict | None) -> bool:
@@ -954,8 +976,16 @@ def head_dim_kernel_note(env: dict, dtype: str, rows: list[dict]) -> str:
     a Hopper GPU (``compute_capability`` 9.0 in ``env.json``); '' elsewhere (a CPU run, fp32, another GPU)."""
     if views.interpreted(rows) or dtype not in ("fp16", "bf16") or str(env.get("compute_capability")) != "9.0":
         return ""
-    return ("D 64 and 128 run stage C's warp-specialized Hopper kernel; every other D runs its tl kernel with the "
-            "first tile configuration of its padded width (the tuning tables hold D 64 and 128 only)")
+    ds = sorted({r["D"] for r in rows})
+    ws = [D for D in ds if _ws_runs(dtype, D)]
+    tl = [D for D in ds if D not in ws]
+    if not ws:
+        return ""
+    text = (f"{_spans(ws)} run stage C's warp-specialized Hopper kernel (a head dim between powers of two in "
+            "the tiles of its padded width)")
+    if tl:
+        text += f"; {_spans(tl)} run its tl kernel with the first tile configuration of its padded width"
+    return text + " (the tuning tables hold D 64 and 128 only)"
 
 
 def head_dim_family(rows: list[dict]) -> tuple[int, str] | None:
@@ -998,8 +1028,9 @@ def head_dim_points(rows: list[dict], *, N: int, dtype: str) -> dict[int, list[d
     None), and ``padded_rate``: where D is padded and stage C was timed at the padded width, the
     TFLOPS stage C would reach at D if it ran at that width's rate (its TFLOPS there × D / padded),
     with ``padded_rate_kernel`` saying whose rate it is: ``"tl"`` (stage C's
-    :data:`HEAD_DIM_TL_VARIANT` row at that width, the kernel padded head dims run) or ``"c"``
-    (stage C's own row there, the warp-specialized kernel at 64 and 128). Forward grid rows only."""
+    :data:`HEAD_DIM_TL_VARIANT` row at that width, where D runs the tl kernel and the width the
+    warp-specialized one) or ``"c"`` (stage C's own row there: D and its padded width run the same
+    kernel, or no tl row was measured). Forward grid rows only."""
     from stages.contract import padded_head_dim
 
     grid = forward_grid(rows)
@@ -1018,8 +1049,12 @@ def head_dim_points(rows: list[dict], *, N: int, dtype: str) -> dict[int, list[d
                      "padded_rate": None, "padded_rate_kernel": None}
             P = point["padded"]
             if P != D:
-                tl = [r for r in select(grid, impl="c", kind="ablation", variant=HEAD_DIM_TL_VARIANT, N=N, D=P,
-                                        dtype=dtype, causal=causal) if _is_timed(r)]
+                # the padded width's rate of the kernel D runs: stage C's own row at P when D runs the
+                # kernel P runs, else (the tl kernel at D, the warp-specialized one at P) the tl row at P
+                same_kernel = _ws_runs(dtype, D) == _ws_runs(dtype, P)
+                tl = [] if same_kernel else [
+                    r for r in select(grid, impl="c", kind="ablation", variant=HEAD_DIM_TL_VARIANT, N=N, D=P,
+                                      dtype=dtype, causal=causal) if _is_timed(r)]
                 own = cells.get(P, {}).get("c")
                 if tl:
                     point["padded_rate"], point["padded_rate_kernel"] = tl[-1]["tflops"] * D / P, "tl"

@@ -17,6 +17,7 @@ import matplotlib.mathtext
 import pytest
 
 from harness import plots, report, views
+from stages.c_optimized import hopper_ws
 from stages.contract import padded_head_dim
 
 try:
@@ -108,7 +109,9 @@ def test_the_family_is_the_n_and_dtype_with_the_most_head_dims(sweep):
     assert report.head_dim_family(sweep_rows((32, 40, 48, 56))) == (4096, "bf16")
 
 
-def test_points_pad_and_pair_within_one_run(sweep):
+def test_points_pad_and_pair_within_one_run(sweep, monkeypatch):
+    # D 72 in the tl kernel (the warp-specialized kernel's padded head dims switched off)
+    monkeypatch.setattr(hopper_ws, "PADDED_HEAD_DIMS", False)
     rows = views.load(sweep, forward_only=False)[0]
     points = report.head_dim_points(rows, N=4096, dtype="bf16")
     assert sorted(points) == [0, 1]
@@ -130,6 +133,11 @@ def test_points_pad_and_pair_within_one_run(sweep):
     p72 = next(p for p in no_tl[0] if p["D"] == 72)
     assert p72["padded_rate_kernel"] == "c"
     assert p72["padded_rate"] == pytest.approx(C_RATE[128] * 72 / 128, rel=1e-4)
+    # with the padded head dims on, D 72 runs the kernel D 128 runs: stage C's own row at 128 is its bound
+    monkeypatch.setattr(hopper_ws, "PADDED_HEAD_DIMS", True)
+    ws72 = next(p for p in report.head_dim_points(rows, N=4096, dtype="bf16")[1] if p["D"] == 72)
+    assert ws72["padded_rate_kernel"] == "c"
+    assert ws72["padded_rate"] == pytest.approx(C_RATE[128] * CAUSAL_FACTOR * 72 / 128, rel=1e-4)
     # a later run that re-measured stage C alone does not pair with the older run's cuDNN
     later = _bf16(_row("c", "stage", 4096, 64, 0, tflops=4000.0), run="2026-12-04T10:00:00Z")
     again = report.head_dim_points(rows + [later], N=4096, dtype="bf16")

@@ -678,10 +678,10 @@ def q_buffers(persistent: bool) -> int:
 #: The warp-specialized kernel at the head dims between the powers of two (40-56 as 64, 72-120 as
 #: 128): the tiles are as wide as the padded head dim and TMA fills the columns past D with zeros on
 #: load and leaves them out on store, so the kernel is the D 64 or 128 one, doing the padded width's
-#: multiply-adds at its rate. Compiled and tested on a CPU; off until its GPU tests
-#: (``tests/test_stage_c_shapes.py::test_gpu_ws_padded_head_dims``) and a head-dim sweep have run
-#: on an H200 (``LAB_WS_PADDED_HEAD_DIMS=1`` in the environment turns it on for such a run).
-PADDED_HEAD_DIMS = os.environ.get("LAB_WS_PADDED_HEAD_DIMS", "0") == "1"
+#: multiply-adds at its rate. On by default since its GPU tests and the head-dim sweep ran on an H200
+#: (forward C / cuDNN 1.04-1.18 at D 40-120, where the tl kernel ran 0.72-0.92);
+#: ``LAB_WS_PADDED_HEAD_DIMS=0`` in the environment turns it off (the tl kernel, padded, runs them).
+PADDED_HEAD_DIMS = os.environ.get("LAB_WS_PADDED_HEAD_DIMS", "1") == "1"
 
 
 def supported(dtype: torch.dtype, D: int, arch: int) -> bool:

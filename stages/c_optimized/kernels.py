@@ -24,7 +24,7 @@ per (Q tile, batch·head). What changes, each behind a switch so the harness can
 ``causal_skip``  Causal attention visits only K/V tiles at or below the diagonal: tiles wholly below
                  run mask-free, only the diagonal tiles pay for the mask, tiles above are never
                  loaded. Halves the work and the K/V traffic. Programs with the most work start first.
-``warp_specialization``  Hopper only (fp16/bf16, D 64/128): the kernel of ``hopper_ws.py``, written in
+``warp_specialization``  Hopper only (fp16/bf16, D 40-128): the kernel of ``hopper_ws.py``, written in
                  Gluon. A producer warp feeds a ring of K/V buffers; two or three consumer
                  warpgroups share each tile, take turns on the tensor cores (ping-pong), and each
                  overlaps its softmax with its own previous P·V wgmma; optionally a persistent
@@ -282,7 +282,7 @@ def select(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: torch.dty
        for the SMs and keys enough to share out.
     2. Otherwise the tuned config for (dtype, D, causal, Nq), adjusted to the work
        (``configs.shape_aware_config``). The warp-specialized kernel is eligible when every switch
-       is on, on sm_90, fp16/bf16, D 64/128, TMA-able strides, Nq = Nk (its causal mask assumes the
+       is on, on sm_90, fp16/bf16, D 40-128, TMA-able strides, Nq = Nk (its causal mask assumes the
        square), and no log-sum-exp is wanted (it is forward-only; training runs the ``tl`` kernel).
     3. ``ws_rung`` k forces the warp-specialized kernel with rungs 1..k of its ladder on
        (``hopper_ws.LADDER``), built on the config step 2 would choose; a ValueError where that
@@ -320,7 +320,7 @@ def select(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: torch.dty
             config = BASELINE
     if config.ws:
         if not ws_allowed:
-            raise ValueError(f"config {config} needs the warp-specialized kernel: sm_90, fp16/bf16, D 64 or 128, "
+            raise ValueError(f"config {config} needs the warp-specialized kernel: sm_90, fp16/bf16, D a multiple of 8 from 40 to 128, "
                              f"Nq == Nk, 16-byte aligned strides, every switch on and no gradient (it is "
                              f"forward-only) (got arch={arch}, dtype={dtype}, D={D}, Nq={Nq}, Nk={Nk}, "
                              f"store_lse={store_lse})")
@@ -335,7 +335,7 @@ def _ws_rung_choice(B, Hq, Nq, Nk, D, dtype, causal, arch, sms, tma_ok, config, 
     """``select`` for a rung of the warp-specialization ladder: the warp-specialized kernel, or a
     ValueError naming ``ws_rung`` (the harness records that as ``unsupported``)."""
     if not (hopper_ws.supported(dtype, D, arch) and Nq == Nk):
-        raise ValueError(f"ws_rung={ws_rung} needs the warp-specialized kernel: sm_90, fp16/bf16, D 64 or 128 and "
+        raise ValueError(f"ws_rung={ws_rung} needs the warp-specialized kernel: sm_90, fp16/bf16, D a multiple of 8 from 40 to 128 and "
                          f"Nq == Nk (got arch={arch}, dtype={dtype}, D={D}, Nq={Nq}, Nk={Nk})")
     if not (_ws_switches_on(causal, **switches) and tma_ok and not store_lse
             and (split_kv is None or split_kv == 1) and (config is None or config.ws)):
@@ -848,7 +848,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     docstring); ``split_kv`` forces (n >= 2) or forbids (1) the split-KV path of ``decode.py``
     (None: chosen from the work); ``deterministic`` asks the backward for a fixed summation order;
     ``ws_rung`` k (1..6) runs the warp-specialized kernel with rungs 1..k of its ladder on
-    (``hopper_ws.LADDER``; sm_90, fp16/bf16, D 64/128, Nq == Nk, forward only: a ValueError elsewhere).
+    (``hopper_ws.LADDER``; sm_90, fp16/bf16, D 40-128, Nq == Nk, forward only: a ValueError elsewhere).
 
     Traced (``torch.compile``, ``torch.export``) the call is the custom op
     ``torch.ops.attention_lab.c_forward``; eager, the same implementation without the dispatcher
