@@ -14,10 +14,10 @@
 #     experiments/head_dims_gpu.sh                  # everything (an estimate: ~15-20 minutes on an H200)
 #     experiments/head_dims_gpu.sh d32 d96          # some parts: tests tl d32 d96 d160 d224 wspad
 #
-# The part `wspad` (not in the default set) runs the warp-specialized kernel at the padded head dims
-# (hopper_ws.PADDED_HEAD_DIMS, switched on by LAB_WS_PADDED_HEAD_DIMS=1): its GPU tests (forward and the
-# Hopper backward kernels), then the forward sweep
-# at D 40-56 and 72-120 with it, whose rows are stage C's latest at those head dims.
+# The part `wspad` (not in the default set) runs the GPU tests of the warp-specialized kernel at the
+# padded head dims (hopper_ws.PADDED_HEAD_DIMS, on by default; LAB_WS_PADDED_HEAD_DIMS=0 turns it off,
+# and the parts d32/d96 then time the tl kernel there), forward and the Hopper backward kernels, then
+# the forward sweep at D 40-56 and 72-120.
 #
 # Then, on any machine: `python -m harness plot results/<gpu>` and
 # `python -m harness report results/<gpu> --update` (the block is filled once runs.csv holds the sweep).
