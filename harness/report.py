@@ -955,18 +955,6 @@ def _ws_runs(dtype: str, D: int) -> bool:
     return dtype in DTYPES and hopper_ws.supported(DTYPES[dtype], D, 90)
 
 
-def _spans(ds: list[int]) -> str:
-    """Head dims as runs of consecutive multiples of 8: [32, 40, 48, 64] -> 'D 32–48 and 64'."""
-    runs: list[list[int]] = []
-    for D in sorted(ds):
-        if runs and D - runs[-1][-1] == 8:
-            runs[-1].append(D)
-        else:
-            runs.append([D])
-    parts = [f"{r[0]}" if len(r) == 1 else f"{r[0]}–{r[-1]}" for r in runs]
-    return "D " + (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0])
-
-
 def _is_timed(row: dict | None) -> bool:
     return row is not None and is_ok(row) and bool(row.get("tflops"))
 
@@ -981,10 +969,10 @@ def head_dim_kernel_note(env: dict, dtype: str, rows: list[dict]) -> str:
     tl = [D for D in ds if D not in ws]
     if not ws:
         return ""
-    text = (f"{_spans(ws)} run stage C's warp-specialized Hopper kernel (a head dim between powers of two in "
+    text = (f"D {_d_ranges(ws, ds)} run stage C's warp-specialized Hopper kernel (a head dim between powers of two in "
             "the tiles of its padded width)")
     if tl:
-        text += f"; {_spans(tl)} run its tl kernel with the first tile configuration of its padded width"
+        text += f"; D {_d_ranges(tl, ds)} run its tl kernel with the first tile configuration of its padded width"
     return text + " (the tuning tables hold D 64 and 128 only)"
 
 
