@@ -611,8 +611,9 @@ def choose_ws(planned: WsConfig | None, forced: WsConfig | str | None, q, k, v, 
         ws = WsConfig.parse(forced) if isinstance(forced, str) else forced
         D = q.shape[-1]
         if not (hopper_ws.supported(q.dtype, D, arch) and tma_supported(arch, q, k, v, do) and switches_on):
-            raise ValueError(f"{name}={ws}: the Hopper backward kernels run on sm_90 with fp16/bf16, D a multiple of 8 from 40 to 128, "
-                             f"16-byte aligned strides and every switch on; got arch {arch}, {q.dtype}, D {D}, "
+            raise ValueError(f"{name}={ws}: the Hopper backward kernels run on sm_90 with fp16/bf16, "
+                             f"{hopper_ws.supported_head_dims()}, 16-byte aligned strides and every switch on; "
+                             f"got arch {arch}, {q.dtype}, D {D}, "
                              f"switches on: {switches_on}")
         return ws
     if planned is not None and switches_on and tma_supported(arch, q, k, v, do):

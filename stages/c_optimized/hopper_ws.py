@@ -679,7 +679,7 @@ def q_buffers(persistent: bool) -> int:
 #: 128): the tiles are as wide as the padded head dim and TMA fills the columns past D with zeros on
 #: load and leaves them out on store, so the kernel is the D 64 or 128 one, doing the padded width's
 #: multiply-adds at its rate. On by default since its GPU tests and the head-dim sweep ran on an H200
-#: (forward C / cuDNN 1.04-1.18 at D 40-120, where the tl kernel ran 0.72-0.92);
+#: (forward, N 4096, bf16: C / cuDNN 1.04-1.16 at D 40-120, where the tl kernel ran 0.87-0.97);
 #: ``LAB_WS_PADDED_HEAD_DIMS=0`` in the environment turns it off (the tl kernel, padded, runs them).
 PADDED_HEAD_DIMS = os.environ.get("LAB_WS_PADDED_HEAD_DIMS", "1") == "1"
 
@@ -691,6 +691,11 @@ def supported(dtype: torch.dtype, D: int, arch: int) -> bool:
     if arch != 90 or dtype not in (torch.float16, torch.bfloat16):
         return False
     return D in (64, 128) or (PADDED_HEAD_DIMS and D % 8 == 0 and 40 <= D <= 120)
+
+
+def supported_head_dims() -> str:
+    """The head dims :func:`supported` takes, in words, for the errors that name them."""
+    return "D a multiple of 8 from 40 to 128" if PADDED_HEAD_DIMS else "D 64 or 128"
 
 
 #: The ladder of the module docstring, bottom to top: (name, what the rung adds). Stage C's

@@ -320,10 +320,10 @@ def select(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: torch.dty
             config = BASELINE
     if config.ws:
         if not ws_allowed:
-            raise ValueError(f"config {config} needs the warp-specialized kernel: sm_90, fp16/bf16, D a multiple of 8 from 40 to 128, "
-                             f"Nq == Nk, 16-byte aligned strides, every switch on and no gradient (it is "
-                             f"forward-only) (got arch={arch}, dtype={dtype}, D={D}, Nq={Nq}, Nk={Nk}, "
-                             f"store_lse={store_lse})")
+            raise ValueError(f"config {config} needs the warp-specialized kernel: sm_90, fp16/bf16, "
+                             f"{hopper_ws.supported_head_dims()}, Nq == Nk, 16-byte aligned strides, every "
+                             f"switch on and no gradient (it is forward-only) (got arch={arch}, dtype={dtype}, "
+                             f"D={D}, Nq={Nq}, Nk={Nk}, store_lse={store_lse})")
         return Choice("ws", config)
     if not pipelining:
         config = config.with_stages(1)
@@ -335,8 +335,9 @@ def _ws_rung_choice(B, Hq, Nq, Nk, D, dtype, causal, arch, sms, tma_ok, config, 
     """``select`` for a rung of the warp-specialization ladder: the warp-specialized kernel, or a
     ValueError naming ``ws_rung`` (the harness records that as ``unsupported``)."""
     if not (hopper_ws.supported(dtype, D, arch) and Nq == Nk):
-        raise ValueError(f"ws_rung={ws_rung} needs the warp-specialized kernel: sm_90, fp16/bf16, D a multiple of 8 from 40 to 128 and "
-                         f"Nq == Nk (got arch={arch}, dtype={dtype}, D={D}, Nq={Nq}, Nk={Nk})")
+        raise ValueError(f"ws_rung={ws_rung} needs the warp-specialized kernel: sm_90, fp16/bf16, "
+                         f"{hopper_ws.supported_head_dims()} and Nq == Nk (got arch={arch}, dtype={dtype}, D={D}, "
+                         f"Nq={Nq}, Nk={Nk})")
     if not (_ws_switches_on(causal, **switches) and tma_ok and not store_lse
             and (split_kv is None or split_kv == 1) and (config is None or config.ws)):
         raise ValueError(f"ws_rung={ws_rung} needs every switch on, TMA-able strides, no split_kv, no gradient (the "
