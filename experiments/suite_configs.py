@@ -39,6 +39,8 @@ EXTRA = [
     ("mistral-decode", 8, 32, 8, 1, 16384, 128, False, "bf16"),
     ("qwen-d128-gqa7", 2, 28, 4, 3000, 3000, 128, True, "bf16"),
     ("d72-cross", 4, 16, 16, 300, 2000, 72, False, "fp16"),
+    ("decode-b1-gqa-4k", 1, 32, 8, 1, 4096, 128, False, "bf16"),
+    ("decode-b1-gqa-32k", 1, 32, 8, 1, 32768, 128, False, "bf16"),
 ]
 
 
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
             q, k, v = make_inputs(p, "cuda")
             cands = [("chosen", {})]
             cands += [(str(c), {"config": c}) for c in candidate_configs(D, DTYPES[dtype], 90)]
-            cands += [(f"split{s}", {"split_kv": s}) for s in (2, 4, 8, 16, 32)]
+            cands += [(f"split{s}", {"split_kv": s}) for s in (2, 4, 8, 16, 32, 64, 128, 256)]
             cands += [("cudnn", None)]
             for label, kw in cands:
                 try:

@@ -942,7 +942,7 @@ HEAD_DIM_COMMAND = ("python -m harness sweep --stages c --peers flash,cudnn --N 
 #: stage C's variant without warp specialization: its row at D 64 or 128 is the tl kernel's rate at
 #: the width a head dim between powers of two is padded to, the bound for such a head dim where it
 #: runs the tl kernel (with ``LAB_WS_PADDED_HEAD_DIMS=0``; by default the warp-specialized kernel runs
-#: D 40-120 in its padded width's tiles, and stage C's own row at that width is the bound)
+#: D 40-248 in its padded width's tiles, and stage C's own row at that width is the bound)
 HEAD_DIM_TL_VARIANT = "-warp_specialization"
 
 
@@ -972,8 +972,20 @@ def head_dim_kernel_note(env: dict, dtype: str, rows: list[dict]) -> str:
     text = (f"D {_d_ranges(ws, ds)} run stage C's warp-specialized Hopper kernel (a head dim between powers of two in "
             "the tiles of its padded width)")
     if tl:
-        text += f"; D {_d_ranges(tl, ds)} run its tl kernel with the first tile configuration of its padded width"
-    return text + " (the tuning tables hold D 64 and 128 only)"
+        text += f"; D {_d_ranges(tl, ds)} {'runs' if len(tl) == 1 else 'run'} its tl kernel"
+    tuned = _tuned_head_dims(env.get("gpu_slug"), dtype)
+    if tuned:
+        text += (f"; a head dim the tuning table does not hold (it holds D {_d_ranges(tuned, sorted(set(ds) | set(tuned)))}) takes the first "
+                 "tile configuration of its padded width")
+    return text
+
+
+def _tuned_head_dims(slug: str | None, dtype: str) -> list[int]:
+    """The head dims ``stages/c_optimized/tuned/<slug>.json`` holds winners for in ``dtype``."""
+    from stages.c_optimized import configs
+
+    table = configs.tuned_table(slug)
+    return sorted({int(key.split("/")[1][1:]) for key in table if key.startswith(dtype + "/")})
 
 
 def head_dim_family(rows: list[dict]) -> tuple[int, str] | None:

@@ -328,23 +328,26 @@ def test_gpu_extended_shapes(D):
 
 def test_ws_padded_head_dims_compile_for_sm90(ws_padded_head_dims):
     """With PADDED_HEAD_DIMS, a head dim between the powers of two takes the warp-specialized kernel
-    at its padded width (TMA tiles of 64 or 128 columns, no L2 prefetch of lines past the row);
-    D 32 and 136 keep the tl kernel."""
-    for D, width in ((40, 64), (96, 128), (120, 128)):
+    at its padded width (TMA tiles of 64, 128 or 256 columns, no L2 prefetch of lines past the row);
+    D 32 keeps the tl kernel, and the Hopper backward stops at 128 columns."""
+    for D, width in ((40, 64), (96, 128), (120, 128), (136, 256), (200, 256), (256, 256)):
         assert hopper_ws.supported(torch.bfloat16, D, 90)
         kernels = c_kernels.compile(Problem(2, 8, 1000, D, "bf16", True), 90)
         assert [k.name for k in kernels] == ["ws_attention_kernel"], (D, kernels)
         ptx = kernels[0].asm["ptx"]
-        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "prefetch.global.L2" not in ptx
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+        assert D == width or "prefetch.global.L2" not in ptx
         choice = c_kernels.select(2, 8, 8, 1000, 1000, D, torch.bfloat16, True, 90, 132)
         assert choice.path == "ws" and choice.config in configs.WS_SHAPES[width]
-    for D in (32, 136):
-        assert not hopper_ws.supported(torch.bfloat16, D, 90)
+    assert not hopper_ws.supported(torch.bfloat16, 32, 90)
+    for D in (136, 256):
+        assert not hopper_ws.supported(torch.bfloat16, D, 90, "backward")
+    assert hopper_ws.supported(torch.bfloat16, 120, 90, "backward")
     assert not hopper_ws.supported(torch.float32, 96, 90) and not hopper_ws.supported(torch.bfloat16, 96, 80)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D", [40, 56, 72, 96, 120])
+@pytest.mark.parametrize("D", [40, 56, 72, 96, 120, 136, 200, 256])
 def test_gpu_ws_padded_head_dims(D, ws_padded_head_dims):
     """The warp-specialized kernel at a padded head dim: GQA, ragged N, causal both, fp16 and bf16,
     strided inputs, against float64 (the GPU check that PADDED_HEAD_DIMS waits for)."""
@@ -360,6 +363,42 @@ def test_gpu_ws_padded_head_dims(D, ws_padded_head_dims):
             for config in configs.WS_SHAPES[padded_head_dim(D)]:
                 o = attention(q, k, v, causal=causal, config=config)
                 check_against_reference(o, q, k, v, causal=causal, dtype_name=dtype_name)
+
+
+def test_training_forward_takes_the_warp_specialized_kernel_on_hopper():
+    """The training forward (log-sum-exp stored) runs the warp-specialized kernel where the forward
+    does, compiled with the store of each row's lse (a masked fp32 store of 64 rows per consumer)
+    and without it when no lse is asked for."""
+    for D in (64, 96, 256):
+        choice = c_kernels.select(2, 8, 2, 1000, 1000, D, torch.bfloat16, True, 90, 132, store_lse=True)
+        assert choice.path == "ws", (D, choice)
+        training = c_kernels.compile(Problem(2, 8, 1000, D, "bf16", True, Hkv=2), 90, store_lse=True)
+        inference = c_kernels.compile(Problem(2, 8, 1000, D, "bf16", True, Hkv=2), 90)
+        assert [k.name for k in training] == [k.name for k in inference] == ["ws_attention_kernel"]
+        assert "st.global.b32" in training[0].asm["ptx"] or "st.global.v" in training[0].asm["ptx"]
+        assert "st.global" not in inference[0].asm["ptx"]  # O leaves by TMA; nothing else is written
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 96, 128, 256])
+def test_gpu_ws_training_forward_lse(D):
+    """The warp-specialized kernel's row log-sum-exps (every config of the head dim, forced): GQA,
+    ragged N, causal both, and logits large enough that the lazy rescale keeps a maximum below the
+    row's true one, against float64; lse poisoned with NaN first, so an unwritten row fails."""
+    if configs.device_arch(torch.device("cuda")) != 90:
+        pytest.skip("the warp-specialized kernel is for sm_90")
+    for N, scale in ((1000, 1.0), (333, 12.0)):
+        for causal in (False, True):
+            q, k, v = make_qkv(2, 8, N, D, torch.bfloat16, "cuda", Hkv=2, scale=scale)
+            for config in configs.WS_SHAPES[padded_head_dim(D)]:
+                o = contract.new_output(q)
+                lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+                launches = c_kernels.plan(q, k, v, o, causal=causal, scale=D ** -0.5, arch=90, lse=lse, config=config)
+                assert [launch.kernel for launch in launches] == [hopper_ws.ws_attention_kernel]
+                for launch in launches:
+                    launch.run()
+                check_against_reference(o, q, k, v, causal=causal, dtype_name="bf16")
+                _check_lse(lse, q, k, causal=causal)
 
 
 def test_grouped_decode_on_a_full_gpu_reads_each_kv_head_once(monkeypatch, device):

@@ -280,7 +280,7 @@ def backward_plan(D: int, dtype: torch.dtype, arch: int, causal: bool = False, *
             dq = BwdConfig.parse(entry["dq"]) if "dq" in entry else dkdv
             if fits(dkdv, D_pad, e, arch) and fits(dq, D_pad, e, arch):
                 plan = BwdPlan(dkdv, entry["dq_method"] == "separate", dq)
-            if warp_specialization and pipelining and hopper_ws.supported(dtype, D, arch):
+            if warp_specialization and pipelining and hopper_ws.supported(dtype, D, arch, "backward"):
                 ws = WsConfig.parse(entry["ws"]) if "ws" in entry else None
                 ws_dq = WsConfig.parse(entry["ws_dq"]) if "ws_dq" in entry else None
                 if ws is not None or ws_dq is not None:
@@ -610,9 +610,9 @@ def choose_ws(planned: WsConfig | None, forced: WsConfig | str | None, q, k, v, 
     if forced is not None:
         ws = WsConfig.parse(forced) if isinstance(forced, str) else forced
         D = q.shape[-1]
-        if not (hopper_ws.supported(q.dtype, D, arch) and tma_supported(arch, q, k, v, do) and switches_on):
+        if not (hopper_ws.supported(q.dtype, D, arch, "backward") and tma_supported(arch, q, k, v, do) and switches_on):
             raise ValueError(f"{name}={ws}: the Hopper backward kernels run on sm_90 with fp16/bf16, "
-                             f"{hopper_ws.supported_head_dims()}, 16-byte aligned strides and every switch on; "
+                             f"{hopper_ws.supported_head_dims('backward')}, 16-byte aligned strides and every switch on; "
                              f"got arch {arch}, {q.dtype}, D {D}, "
                              f"switches on: {switches_on}")
         return ws

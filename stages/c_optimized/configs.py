@@ -168,11 +168,16 @@ def candidate_configs(D: int, dtype: torch.dtype, arch: int, warp_specialization
 #: uses 2 there too); one program per item keeps 3. Every config rescales O lazily (only when a
 #: row's maximum grew past 2^8); the two-consumer D = 64 config also comes eager (``-E``): on causal
 #: problems that config ran 0.3-1.8 % faster eager, where every other cell gained from the lazy
-#: rescale (docs/performance-log/softmax.md, entry 35).
+#: rescale (docs/performance-log/softmax.md, entry 35). D = 256: two consumers with 64-key tiles and a
+#: 2-slot ring, one program per item (no room for the persistent kernel's second Q buffer); tuned on
+#: the H200 over N 1k-16k, fp16 and bf16, causal both, it won all 20 cells (first-pass times): 32-key
+#: tiles in a 4-slot ring ran 10-25 % slower, the eager rescale 0.3-5.5 % slower, the best tl config
+#: 1.4-1.7x slower (docs/performance-log/model-shapes.md, entry 44).
 WS_SHAPES = {
     64: [ws_config(192, 128, 3, True), ws_config(192, 128, 3, False), ws_config(128, 128, 3, True),
          ws_config(128, 128, 3, True, lazy_rescale=False)],
     128: [ws_config(128, 128, 2, True), ws_config(128, 128, 3, False)],
+    256: [ws_config(128, 64, 2, False), ws_config(128, 32, 4, False), ws_config(128, 64, 2, False, lazy_rescale=False)],
 }
 
 

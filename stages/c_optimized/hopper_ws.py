@@ -68,6 +68,15 @@ Choices that hold on every rung, each for a reason the compiled code showed:
   item's Q buffer, which no ``Q·Kᵀ`` reads any more, and stored by one TMA copy, which also clips
   the rows past N; stored from registers it cost about twice the cycles per item.
 
+Head dims. The kernel is written once for any tile width D (64, 128 or 256; the dims between run at
+the next of them, :data:`PADDED_HEAD_DIMS`); what changes with D is what fits. A consumer's 64 × D
+fp32 accumulator takes D / 2 of its registers per thread: at D = 256 that is 128 of its 240, so the
+score tile shrinks to 64 keys (32 registers; 128 keys would spill), and two consumers' Q tiles plus a
+2-slot ring of 64-key K and V tiles take 192 KB of the 227 KB of shared memory, which leaves no room
+for the persistent kernel's second Q buffer: at D = 256 it runs one program per item (FlashAttention-3
+also takes smaller tiles at 256). The training forward stores each row's log-sum-exp beside O
+(``_store_o``), so a training step runs this kernel too.
+
 Everything else is stage C's algorithm: online softmax in base 2 with the scale folded in, causal
 tiles above the diagonal never loaded, masks only on the tiles that need them (a runtime branch in
 the one tile loop rather than a second copy of the loop: each consumer warpgroup runs its own
@@ -433,12 +442,18 @@ def _fetch_next_q(q_desc, q_bufs, q_bars, buf, b, h, row, more):
 
 
 @gluon.jit
-def _store_o(acc, l_i, o_desc, buf, t, n_m, H, o_layout: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr,
-             CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, LANE_ROW_SUMS: gl.constexpr):
+def _store_o(acc, m_i, l_i, o_desc, LSE, buf, t, n_m, H, N, o_layout: gl.constexpr, WG: gl.constexpr,
+             CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, LANE_ROW_SUMS: gl.constexpr):
     """Normalize O of work item t and send it out through shared buffer ``buf``: ``stmatrix`` from the accumulator
     layout, then one TMA copy, which also clips rows past N. Stored from registers straight to
     global memory instead, each warp instruction writes 4 bytes into each of 8 rows: that took
-    ~3,300 cycles per item at D = 128 against ~1,800 this way (clock64 trace on the H200)."""
+    ~3,300 cycles per item at D = 128 against ~1,800 this way (clock64 trace on the H200).
+
+    The training forward (``LSE`` not None, fp32 [B, H, N]) also stores each row's log-sum-exp in
+    base 2 of the scaled scores, m + log2(l), what the backward recomputes P from. Under the lazy
+    rescale m is the maximum P was computed against, not always the row's true maximum; l summed
+    2^(s - m) against that same m, so m + log2(l) is the same number. Every row of a square
+    problem sees at least one key (causal: its own), so l > 0."""
     ROWS: gl.constexpr = acc.shape[0]
     D: gl.constexpr = acc.shape[1]
     b, h, start_m = _tile_coords(t, n_m, H, ROWS * CONSUMERS, CAUSAL, ZIGZAG)
@@ -447,6 +462,10 @@ def _store_o(acc, l_i, o_desc, buf, t, n_m, H, o_layout: gl.constexpr, WG: gl.co
     else:
         l_row = l_i
     out = acc / gl.expand_dims(gl.convert_layout(l_row, gl.SliceLayout(1, o_layout)), 1)
+    if LSE is not None:
+        lse = m_i + gl.log2(gl.convert_layout(l_row, m_i.type.layout))
+        rows = start_m + WG * ROWS + gl.arange(0, ROWS, layout=m_i.type.layout)
+        gl.store(LSE + (b * H + h).to(gl.int64) * N + rows, lse, mask=rows < N)
     buf.reshape([ROWS, D]).store(out.to(o_desc.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [b, h, start_m + WG * ROWS, 0], buf)
@@ -479,7 +498,7 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURN
     therefore has two Q buffers per consumer: the next item's Q lands in one while this item reads
     the other, and this item's O leaves through its own buffer once its last ``Q·Kᵀ`` is done. Ring
     slot and ping-pong batch ``cur`` count the K/V tiles this consumer has started, over all its items."""
-    q_desc, o_desc, Q, stride_qb, stride_qh, stride_qn, q_bufs, q_bars, ring, H, N, n_m, total, qk_scale = args
+    q_desc, o_desc, Q, LSE, stride_qb, stride_qh, stride_qn, q_bufs, q_bars, ring, H, N, n_m, total, qk_scale = args
     k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
     my_turn, next_turn = turns
     STAGES: gl.constexpr = k_bufs.shape[0]
@@ -542,8 +561,8 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURN
             if Q_BUFS > 1:  # (one item per program: nothing before it to store)
                 if j == 0:
                     if it > 0:  # acc is the previous item's finished O: out through its Q buffer
-                        _store_o(acc, l_i, o_desc, q_bufs.index(nb), t_prev, n_m, H, o_layout, WG, CONSUMERS,
-                                 CAUSAL, ZIGZAG, LANE_ROW_SUMS)
+                        _store_o(acc, m_i, l_i, o_desc, LSE, q_bufs.index(nb), t_prev, n_m, H, N, o_layout, WG,
+                                 CONSUMERS, CAUSAL, ZIGZAG, LANE_ROW_SUMS)
             # Tile 0 starts a fresh softmax (alpha = 0: the accumulator starts over).
             m_in = gl.where(j == 0, float("-inf"), m_i)
             l_in = gl.where(j == 0, 0.0, l_i)
@@ -565,13 +584,13 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURN
     _pass_turn(next_turn, ISSUE_TURNS)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     _signal(v_empty.index(sl))
-    _store_o(acc, l_i, o_desc, q_bufs.index(Q0 + (item - 1) % Q_BUFS), t_prev, n_m, H, o_layout, WG, CONSUMERS,
-             CAUSAL, ZIGZAG, LANE_ROW_SUMS)
+    _store_o(acc, m_i, l_i, o_desc, LSE, q_bufs.index(Q0 + (item - 1) % Q_BUFS), t_prev, n_m, H, N, o_layout, WG,
+             CONSUMERS, CAUSAL, ZIGZAG, LANE_ROW_SUMS)
     tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=["H", "N", "n_m", "total"])
-def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, Q, stride_qb, stride_qh, stride_qn, qk_scale, H, N, n_m,
+def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, Q, LSE, stride_qb, stride_qh, stride_qn, qk_scale, H, N, n_m,
                         total,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                         ISSUE_TURNS: gl.constexpr, EXP_TURNS: gl.constexpr, CAUSAL: gl.constexpr,
@@ -584,7 +603,8 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, Q, stride_qb, stride_qh,
     ``GROUP`` query heads share a K/V head. Nq = Nk only (the causal mask and the tile ranges assume
     the square). ``CONSUMER_REGS`` and ``PRODUCER_REGS``: registers per thread each worker
     partition asks for (``setmaxnreg``); the default partition (consumer 0) gets what is left of the
-    64K. See the module docstring."""
+    64K. ``LSE``: None (inference), or fp32 [B, H, N] for the rows' log-sum-exps (the training
+    forward, ``_store_o``). See the module docstring."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     ROWS_PER_PROGRAM: gl.constexpr = ROWS * CONSUMERS
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
@@ -613,7 +633,8 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, Q, stride_qb, stride_qh,
     ring = (k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty)
 
     # The same consumer function runs in the default partition (WG 0) and in worker partitions.
-    args = (q_desc, o_desc, Q, stride_qb, stride_qh, stride_qn, q_bufs, q_bars, ring, H, N, n_m, total, qk_scale)
+    args = (q_desc, o_desc, Q, LSE, stride_qb, stride_qh, stride_qn, q_bufs, q_bars, ring, H, N, n_m, total,
+            qk_scale)
     producer_args = (k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, ZIGZAG, GROUP)
     if CONSUMERS == 1:  # ladder rung 1: one consumer, nobody to share K/V or take turns with
         gl.warp_specialize([
@@ -676,26 +697,38 @@ def q_buffers(persistent: bool) -> int:
 
 
 #: The warp-specialized kernel at the head dims between the powers of two (40-56 as 64, 72-120 as
-#: 128): the tiles are as wide as the padded head dim and TMA fills the columns past D with zeros on
-#: load and leaves them out on store, so the kernel is the D 64 or 128 one, doing the padded width's
-#: multiply-adds at its rate. On by default since its GPU tests and the head-dim sweep ran on an H200
-#: (forward, N 4096, bf16: C / cuDNN 1.04-1.16 at D 40-120, where the tl kernel ran 0.87-0.97);
-#: ``LAB_WS_PADDED_HEAD_DIMS=0`` in the environment turns it off (the tl kernel, padded, runs them).
+#: 128, 136-248 as 256): the tiles are as wide as the padded head dim and TMA fills the columns past D
+#: with zeros on load and leaves them out on store, so the kernel is the D 64, 128 or 256 one, doing
+#: the padded width's multiply-adds at its rate. On by default since its GPU tests and the head-dim
+#: sweep ran on an H200 (forward, N 4096, bf16: C / cuDNN 1.04-1.16 at D 40-120, where the tl kernel
+#: ran 0.87-0.97); ``LAB_WS_PADDED_HEAD_DIMS=0`` in the environment turns it off (the tl kernel,
+#: padded, runs them).
 PADDED_HEAD_DIMS = os.environ.get("LAB_WS_PADDED_HEAD_DIMS", "1") == "1"
 
+#: The widest tile each kernel has: the forward's 64 x 256 accumulator per consumer (128 registers of
+#: a thread's 240) still fits beside a 64 x 64 score tile; the Hopper backward keeps dK and dV of its
+#: key rows in registers, which at 256 columns would need smaller tiles than it has.
+MAX_HEAD_DIM = {"forward": 256, "backward": 128}
 
-def supported(dtype: torch.dtype, D: int, arch: int) -> bool:
-    """The warp-specialized path covers Hopper, fp16/bf16 and D in {64, 128}, and with
-    :data:`PADDED_HEAD_DIMS` every multiple of 8 from 40 to 120 (and Nq = Nk: the caller checks
-    that, it is not a property of the dtype or head dim)."""
+
+def supported(dtype: torch.dtype, D: int, arch: int, kernel: str = "forward") -> bool:
+    """Whether the warp-specialized ``kernel`` ("forward": this module's; "backward": hopper_bwd.py's)
+    runs head dim ``D``: Hopper, fp16/bf16, D a power of two from 64 to :data:`MAX_HEAD_DIM`, and with
+    :data:`PADDED_HEAD_DIMS` every multiple of 8 from 40 up to it (Nq = Nk for the forward: the
+    caller checks that, it is not a property of the dtype or head dim)."""
     if arch != 90 or dtype not in (torch.float16, torch.bfloat16):
         return False
-    return D in (64, 128) or (PADDED_HEAD_DIMS and D % 8 == 0 and 40 <= D <= 120)
+    if D in (64, 128, 256):
+        return D <= MAX_HEAD_DIM[kernel]
+    return PADDED_HEAD_DIMS and D % 8 == 0 and 40 <= D <= MAX_HEAD_DIM[kernel]
 
 
-def supported_head_dims() -> str:
+def supported_head_dims(kernel: str = "forward") -> str:
     """The head dims :func:`supported` takes, in words, for the errors that name them."""
-    return "D a multiple of 8 from 40 to 128" if PADDED_HEAD_DIMS else "D 64 or 128"
+    top = MAX_HEAD_DIM[kernel]
+    if PADDED_HEAD_DIMS:
+        return f"D a multiple of 8 from 40 to {top}"
+    return "D 64, 128 or 256" if top == 256 else "D 64 or 128"
 
 
 #: The ladder of the module docstring, bottom to top: (name, what the rung adds). Stage C's
@@ -802,7 +835,7 @@ def runtime_args(B: int, H: int, N: int, q_stride: tuple, *, causal: bool, consu
     return grid, (q_stride[0], q_stride[1], q_stride[2], H, N, n_m, total)
 
 
-def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int, consumers: int = 2,
+def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int, lse=None, consumers: int = 2,
          pingpong: bool = True, persistent: bool = True, num_sms: int = 132, prefetch_l2: bool = True,
          lazy_rescale: bool = True, lane_row_sums: bool = True, register_realloc: bool = True) -> Launch:
     """The launch of ``ws_attention_kernel`` for these tensors: grid, arguments and options.
@@ -827,6 +860,8 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
     ``lane_row_sums``: each thread keeps its part of its rows' sums (``_thread_row_sums``); else
     ``gl.sum`` over each row on every tile. ``register_realloc``: see ``static_plan``.
 
+    ``lse``: an fp32 [B, H, N] tensor for the rows' log-sum-exps (the training forward), or None.
+
     Grouped-query attention (k, v with fewer heads than q) works; Nq must equal Nk."""
     B, H, N, D = q.shape
     if k.shape[2] != N:
@@ -836,5 +871,5 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
                                     prefetch_l2=prefetch_l2, lazy_rescale=lazy_rescale, group=H // k.shape[1],
                                     lane_row_sums=lane_row_sums, register_realloc=register_realloc)
     q_desc, k_desc, v_desc, o_desc = descriptors(q, k, v, o, block_n)
-    args.update(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=o_desc, Q=q, qk_scale=qk_scale)
+    args.update(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=o_desc, Q=q, LSE=lse, qk_scale=qk_scale)
     return Launch(ws_attention_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)

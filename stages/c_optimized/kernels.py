@@ -282,8 +282,8 @@ def select(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: torch.dty
        for the SMs and keys enough to share out.
     2. Otherwise the tuned config for (dtype, D, causal, Nq), adjusted to the work
        (``configs.shape_aware_config``). The warp-specialized kernel is eligible when every switch
-       is on, on sm_90, fp16/bf16, D 40-128, TMA-able strides, Nq = Nk (its causal mask assumes the
-       square), and no log-sum-exp is wanted (it is forward-only; training runs the ``tl`` kernel).
+       is on, on sm_90, fp16/bf16, D 40-256 (``hopper_ws.supported``), TMA-able strides and Nq = Nk
+       (its causal mask assumes the square); the training forward's log-sum-exp comes from it too.
     3. ``ws_rung`` k forces the warp-specialized kernel with rungs 1..k of its ladder on
        (``hopper_ws.LADDER``), built on the config step 2 would choose; a ValueError where that
        kernel cannot run.
@@ -311,7 +311,7 @@ def select(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: torch.dty
                 return Choice("split", split)
     ws_allowed = (_ws_switches_on(causal, tuned_tiles=tuned_tiles, pipelining=pipelining, tma=tma, exp2=exp2,
                                   causal_skip=causal_skip, warp_specialization=warp_specialization)
-                  and hopper_ws.supported(dtype, D, arch) and tma_ok and Nq == Nk and not store_lse)
+                  and hopper_ws.supported(dtype, D, arch) and tma_ok and Nq == Nk)
     if config is None:
         if tuned_tiles:
             config = choose_config(D, dtype, causal, arch, Nq, ws_allowed)
@@ -321,9 +321,8 @@ def select(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: torch.dty
     if config.ws:
         if not ws_allowed:
             raise ValueError(f"config {config} needs the warp-specialized kernel: sm_90, fp16/bf16, "
-                             f"{hopper_ws.supported_head_dims()}, Nq == Nk, 16-byte aligned strides, every "
-                             f"switch on and no gradient (it is forward-only) (got arch={arch}, dtype={dtype}, "
-                             f"D={D}, Nq={Nq}, Nk={Nk}, store_lse={store_lse})")
+                             f"{hopper_ws.supported_head_dims()}, Nq == Nk, 16-byte aligned strides and every "
+                             f"switch on (got arch={arch}, dtype={dtype}, D={D}, Nq={Nq}, Nk={Nk})")
         return Choice("ws", config)
     if not pipelining:
         config = config.with_stages(1)
@@ -338,11 +337,10 @@ def _ws_rung_choice(B, Hq, Nq, Nk, D, dtype, causal, arch, sms, tma_ok, config, 
         raise ValueError(f"ws_rung={ws_rung} needs the warp-specialized kernel: sm_90, fp16/bf16, "
                          f"{hopper_ws.supported_head_dims()} and Nq == Nk (got arch={arch}, dtype={dtype}, D={D}, "
                          f"Nq={Nq}, Nk={Nk})")
-    if not (_ws_switches_on(causal, **switches) and tma_ok and not store_lse
-            and (split_kv is None or split_kv == 1) and (config is None or config.ws)):
-        raise ValueError(f"ws_rung={ws_rung} needs every switch on, TMA-able strides, no split_kv, no gradient (the "
-                         f"kernel is forward-only) and no tl config (got switches={switches}, tma_ok={tma_ok}, "
-                         f"split_kv={split_kv}, store_lse={store_lse}, config={config})")
+    if not (_ws_switches_on(causal, **switches) and tma_ok and (split_kv is None or split_kv == 1)
+            and (config is None or config.ws)):
+        raise ValueError(f"ws_rung={ws_rung} needs every switch on, TMA-able strides, no split_kv and no tl config "
+                         f"(got switches={switches}, tma_ok={tma_ok}, split_kv={split_kv}, config={config})")
     if config is None:
         config = shape_aware_config(choose_config(D, dtype, causal, arch, Nq, True), B, Hq, Nq, D, dtype, arch, sms)
         if not config.ws:  # a tuned table whose winner here is a tl config: the ladder builds on the first ws one
@@ -512,7 +510,11 @@ def _recipe(path: str, config, dtype: torch.dtype, D: int, group: int, causal: b
         descs = (("q_desc", "q", (1, 1, hopper_ws.ROWS_PER_CONSUMER, BD), True),
                  ("k_desc", "k", (1, 1, block_n, BD), True), ("v_desc", "v", (1, 1, block_n, BD), True),
                  ("o_desc", "o", (1, 1, hopper_ws.ROWS_PER_CONSUMER, BD), True))
-        launch = _LaunchRecipe(hopper_ws.ws_attention_kernel, tuple(constants.items()), (("Q", "q"),), descs,
+        # the training forward stores the rows' log-sum-exps too (LSE: a pointer; else None, compiled out)
+        tensors = (("Q", "q"), ("LSE", "lse")) if store_lse else (("Q", "q"),)
+        if not store_lse:
+            constants["LSE"] = None
+        launch = _LaunchRecipe(hopper_ws.ws_attention_kernel, tuple(constants.items()), tensors, descs,
                                hopper_ws.RUNTIME_ARGS, num_warps=4, num_stages=1, extra=tuple(extra.items()),
                                dtype=dtype)
         return _Recipe(path, (launch,), functools.partial(_ws_runtime, sms=sms, causal=causal))
@@ -849,7 +851,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     docstring); ``split_kv`` forces (n >= 2) or forbids (1) the split-KV path of ``decode.py``
     (None: chosen from the work); ``deterministic`` asks the backward for a fixed summation order;
     ``ws_rung`` k (1..6) runs the warp-specialized kernel with rungs 1..k of its ladder on
-    (``hopper_ws.LADDER``; sm_90, fp16/bf16, D 40-128, Nq == Nk, forward only: a ValueError elsewhere).
+    (``hopper_ws.LADDER``; sm_90, fp16/bf16, D 40-256, Nq == Nk: a ValueError elsewhere).
 
     Traced (``torch.compile``, ``torch.export``) the call is the custom op
     ``torch.ops.attention_lab.c_forward``; eager, the same implementation without the dispatcher

@@ -384,7 +384,7 @@ def _tune_hopper(args, cells, data: dict, path, start: float) -> int:
     try:
         for dt, D, c in cells:
             key = tuned_key(dt, padded_head_dim(D), c)
-            if not hopper_ws.supported(DTYPES[dt], D, 90) or key not in data["best"]:
+            if not hopper_ws.supported(DTYPES[dt], D, 90, "backward") or key not in data["best"]:
                 print(f"{key}: no Hopper kernel or no tuned tl plan to race; skipped", flush=True)
                 continue
             if args.budget_s is not None and time.monotonic() - start > args.budget_s:
