@@ -86,6 +86,8 @@ def main(argv=None) -> int:
                         choice = ck.select(B, Hq, Hkv, Nq, Nk, D, DTYPES[dtype], causal, 90, sms,
                                            **{k2: v2 for k2, v2 in kw.items()})
                         path = f"{choice.path}:{choice.config}"
+                        if choice.path == "split":  # which merge kernel shape ran (LAB_DECODE_MERGE)
+                            path += f" merge={ck.decode.MERGE}"
                     fn()
                     torch.cuda.synchronize()
                     ms = graph_ms(fn)

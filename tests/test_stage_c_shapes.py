@@ -114,7 +114,34 @@ def test_split_kv_decode(dtype, causal, device):
         _check_lse(lse, q, k, causal=causal)
 
 
-def test_split_kv_with_empty_rows_and_chunks(device):
+@pytest.fixture(params=sorted(decode.MERGE_SHAPES))
+def merge(request, monkeypatch):
+    """Each of the merge kernel's shapes (``decode.MERGE``), with every plan made under the other forgotten."""
+    def clear():
+        c_kernels._recipe.cache_clear()
+        c_kernels._LAYOUT_PLANS.clear()
+
+    monkeypatch.setattr(decode, "MERGE", request.param)
+    clear()
+    yield request.param
+    monkeypatch.undo()
+    clear()
+
+
+def test_split_kv_many_splits(merge, device):
+    """More splits than the wide merge folds in one step (70 chunks of one tile, 32 per step: a ragged
+    last step), GQA rows, causal both; and 24 chunks (fewer than one step)."""
+    for split_kv, causal in ((70, False), (70, True), (24, True)):
+        q, k, v = make_qkv(1, 4, 1, 32, torch.float16, device, Hkv=2, Nk=64 * 70 - 5)
+        launches = c_kernels.plan(q, k, v, contract.new_output(q), causal=causal, scale=0.2, arch=80,
+                                  split_kv=split_kv)
+        assert launches[1].grid[0] == -(-4 // decode.merge_shape()[0]) and launches[1].args["SPLITS"] == split_kv
+        o, lse = c_kernels.attention_with_lse(q, k, v, causal=causal, split_kv=split_kv)
+        check_against_reference(o, q, k, v, causal=causal, dtype_name="fp16")
+        _check_lse(lse, q, k, causal=causal)
+
+
+def test_split_kv_with_empty_rows_and_chunks(merge, device):
     """Causal, Nq > Nk: rows with no key at all (every partial's lse is -inf) get 0 and lse = +inf,
     and chunks past a row's diagonal contribute nothing."""
     q, k, v = make_qkv(1, 2, 40, 16, torch.float16, device, Nk=300)

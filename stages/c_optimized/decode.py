@@ -22,7 +22,8 @@ chunks' outputs weighted by their share of the total mass:
     L = log2 Σ_s 2^(L_s),      O = Σ_s 2^(L_s − L) · O_s
 
 which the second, small kernel computes with the same running-maximum trick as the main loop
-(subtract max_s L_s before exponentiating, so nothing overflows). A row with no key anywhere has
+(subtract max_s L_s before exponentiating, so nothing overflows), a few splits per step
+(``MERGE_SHAPES``). A row with no key anywhere has
 every L_s = −inf; it gets O = 0 and L = +inf (the backward's convention: P = 2^(x − L) = 0).
 
 **Grouped-query attention.** One program takes *all* the query heads that share its KV head (and
@@ -42,10 +43,10 @@ when Nk is long (the only case this path is chosen for).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
-import torch
 import triton
 import triton.language as tl
 
@@ -257,38 +258,59 @@ def split_kv_attention_kernel(
 @triton.jit(do_not_specialize=["ROWS_TOTAL", "SPLITS"])
 def merge_splits_kernel(
     O_PART, LSE_PART, O, LSE, ROWS_TOTAL, SPLITS,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, STORE_LSE: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS_PER_STEP: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     """O = Σ_s 2^(L_s − L)·O_s with L = log2 Σ_s 2^(L_s), for BLOCK_R rows (module docstring), folded
-    in split by split with a running maximum, exactly like the main loop's online softmax."""
+    in ``SPLITS_PER_STEP`` splits at a time with a running maximum, exactly like the main loop's
+    online softmax over its key tiles. Each step's loads wait for nothing but the step before
+    (the running maximum and sums), so a row of S splits is a chain of S / SPLITS_PER_STEP steps,
+    each an L2 round trip: one split per step (the first version, :data:`MERGE_SHAPES`) makes a long
+    chain when there are many splits and few rows to spread it over."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < ROWS_TOTAL
     ds = tl.arange(0, BLOCK_D)
-    mask = row_ok[:, None] & (ds[None, :] < D)
+    d_ok = ds < D
     m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
     den = tl.zeros((BLOCK_R,), tl.float32)
     acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
-    for s in range(SPLITS):
-        part = s * ROWS_TOTAL + rows.to(tl.int64)
-        lse_s = tl.load(LSE_PART + part, mask=row_ok, other=float("-inf"))
-        o_s = tl.load(O_PART + part[:, None] * D + ds[None, :], mask=mask, other=0.0)
-        m_new = tl.maximum(m, lse_s)
+    for s0 in range(0, SPLITS, SPLITS_PER_STEP):
+        s = s0 + tl.arange(0, SPLITS_PER_STEP)
+        ok = (s < SPLITS)[:, None] & row_ok[None, :]                          # [S, R]
+        part = s.to(tl.int64)[:, None] * ROWS_TOTAL + rows[None, :]           # [S, R]
+        lse_s = tl.load(LSE_PART + part, mask=ok, other=float("-inf"))
+        o_s = tl.load(O_PART + part[:, :, None] * D + ds[None, None, :],        # [S, R, BLOCK_D]
+                      mask=ok[:, :, None] & d_ok[None, None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse_s, axis=0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         w_old = tl.math.exp2(m - m_use)
-        w = tl.math.exp2(lse_s - m_use)
-        den = den * w_old + w
-        acc = acc * w_old[:, None] + w[:, None] * o_s
+        w = tl.math.exp2(lse_s - m_use[None, :])
+        den = den * w_old + tl.sum(w, axis=0)
+        acc = acc * w_old[:, None] + tl.sum(w[:, :, None] * o_s, axis=0)
         m = m_new
     seen = den > 0.0
     out = acc / tl.where(seen, den, 1.0)[:, None]
-    tl.store(O + rows.to(tl.int64)[:, None] * D + ds[None, :], out.to(O.dtype.element_ty), mask=mask)
+    tl.store(O + rows.to(tl.int64)[:, None] * D + ds[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
     if STORE_LSE:
         lse = tl.where(seen, m + tl.math.log2(tl.where(seen, den, 1.0)), float("inf"))
         tl.store(LSE + rows, lse, mask=row_ok)
 
 
-#: Rows per program of the merge kernel.
-MERGE_ROWS = 16
+#: The merge kernel's (rows per program, splits per step). "serial": 16 rows, one split per step,
+#: the first version, measured on the H200; "wide": one row per program, 32 splits per step, so
+#: the chain of dependent loads is 32 times shorter and a B 1 decode's 32 rows are 32 programs, not
+#: 2 (docs/performance-log/model-shapes.md, entry 45). The wide merge passes the CPU tests; it becomes
+#: the default once the H200 has timed it (``LAB_DECODE_MERGE=wide`` switches it on before that).
+MERGE_SHAPES = {"serial": (16, 1), "wide": (1, 32)}
+MERGE = os.environ.get("LAB_DECODE_MERGE", "serial")
+if MERGE not in MERGE_SHAPES:
+    raise ValueError(f"LAB_DECODE_MERGE must be one of {', '.join(MERGE_SHAPES)}, got {MERGE!r}")
+
+
+def merge_shape() -> tuple[int, int]:
+    """(rows per program, splits per step) of the merge kernel, as :data:`MERGE` picks."""
+    return MERGE_SHAPES[MERGE]
 
 
 def workspace_shapes(B: int, Hq: int, Nq: int, D: int, splits: int) -> tuple[tuple, tuple]:

@@ -461,7 +461,7 @@ _SPLIT_INTS = (*_strides("q"), *_strides("k"), *_strides("v"), "Hq", "Hkv", "N_Q
                "ROWS_TOTAL")
 
 
-def _split_runtime(q, k, v, o, choice: Choice, sms: int) -> tuple:
+def _split_runtime(q, k, v, o, choice: Choice, sms: int, merge_rows: int) -> tuple:
     split = choice.config
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -475,7 +475,7 @@ def _split_runtime(q, k, v, o, choice: Choice, sms: int) -> tuple:
              (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], Hq, Hkv, Nq, Nk, Nk - Nq, chunk, rows_total))
     if splits == 1:  # one chunk: the split kernel writes O itself, no partials, no merge
         return (("o_part", None), ("lse_part", None)), (first,)
-    merge = ((cdiv(rows_total, decode.MERGE_ROWS),), (rows_total, splits))
+    merge = ((cdiv(rows_total, merge_rows),), (rows_total, splits))
     return (("o_part", (splits, rows_total, D)), ("lse_part", (splits, rows_total))), (first, merge)
 
 
@@ -555,7 +555,8 @@ def _split_recipe(split, dtype, D, group, causal, dot_precision, store_lse, sms)
         static["LSE"] = None
     first = _LaunchRecipe(decode.split_kv_attention_kernel, tuple(static.items()), tensors, (), _SPLIT_INTS,
                           split.num_warps, split.num_stages)
-    merge_static = dict(D=D, BLOCK_D=BD, BLOCK_R=decode.MERGE_ROWS, STORE_LSE=store_lse)
+    merge_rows, splits_per_step = decode.merge_shape()
+    merge_static = dict(D=D, BLOCK_D=BD, BLOCK_R=merge_rows, SPLITS_PER_STEP=splits_per_step, STORE_LSE=store_lse)
     merge_tensors = (("O_PART", "o_part"), ("LSE_PART", "lse_part"), ("O", "o"))
     if store_lse:
         merge_tensors += (("LSE", "lse"),)
@@ -563,7 +564,7 @@ def _split_recipe(split, dtype, D, group, causal, dot_precision, store_lse, sms)
         merge_static["LSE"] = None
     merge = _LaunchRecipe(decode.merge_splits_kernel, tuple(merge_static.items()), merge_tensors, (),
                           ("ROWS_TOTAL", "SPLITS"), 4, 1, scale_factor=None)
-    return _Recipe("split", (first, merge), functools.partial(_split_runtime, sms=sms))
+    return _Recipe("split", (first, merge), functools.partial(_split_runtime, sms=sms, merge_rows=merge_rows))
 
 
 def _desc_template(block: tuple, gluon: bool, dtype: torch.dtype) -> tuple:
@@ -939,7 +940,7 @@ def hbm_bytes(p: Problem, config: Config | None = None, causal_skip: bool = True
     switches = dict(tuned_tiles=tuned_tiles, pipelining=pipelining, tma=tma, exp2=exp2, causal_skip=causal_skip,
                     warp_specialization=warp_specialization)
     choice = _choice_for(p, config, split_kv, switches, ws_rung)
-    e, row = p.element_bytes, p.D * p.element_bytes
+    row = p.D * p.element_bytes
     q_bytes = p.heads * p.N * row
     if choice.path == "split":
         s = choice.config
