@@ -466,9 +466,11 @@ def write_env(out_dir: str | os.PathLike, env: dict) -> Path:
     path = Path(out_dir) / ENV_JSON
     path.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads(path.read_text()) if path.exists() else {}
-    data.update({k: v for k, v in env.items() if k != "run_id"})
-    data.setdefault("runs", {})[env["run_id"]] = {"command": env.get("command"), "date": env.get("date"),
-                                                   "git_commit": env.get("git_commit")}
+    data.update({k: v for k, v in env.items() if k not in ("run_id", "switches")})
+    run = {"command": env.get("command"), "date": env.get("date"), "git_commit": env.get("git_commit")}
+    if env.get("switches"):  # the stages' environment switches this run had set (LAB_*)
+        run["switches"] = env["switches"]
+    data.setdefault("runs", {})[env["run_id"]] = run
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     return path
 
@@ -483,6 +485,16 @@ def load_env(out_dir: str | os.PathLike) -> dict:
         raise ResultsError(f"{path}: not valid JSON ({e})") from None
 
 
+#: Environment variables that change which kernels the stages run (``LAB_WS_PADDED_HEAD_DIMS``,
+#: ``LAB_DECODE_MERGE``, ...): a run records the ones set, since its command line does not show them.
+SWITCH_PREFIX = "LAB_"
+
+
+def switches_set() -> dict[str, str]:
+    """The stages' environment switches set in this process, by name."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(SWITCH_PREFIX)}
+
+
 def base_env(run_id: str) -> dict:
     """Provenance every run records; the GPU part is added by harness.device_info."""
     import torch
@@ -493,6 +505,7 @@ def base_env(run_id: str) -> dict:
         "date": run_id,
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
         "git_commit": git_commit(),
+        "switches": switches_set(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": triton.__version__,

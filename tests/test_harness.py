@@ -612,3 +612,19 @@ def test_git_commit_marks_a_dirty_checkout_but_not_new_results(tmp_path):
     (tmp_path / "kernel.py").write_text("x = 2\n")
     assert results.git_commit(tmp_path) == clean + "-dirty"
     assert results.git_commit(tmp_path / "results") == clean + "-dirty"  # from a subfolder too
+
+
+def test_a_run_records_the_stage_switches_its_environment_set(tmp_path, monkeypatch):
+    """A run under ``LAB_DECODE_MERGE=wide`` says so in its env.json entry (its command line does not);
+    a run without switches records none."""
+    from harness import results
+
+    monkeypatch.setenv("LAB_DECODE_MERGE", "wide")
+    results.write_env(tmp_path, results.base_env("2026-12-03T00:00:00Z"))
+    monkeypatch.delenv("LAB_DECODE_MERGE")
+    monkeypatch.delenv("LAB_WS_PADDED_HEAD_DIMS", raising=False)
+    results.write_env(tmp_path, results.base_env("2026-12-03T00:01:00Z"))
+    runs = results.load_env(tmp_path)["runs"]
+    assert runs["2026-12-03T00:00:00Z"]["switches"] == {"LAB_DECODE_MERGE": "wide"}
+    assert "switches" not in runs["2026-12-03T00:01:00Z"]
+    assert "switches" not in results.load_env(tmp_path)  # per run, not the directory's latest facts

@@ -20,7 +20,7 @@ except ImportError:
 #: (the full Hopper kernel) the chain climbs the warp-specialization ladder (``hopper_ws.LADDER``):
 #: "+ws<k>-<name>" runs the Hopper kernel with rungs 1..k on and the rest off, every other switch on.
 #: The ladder's last rung (lazy rescale) is "+warp_specialization" itself. Elsewhere than sm_90,
-#: fp16/bf16, D 40-128 (multiples of 8) and Nq == Nk the harness records the rung rows as unsupported.
+#: fp16/bf16, D 40-256 (multiples of 8) and Nq == Nk the harness records the rung rows as unsupported.
 SWITCHES = ("tuned_tiles", "pipelining", "tma", "exp2", "causal_skip", "warp_specialization")
 WS_LADDER = {f"+ws{k}-{name}": {"ws_rung": k}
              for k, (name, _) in enumerate(_hopper_ws.LADDER[:-1], start=1)}

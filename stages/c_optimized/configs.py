@@ -121,7 +121,7 @@ def fits(config: Config, D: int, element_bytes: int, arch: int) -> bool:
 
 def candidate_configs(D: int, dtype: torch.dtype, arch: int, warp_specialization: bool = True) -> list[Config]:
     """The configurations worth trying for this head dim and GPU, best guess first; only those that
-    fit. On Hopper (fp16/bf16, D 40-128) the warp-specialized kernel's configs come first. A head dim
+    fit. On Hopper (fp16/bf16, D 40-256) the warp-specialized kernel's configs come first. A head dim
     that is not a power of two (72, 200, ...) takes the configs of its padded tile width."""
     # The warp-specialized kernel runs a head dim between the powers of two at its padded width
     # (hopper_ws.PADDED_HEAD_DIMS): its configs are the padded width's.

@@ -27,7 +27,9 @@ zeroed in Pᵀ after the exponential, only on the tiles that need it (a runtime 
 past Nq read zeros by TMA and lse = +inf, so their P is exactly 0.
 
 Covers sm_90, fp16/bf16, D 64 and 128 (and, with ``hopper_ws.PADDED_HEAD_DIMS``, the multiples of 8
-between them, in tiles of the padded width), Nq ≠ Nk, GQA, 16-byte aligned strides (TMA's rule).
+between them, in tiles of the padded width), Nq ≠ Nk, GQA, 16-byte aligned strides (TMA's rule). Not
+D 256 (``hopper_ws.MAX_HEAD_DIM``): compiled for sm_90 there, the dK/dV kernel's two 256-wide
+accumulators spill about 3 KB per thread with two consumers and 1.5 KB with one.
 """
 
 from __future__ import annotations

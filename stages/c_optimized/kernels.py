@@ -24,7 +24,7 @@ per (Q tile, batch·head). What changes, each behind a switch so the harness can
 ``causal_skip``  Causal attention visits only K/V tiles at or below the diagonal: tiles wholly below
                  run mask-free, only the diagonal tiles pay for the mask, tiles above are never
                  loaded. Halves the work and the K/V traffic. Programs with the most work start first.
-``warp_specialization``  Hopper only (fp16/bf16, D 40-128): the kernel of ``hopper_ws.py``, written in
+``warp_specialization``  Hopper only (fp16/bf16, D 40-256): the kernel of ``hopper_ws.py``, written in
                  Gluon. A producer warp feeds a ring of K/V buffers; two or three consumer
                  warpgroups share each tile, take turns on the tensor cores (ping-pong), and each
                  overlaps its softmax with its own previous P·V wgmma; optionally a persistent
