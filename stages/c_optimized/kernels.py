@@ -26,10 +26,10 @@ per (Q tile, batch·head). What changes, each behind a switch so the harness can
                  loaded. Halves the work and the K/V traffic. Programs with the most work start first.
 ``warp_specialization``  Hopper only (fp16/bf16, D 40-256): the kernel of ``hopper_ws.py``, written in
                  Gluon. A producer warp feeds a ring of K/V buffers; two or three consumer
-                 warpgroups share each tile, take turns on the tensor cores (ping-pong), and each
-                 overlaps its softmax with its own previous P·V wgmma; optionally a persistent
-                 grid. It builds on every switch above, so it runs only when they are all on and the
-                 tuner found it faster for the problem's shape (``configs.WS_SHAPES``).
+                 warpgroups share each tile and take turns (ping-pong), so one warpgroup's softmax
+                 overlaps another's wgmma; optionally a persistent grid. It builds on every switch
+                 above, so it runs only when they are all on and the tuner found it faster for the
+                 problem's shape (``configs.WS_SHAPES``).
 
 Always on (no switch, because Triton gives no way to turn them off): tensor-core MMA (``mma.sync``
 + ``ldmatrix`` on sm_80, ``wgmma`` on sm_90) with fp32 accumulators resident in registers and the
