@@ -66,10 +66,13 @@ def test_a_rung_where_the_kernel_cannot_run_is_a_value_error_naming_ws_rung():
         STAGES["c"].attention(q, k, v, ws_rung=1)
     with pytest.raises(ValueError, match="ws_rung"):  # the traffic model says the same
         hbm_bytes(Problem(1, 2, 64, 64, "fp16"), ws_rung=1)
-    for where in (dict(D=136), dict(dtype=torch.float32), dict(Nk=2048), dict(arch=80), dict(store_lse=True),
+    for where in (dict(D=32), dict(dtype=torch.float32), dict(Nk=2048), dict(arch=80),
                   dict(warp_specialization=False), dict(split_kv=2)):
         with pytest.raises(ValueError, match="ws_rung"):
             _select(ws_rung=3, **where)
+    # the training forward (log-sum-exp stored) and D 136 (padded to 256) do run the rungs
+    for where in (dict(store_lse=True), dict(D=136)):
+        assert _select(ws_rung=3, **where).path == "ws"
 
 
 @pytest.mark.parametrize("D", sorted(WS_SHAPES))

@@ -701,8 +701,8 @@ def q_buffers(persistent: bool) -> int:
 #: with zeros on load and leaves them out on store, so the kernel is the D 64, 128 or 256 one, doing
 #: the padded width's multiply-adds at its rate. On by default since its GPU tests and the head-dim
 #: sweep ran on an H200 (forward, N 4096, bf16: C / cuDNN 1.04-1.16 at D 40-120, where the tl kernel
-#: ran 0.87-0.97); ``LAB_WS_PADDED_HEAD_DIMS=0`` in the environment turns it off (the tl kernel,
-#: padded, runs them).
+#: ran 0.87-0.97; 1.02-1.10 at D 200-248 and 0.76-0.91 at D 136-192, where it ran 0.36-0.58);
+#: ``LAB_WS_PADDED_HEAD_DIMS=0`` in the environment turns it off (the tl kernel, padded, runs them).
 PADDED_HEAD_DIMS = os.environ.get("LAB_WS_PADDED_HEAD_DIMS", "1") == "1"
 
 #: The widest tile each kernel has: the forward's 64 x 256 accumulator per consumer (128 registers of
