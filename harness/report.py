@@ -975,8 +975,9 @@ def head_dim_kernel_note(env: dict, dtype: str, rows: list[dict]) -> str:
         text += f"; D {_d_ranges(tl, ds)} {'runs' if len(tl) == 1 else 'run'} its tl kernel"
     tuned = _tuned_head_dims(env.get("gpu_slug"), dtype)
     if tuned:
-        text += (f"; a head dim the tuning table does not hold (it holds D {_d_ranges(tuned, sorted(set(ds) | set(tuned)))}) takes the first "
-                 "tile configuration of its padded width")
+        held = _d_ranges(tuned, sorted(set(ds) | set(tuned)))
+        text += (f"; a head dim the tuning table does not hold (it holds D {held}) takes the first tile "
+                 "configuration of its padded width")
     return text
 
 

@@ -728,7 +728,8 @@ def supported_head_dims(kernel: str = "forward") -> str:
     top = MAX_HEAD_DIM[kernel]
     if PADDED_HEAD_DIMS:
         return f"D a multiple of 8 from 40 to {top}"
-    return "D 64, 128 or 256" if top == 256 else "D 64 or 128"
+    powers = [str(D) for D in (64, 128, 256) if D <= top]
+    return "D " + ", ".join(powers[:-1]) + " or " + powers[-1]
 
 
 #: The ladder of the module docstring, bottom to top: (name, what the rung adds). Stage C's

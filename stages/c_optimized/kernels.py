@@ -510,10 +510,7 @@ def _recipe(path: str, config, dtype: torch.dtype, D: int, group: int, causal: b
         descs = (("q_desc", "q", (1, 1, hopper_ws.ROWS_PER_CONSUMER, BD), True),
                  ("k_desc", "k", (1, 1, block_n, BD), True), ("v_desc", "v", (1, 1, block_n, BD), True),
                  ("o_desc", "o", (1, 1, hopper_ws.ROWS_PER_CONSUMER, BD), True))
-        # the training forward stores the rows' log-sum-exps too (LSE: a pointer; else None, compiled out)
-        tensors = (("Q", "q"), ("LSE", "lse")) if store_lse else (("Q", "q"),)
-        if not store_lse:
-            constants["LSE"] = None
+        tensors = _lse_argument((("Q", "q"),), constants, store_lse)
         launch = _LaunchRecipe(hopper_ws.ws_attention_kernel, tuple(constants.items()), tensors, descs,
                                hopper_ws.RUNTIME_ARGS, num_warps=4, num_stages=1, extra=tuple(extra.items()),
                                dtype=dtype)
@@ -532,11 +529,7 @@ def _recipe(path: str, config, dtype: torch.dtype, D: int, group: int, causal: b
     else:
         descs = ()
         static.update(q_desc=None, k_desc=None, v_desc=None, o_desc=None)  # the pointer path is compiled
-    tensors = (("Q", "q"), ("K", "k"), ("V", "v"), ("O", "o"))
-    if store_lse:
-        tensors += (("LSE", "lse"),)
-    else:
-        static["LSE"] = None
+    tensors = _lse_argument((("Q", "q"), ("K", "k"), ("V", "v"), ("O", "o")), static, store_lse)
     launch = _LaunchRecipe(optimized_attention_kernel, tuple(static.items()), tensors, descs, _TL_INTS,
                            config.num_warps, config.num_stages,
                            # exp2 folds log2(e) into the scale once; exp keeps the natural scale.
@@ -544,24 +537,27 @@ def _recipe(path: str, config, dtype: torch.dtype, D: int, group: int, causal: b
     return _Recipe(path, (launch,), _tl_runtime)
 
 
+def _lse_argument(tensors: tuple, static: dict, store_lse: bool) -> tuple:
+    """A kernel's ``LSE`` argument: the call's lse tensor when the training forward stores the rows'
+    log-sum-exps (appended to ``tensors``), else None in ``static`` (compiled out)."""
+    if store_lse:
+        return tensors + (("LSE", "lse"),)
+    static["LSE"] = None
+    return tensors
+
+
 def _split_recipe(split, dtype, D, group, causal, dot_precision, store_lse, sms) -> _Recipe:
     BD = padded_head_dim(D)
     tensors = (("Q", "q"), ("K", "k"), ("V", "v"), ("O_PART", "o_part"), ("LSE_PART", "lse_part"), ("O", "o"))
     static = dict(GROUP=group, D=D, BLOCK_D=BD, BLOCK_M=split.block_m, BLOCK_N=split.block_n, CAUSAL=causal,
                   DOT_PRECISION=dot_precision, STORE_LSE=store_lse)
-    if store_lse:
-        tensors += (("LSE", "lse"),)
-    else:
-        static["LSE"] = None
+    tensors = _lse_argument(tensors, static, store_lse)
     first = _LaunchRecipe(decode.split_kv_attention_kernel, tuple(static.items()), tensors, (), _SPLIT_INTS,
                           split.num_warps, split.num_stages)
     merge_rows, splits_per_step = decode.merge_shape()
     merge_static = dict(D=D, BLOCK_D=BD, BLOCK_R=merge_rows, SPLITS_PER_STEP=splits_per_step, STORE_LSE=store_lse)
-    merge_tensors = (("O_PART", "o_part"), ("LSE_PART", "lse_part"), ("O", "o"))
-    if store_lse:
-        merge_tensors += (("LSE", "lse"),)
-    else:
-        merge_static["LSE"] = None
+    merge_tensors = _lse_argument((("O_PART", "o_part"), ("LSE_PART", "lse_part"), ("O", "o")), merge_static,
+                                  store_lse)
     merge = _LaunchRecipe(decode.merge_splits_kernel, tuple(merge_static.items()), merge_tensors, (),
                           ("ROWS_TOTAL", "SPLITS"), 4, 1, scale_factor=None)
     return _Recipe("split", (first, merge), functools.partial(_split_runtime, sms=sms, merge_rows=merge_rows))
