@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The split-KV merge kernel's two shapes on one GPU (decode.MERGE_SHAPES: "serial", the default, and
-# "wide", LAB_DECODE_MERGE=wide): the GPU tests of the split path with the wide merge, then stage C's
+# The split-KV merge kernel's two shapes on one GPU (decode.MERGE_SHAPES: "wide", the default, and
+# "serial", LAB_DECODE_MERGE=serial, the first version): the GPU tests of the split path with the wide merge, then stage C's
 # decode cells at every split count under each merge beside cuDNN (experiments/suite_configs.py, GPU
 # time of CUDA-graph replay), then the decode cells of the shape contract with the wide merge
 # (results/<gpu>/shapes/), so the results page's decode block can compare. The entry that reads it:
-# docs/performance-log/model-shapes.md, entry 45.
+# docs/performance-log/model-shapes.md, entries 45 and 47.
 #
 #     experiments/decode_merge_gpu.sh               # everything (an estimate: ~5 minutes on an H200)
 #     experiments/decode_merge_gpu.sh tests time    # some parts: tests time shapes

@@ -297,13 +297,14 @@ def merge_splits_kernel(
         tl.store(LSE + rows, lse, mask=row_ok)
 
 
-#: The merge kernel's (rows per program, splits per step). "serial": 16 rows, one split per step,
-#: the first version, measured on the H200; "wide": one row per program, 32 splits per step, so
-#: the chain of dependent loads is 32 times shorter and a B 1 decode's 32 rows are 32 programs, not
-#: 2 (docs/performance-log/model-shapes.md, entry 45). The wide merge passes the CPU tests; it becomes
-#: the default once the H200 has timed it (``LAB_DECODE_MERGE=wide`` switches it on before that).
+#: The merge kernel's (rows per program, splits per step). "wide", the default: one row per program,
+#: 32 splits per step, so the chain of dependent loads is 32 times shorter and a B 1 decode's 32 rows
+#: are 32 programs, not 2; "serial" (``LAB_DECODE_MERGE=serial``): 16 rows, one split per step, the
+#: first version. On the H200 the wide merge made B 1 grouped decoding 1.5x (Nk 4096) and 1.7x (Nk
+#: 32768) faster, at the split counts the code picks, and tied or won every other decode cell
+#: (docs/performance-log/model-shapes.md, entry 47).
 MERGE_SHAPES = {"serial": (16, 1), "wide": (1, 32)}
-MERGE = os.environ.get("LAB_DECODE_MERGE", "serial")
+MERGE = os.environ.get("LAB_DECODE_MERGE", "wide")
 if MERGE not in MERGE_SHAPES:
     raise ValueError(f"LAB_DECODE_MERGE must be one of {', '.join(MERGE_SHAPES)}, got {MERGE!r}")
 
