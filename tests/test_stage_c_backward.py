@@ -220,8 +220,9 @@ def test_every_tuned_backward_plan_is_correct(name, key, entry, device):
     hopper = {name: entry[key] for name, key in (("ws_config", "ws"), ("ws_dq_config", "ws_dq")) if key in entry}
     if hopper and not (device == "cuda" and torch.cuda.get_device_capability()[0] == 9 and D in (64, 128)):
         hopper = {}  # (the Hopper kernels run on sm_90 at D 64 and 128: elsewhere the entry's tl kernels are tested)
+    fused = hopper.get("ws_dq_config") == bwd.FUSED_DQ  # (atomics: never deterministic)
     check_gradients(attention, q, k, v, causal=causal, dtype_name=dtype_name, config=config, dq_config=dq_config,
-                    deterministic=entry["dq_method"] == "separate", **hopper)
+                    deterministic=entry["dq_method"] == "separate" and not fused, **hopper)
 
 
 def test_backward_plan_reads_the_tuned_table(monkeypatch):
@@ -244,6 +245,47 @@ def test_backward_plan_reads_the_tuned_table(monkeypatch):
         assert bwd.backward_plan(128, torch.bfloat16, table["arch"], False, pipelining=False).dkdv.num_stages == 1
     finally:
         bwd.backward_plan.cache_clear()
+
+
+def test_a_tuned_fused_dq_plan_is_atomic_and_not_deterministic(monkeypatch):
+    """An entry whose ``ws_dq`` is "fused": dQ by the Hopper dK/dV kernel's atomics (no separate dQ
+    kernel, the fp32 accumulator); ``deterministic`` takes the separate tl dQ kernel instead; the
+    traffic model counts the accumulator's read-modify-writes."""
+    table = {"arch": 90, "bf16/D64/causal0": {"dkdv": "M64-N64-w4-s2", "dq": "M64-N128-w8-s3",
+                                             "dq_method": "separate", "ws": "ws-M64-c2-s3", "ws_dq": "fused"}}
+    monkeypatch.setattr(bwd, "gpu_slug", lambda: "fake")
+    monkeypatch.setattr(bwd, "tuned_backward_table", lambda slug: table)
+    monkeypatch.setattr(bwd, "device_arch", lambda device: 90)
+    bwd.backward_plan.cache_clear()
+    try:
+        plan = bwd.backward_plan(64, torch.bfloat16, 90, False)
+        assert (plan.ws, plan.ws_dq) == (bwd.WsConfig(64, 2, 3), bwd.FUSED_DQ)
+        assert str(plan) == "dkdv:ws-M64-c2-s3+fused-dq"
+        exact = bwd.backward_plan(64, torch.bfloat16, 90, False, deterministic=True)
+        assert (exact.ws, exact.ws_dq, exact.separate_dq) == (bwd.WsConfig(64, 2, 3), None, True)
+        p = Problem(2, 4, 1000, 64, "bf16", False)
+        fused, separate = bwd.bwd_hbm_bytes(p), bwd.bwd_hbm_bytes(p, deterministic=True)
+        assert fused.write > separate.write + 2 * p.heads * p.N * p.D * 4  # zeroing + the RMWs' writes, at least
+        assert bwd.train_workspace_bytes(p) == bwd.train_workspace_bytes(p, deterministic=True) + p.heads * p.N * p.D * 4
+    finally:
+        bwd.backward_plan.cache_clear()
+
+
+def test_fused_dq_needs_64_row_q_tiles_and_atomics(device):
+    """plan_backward refuses fused dQ with another Q tile, without the accumulator or deterministic,
+    and says which argument and what it needs."""
+    q, k, v = make_qkv(1, 2, 8, 64, torch.bfloat16, device)
+    o, lse = saved_forward(q, k, v, False, 0.125)
+    t = bwd._allocate(q, k, v, separate=False)
+    common = dict(causal=False, scale=0.125, arch=90)
+    args = (o, q, k, v, o, lse, t["delta"], t["dq"], t["dk"], t["dv"])
+    for ws, acc, deterministic in ((bwd.WsConfig(32, 2, 2), t["dq_acc"], False), (bwd.WsConfig(64, 2, 2), None, False),
+                                   (bwd.WsConfig(64, 2, 2), t["dq_acc"], True)):
+        with pytest.raises(ValueError, match="ws_dq_config='fused'.*64-row"):
+            bwd.plan_backward(*args, acc, ws=ws, ws_dq=bwd.FUSED_DQ, deterministic=deterministic, **common)
+    with pytest.raises(ValueError, match="ws_dq_config"):  # (on a CPU: no Hopper kernel; on sm_90: atomics)
+        bwd.attention_backward(o, q, k, v, o, lse, causal=False, scale=0.125, ws_dq_config="fused",
+                               deterministic=True)
 
 
 # ------------------------------------------------------------------------ the Hopper dK/dV kernel
@@ -271,9 +313,29 @@ def test_hopper_dkdv_kernel_matches_float64(shape, causal, device):
     B, Hq, Hkv, Nq, Nk, D = shape
     config = "ws-M32-c2-s2" if D == 128 else "ws-M64-c2-s2"
     for dtype_name, kernels in (("bf16", {"ws_config": config}), ("fp16", {"ws_dq_config": "ws-M64-c2-s2"}),
-                                ("bf16", {"ws_config": config, "ws_dq_config": "ws-M128-c1-s2"})):
+                                ("bf16", {"ws_config": config, "ws_dq_config": "ws-M128-c1-s2"}),
+                                ("bf16", {"ws_config": "ws-M64-c2-s2", "ws_dq_config": "fused"}),
+                                ("fp16", {"ws_config": "ws-M64-c1-s3", "ws_dq_config": "fused"})):
         q, k, v = make_qkv(B, Hq, Nq, D, DTYPES[dtype_name], device, Hkv=Hkv, Nk=Nk, seed=11)
         check_gradients(attention, q, k, v, causal=causal, dtype_name=dtype_name, **kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("atomics", ["mma", "rows", "tma"])
+@pytest.mark.parametrize("shape", WS_SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}-D{}".format(*s))
+def test_fused_dq_matches_float64_every_way_of_adding(shape, atomics, monkeypatch, device):
+    """Fused dQ by each way of adding its tiles (``hopper_bwd.FUSED_DQ_ATOMICS``), causal and not."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper dK/dV kernel needs sm_90")
+    from stages.c_optimized import hopper_bwd
+
+    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_ATOMICS", atomics)
+    monkeypatch.setattr(bwd, "_KEPT", {})  # (the kept launches were planned under the default)
+    B, Hq, Hkv, Nq, Nk, D = shape
+    for causal in (False, True):
+        q, k, v = make_qkv(B, Hq, Nq, D, torch.bfloat16, device, Hkv=Hkv, Nk=Nk, seed=13)
+        check_gradients(attention, q, k, v, causal=causal, dtype_name="bf16", ws_config="ws-M64-c2-s2",
+                        ws_dq_config="fused")
 
 
 @pytest.mark.gpu
@@ -285,6 +347,9 @@ def test_every_hopper_dkdv_config_is_correct(config, device):
         q, k, v = make_qkv(1, 4, 333, D, torch.bfloat16, device, Hkv=2, Nk=333, seed=12, layout="bnhd")
         check_gradients(attention, q, k, v, causal=causal, dtype_name="bf16", ws_config=config)
         check_gradients(attention, q, k, v, causal=not causal, dtype_name="bf16", ws_dq_config=config)
+        if config.startswith("ws-M64"):  # fused dQ: 64-row Q tiles only
+            check_gradients(attention, q, k, v, causal=causal, dtype_name="bf16", ws_config=config,
+                            ws_dq_config="fused")
 
 
 def test_hopper_dkdv_kernel_compiles_for_sm90():
@@ -301,6 +366,31 @@ def test_hopper_dkdv_kernel_compiles_for_sm90():
         assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx and "setmaxnreg" in ptx
         assert "atom.global" not in ptx and "red.global" not in ptx
         assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+@pytest.mark.parametrize("atomics,instruction", [("mma", "atom.global.gpu.relaxed.add.v2.f32"),
+                                                  ("rows", "atom.global.gpu.relaxed.add.v4.f32"),
+                                                  ("tma", "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add")])
+def test_fused_dq_compiles_for_sm90(atomics, instruction, monkeypatch):
+    """Fused dQ: two launches (the pre-pass, which zeroes the accumulator, and the dK/dV kernel), the
+    kernel adding dQ after a wgmma whose A operand (dS) is read from shared memory, by each way of
+    adding (``hopper_bwd.FUSED_DQ_ATOMICS``): the threads' vector atomics from the accumulator's
+    layout or from whole rows, or the copy engine's bulk reduce; at D 64 nothing spills (at D 128 it
+    does: performance-log entry 48)."""
+    from stages.c_optimized import hopper_bwd
+
+    monkeypatch.setenv("LAB_FUSED_DQ_ATOMICS", atomics)  # (a compile in a child process reads it at import)
+    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_ATOMICS", atomics)
+    kernels = bwd.compile_backward(Problem(1, 4, 200, 64, "bf16", False, Hkv=2, Nk=300), 90,
+                                   ws_config="ws-M64-c2-s2", ws_dq_config="fused")
+    assert [k.name for k in kernels] == ["attention_bwd_delta_kernel", "ws_bwd_dkdv_kernel"]
+    ptx = kernels[1].asm["ptx"]
+    assert instruction in ptx and "wgmma.mma_async" in ptx
+    assert ("atom.global" in ptx) == (atomics != "tma")
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    padded = bwd.compile_backward(Problem(1, 4, 200, 48, "bf16", True), 90, ws_config="ws-M64-c1-s2",
+                                  ws_dq_config="fused")
+    assert instruction in padded[1].asm["ptx"]
 
 
 def test_hopper_dkdv_config_errors_name_the_argument(device):

@@ -219,12 +219,25 @@ class BwdPlan:
     separate_dq: bool
     dq: BwdConfig
     ws: WsConfig | None = None
-    ws_dq: WsConfig | None = None
+    ws_dq: WsConfig | str | None = None
 
     def __str__(self) -> str:
         dkdv = str(self.ws) if self.ws is not None else str(self.dkdv)
+        if self.ws_dq == FUSED_DQ:
+            return f"dkdv:{dkdv}+fused-dq"
         dq = str(self.ws_dq) if self.ws_dq is not None else str(self.dq)
         return f"dkdv:{dkdv}+" + (f"dq:{dq}" if self.separate_dq else "atomic-dq")
+
+
+#: ``ws_dq_config`` / a tuned entry's ``ws_dq`` naming no dQ kernel: dQ added by atomics inside the
+#: Hopper dK/dV kernel (``hopper_bwd._fused_dq``: five products per pair instead of seven, not
+#: deterministic, 64-row Q tiles).
+FUSED_DQ = "fused"
+
+
+def parse_ws_dq(text: WsConfig | str) -> WsConfig | str:
+    """A Hopper dQ kernel's tiles, or :data:`FUSED_DQ`."""
+    return FUSED_DQ if text == FUSED_DQ else WsConfig.parse(text) if isinstance(text, str) else text
 
 
 def _hand_config(D_pad: int, dtype: torch.dtype, arch: int, element_bytes: int) -> BwdConfig:
@@ -282,11 +295,15 @@ def backward_plan(D: int, dtype: torch.dtype, arch: int, causal: bool = False, *
                 plan = BwdPlan(dkdv, entry["dq_method"] == "separate", dq)
             if warp_specialization and pipelining and hopper_ws.supported(dtype, D, arch, "backward"):
                 ws = WsConfig.parse(entry["ws"]) if "ws" in entry else None
-                ws_dq = WsConfig.parse(entry["ws_dq"]) if "ws_dq" in entry else None
-                if ws is not None or ws_dq is not None:
-                    plan = BwdPlan(dkdv, True, dq, ws, ws_dq)
+                ws_dq = parse_ws_dq(entry["ws_dq"]) if "ws_dq" in entry else None
+                if ws_dq == FUSED_DQ and ws is not None:
+                    # (separate_dq stays the tl plan's: what runs where the Hopper kernel cannot)
+                    plan = BwdPlan(dkdv, entry["dq_method"] == "separate", dq, ws, FUSED_DQ)
+                elif ws is not None or ws_dq not in (None, FUSED_DQ):
+                    plan = BwdPlan(dkdv, True, dq, ws, ws_dq if ws_dq != FUSED_DQ else None)
     if deterministic:
-        plan = replace(plan, separate_dq=True)
+        # (fused dQ is atomics: a deterministic backward takes the separate tl dQ kernel instead)
+        plan = replace(plan, separate_dq=True, ws_dq=None if plan.ws_dq == FUSED_DQ else plan.ws_dq)
     if not pipelining:
         plan = replace(plan, dkdv=replace(plan.dkdv, num_stages=1), dq=replace(plan.dq, num_stages=1))
     return plan
@@ -596,6 +613,11 @@ def attention_bwd_dq_kernel(
 
 # ------------------------------------------------------------------------------------------ host side
 
+def hopper_bwd_block_m() -> int:
+    """The Q tile rows fused dQ takes (``hopper_bwd.FUSED_DQ_BLOCK_M``, without importing Gluon)."""
+    return 64
+
+
 def _new_gradient(t: torch.Tensor) -> torch.Tensor:
     """A contiguous gradient buffer shaped like ``t`` (NaN-filled when the tests poison outputs)."""
     return new_output(t)
@@ -608,7 +630,8 @@ def choose_ws(planned: WsConfig | None, forced: WsConfig | str | None, q, k, v, 
     where the tensors meet TMA's alignment rules. ``switches_on``: every ablation switch the Hopper
     kernels have built in (tuned tiles, pipelining, exp2, causal skipping, warp specialization) is on."""
     if forced is not None:
-        ws = WsConfig.parse(forced) if isinstance(forced, str) else forced
+        ws = parse_ws_dq(forced) if name == "ws_dq_config" else WsConfig.parse(forced) if isinstance(forced, str) \
+            else forced
         D = q.shape[-1]
         if not (hopper_ws.supported(q.dtype, D, arch, "backward") and tma_supported(arch, q, k, v, do) and switches_on):
             raise ValueError(f"{name}={ws}: the Hopper backward kernels run on sm_90 with fp16/bf16, "
@@ -631,7 +654,8 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
     is accepted and ignored (pointer loads everywhere, see the module docstring). ``config`` forces the
     dK/dV kernel's tiles, ``dq_config`` the dQ kernel's (default: ``config`` the other way round).
     ``ws``: dK/dV from the Hopper kernel with these tiles (``choose_ws``; needs ``deterministic``,
-    the separate dQ kernel); ``ws_dq``: dQ from the Hopper dQ kernel (``deterministic`` too)."""
+    the separate dQ kernel, unless ``ws_dq`` is :data:`FUSED_DQ`: dQ added into ``dq_acc`` by the
+    Hopper dK/dV kernel itself); ``ws_dq``: dQ from the Hopper dQ kernel (``deterministic`` too)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     D_pad = padded_head_dim(D)
@@ -640,7 +664,13 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
                              pipelining=pipelining)
         config, dq_config = plan.dkdv, dq_config or plan.dq
     dq_config = dq_config or config
-    if (ws is not None or ws_dq is not None) and not deterministic:
+    fused = ws_dq == FUSED_DQ
+    if fused and (ws is None or deterministic or dq_acc is None or ws.block_m != hopper_bwd_block_m()):
+        raise ValueError(f"ws_dq_config={FUSED_DQ!r} (dQ by atomics inside the Hopper dK/dV kernel) needs a Hopper "
+                         f"dK/dV config with {hopper_bwd_block_m()}-row Q tiles (ws_config, e.g. 'ws-M64-c2-s2'), "
+                         f"deterministic off and the fp32 accumulator; got ws_config={ws}, "
+                         f"deterministic={deterministic}")
+    if (ws is not None or ws_dq is not None) and not deterministic and not fused:
         raise ValueError("the Hopper kernels form dQ in a kernel of its own: plan_backward needs deterministic=True "
                          "with ws or ws_dq")
     BM, BN = config.block_m, config.block_n
@@ -660,7 +690,7 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
 
         launches.append(hopper_bwd.plan_dkdv(q, k, v, do, dk, dv, lse, delta, causal=causal, qk_scale=qk_scale,
                                              sm_scale=scale, block_m=ws.block_m, consumers=ws.consumers,
-                                             stages=ws.stages))
+                                             stages=ws.stages, dq_acc=dq_acc if fused else None))
     else:
         launches.append(Launch(
             attention_bwd_dkdv_kernel, (cdiv(Nk, BN), B * Hkv),
@@ -674,7 +704,9 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
                  stride_dvb=dv.stride(0), stride_dvh=dv.stride(1), stride_dvn=dv.stride(2),
                  Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, BLOCK_M=BM, BLOCK_N=BN, **common),
             num_warps=config.num_warps, num_stages=config.num_stages))
-    if ws_dq is not None:
+    if fused:
+        pass  # (dQ is in dq_acc once the dK/dV kernel is done)
+    elif ws_dq is not None:
         from . import hopper_bwd
 
         launches.append(hopper_bwd.plan_dq(q, k, v, do, dq, lse, delta, causal=causal, qk_scale=qk_scale,
@@ -780,7 +812,14 @@ def _plan_layout(do, q, k, v, o, lse, *, causal, scale, deterministic, tuned_til
     ws = choose_ws(plan.ws if auto else None, ws_config, q, k, v, do, arch, switches_on=switches_on)
     ws_dq = choose_ws(plan.ws_dq if auto else None, ws_dq_config, q, k, v, do, arch, switches_on=switches_on,
                       name="ws_dq_config")
-    separate = plan.separate_dq or ws is not None or ws_dq is not None
+    if ws_dq == FUSED_DQ and ws_dq_config is None and (ws is None or ws_config is not None
+                                                       or ws.block_m != hopper_bwd_block_m()):
+        ws_dq = None  # a planned fused dQ goes with the planned dK/dV kernel only (else the tl kernels' dQ)
+    if ws_dq == FUSED_DQ and deterministic:
+        raise ValueError(f"ws_dq_config={FUSED_DQ!r} adds dQ by atomics: it cannot be deterministic")
+    if ws_dq == FUSED_DQ and ws is None:
+        raise ValueError(f"ws_dq_config={FUSED_DQ!r} needs the Hopper dK/dV kernel (ws_config) to run")
+    separate = (plan.separate_dq or ws is not None or ws_dq is not None) and ws_dq != FUSED_DQ
     t = _allocate(q, k, v, separate)  # (planned over stand-ins of this call's buffers: only their layout counts)
     launches = plan_backward(do, q, k, v, o, lse, t["delta"], t["dq"], t["dk"], t["dv"], t["dq_acc"], causal=causal,
                              scale=scale, arch=arch, deterministic=separate, tuned_tiles=tuned_tiles,
@@ -804,8 +843,9 @@ def compile_backward(problem: Problem, arch: int, **switches) -> list[CompiledKe
     k, v, dk, dv = (meta(B, Hkv, Nk, D) for _ in range(4))
     lse, delta = meta(B, Hq, Nq, dt=torch.float32), meta(B, Hq, Nq, dt=torch.float32)
     ws, ws_dq = (switches.pop(name, None) for name in ("ws_config", "ws_dq_config"))
-    ws, ws_dq = (WsConfig.parse(c) if isinstance(c, str) else c for c in (ws, ws_dq))
-    deterministic = switches.pop("deterministic", False) or ws is not None or ws_dq is not None
+    ws = WsConfig.parse(ws) if isinstance(ws, str) else ws
+    ws_dq = parse_ws_dq(ws_dq) if ws_dq is not None else None
+    deterministic = (switches.pop("deterministic", False) or ws is not None or ws_dq is not None) and ws_dq != FUSED_DQ
     dq_acc = None if deterministic else meta(B, Hq, Nq, D, dt=torch.float32)
     launches = plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, causal=problem.causal,
                              scale=D ** -0.5, arch=arch, deterministic=deterministic, ws=ws, ws_dq=ws_dq,
@@ -836,8 +876,9 @@ def bwd_hbm_bytes(p: Problem, deterministic: bool = False, tuned_tiles: bool = T
     separate = plan.separate_dq
     if config is None and plan.ws is not None:
         # The Hopper dK/dV kernel: 64-row K/V tiles per consumer, the same visits as the tl kernel's.
-        config, separate = BwdConfig(plan.ws.block_m, plan.ws.block_n, 4, plan.ws.stages), True
-    if plan.ws_dq is not None:  # resident Q rows (block_n) and streamed K/V rows, as the tl dQ kernel's
+        config = BwdConfig(plan.ws.block_m, plan.ws.block_n, 4, plan.ws.stages)
+        separate = plan.ws_dq != FUSED_DQ  # fused dQ: the atomic plan's bytes
+    if plan.ws_dq not in (None, FUSED_DQ):  # resident Q rows (block_n) and streamed K/V rows, as the tl dQ kernel's
         dq_config, separate = BwdConfig(plan.ws_dq.block_m, plan.ws_dq.block_n, 4, plan.ws_dq.stages), True
     config = config or plan.dkdv
     e, D = p.element_bytes, p.D
@@ -879,10 +920,11 @@ def train_workspace_bytes(p: Problem, deterministic: bool = False) -> int:
     the saved lse and the pre-pass's Δ (4 B per query row each) and, with atomic dQ and a 16-bit
     dtype, the fp32 dQ accumulator (4·D B per query row; fp32 inputs accumulate in dq itself)."""
     rows = p.heads * p.N
-    separate = backward_plan(p.D, DTYPES[p.dtype], device_arch(None), p.causal, deterministic=deterministic).separate_dq
+    plan = backward_plan(p.D, DTYPES[p.dtype], device_arch(None), p.causal, deterministic=deterministic)
+    separate = plan.separate_dq and plan.ws_dq != FUSED_DQ
     extra = 0 if separate or p.dtype == "fp32" else rows * p.D * 4
     return 2 * rows * 4 + extra
 
 
-__all__ = ["BwdConfig", "BwdPlan", "WsConfig", "BASELINE", "choose_ws", "attention_backward", "backward_config", "backward_plan", "bwd_hbm_bytes", "compile_backward",
+__all__ = ["BwdConfig", "BwdPlan", "WsConfig", "BASELINE", "FUSED_DQ", "parse_ws_dq", "choose_ws", "attention_backward", "backward_config", "backward_plan", "bwd_hbm_bytes", "compile_backward",
            "plan_backward", "shared_memory_bytes", "train_workspace_bytes"]

@@ -19,8 +19,14 @@ down, as FlashAttention-3's backward does on Hopper:
   formed while ``dV``'s product runs; the consumer warpgroups are independent, so one's
   exponentials run beside the other's products.
 
-dQ comes from the ``tl`` dQ kernel (``attention_bwd_dq_kernel``: Q resident, K/V streamed, dQ in
-registers, a fixed summation order), so this path is deterministic too. Row statistics: the
+dQ comes from a kernel of its own, the ``tl`` one (``attention_bwd_dq_kernel``) or the Hopper one
+below (``ws_bwd_dq_kernel``): Q resident, K/V streamed, dQ in registers, a fixed summation order, so
+this path is deterministic too; it recomputes Sᵀ and dPᵀ, seven products per tile pair in all.
+**Fused dQ** (``ws_dq_config="fused"``), a rung that can be switched on, does five: each consumer
+stores its dSᵀ to shared memory, multiplies it (read back transposed) by its K tile, 64 columns of
+dQ at a time, and adds the tile into an fp32 accumulator shaped like Q, which a cast turns into dQ
+after the kernel. The additions race between programs, so the last bits of dQ vary from run to run.
+How it adds (:data:`FUSED_DQ_ATOMICS`) is what decides its speed: performance-log entry 48. Row statistics: the
 forward's base-2 log-sum-exp and the pre-pass's Δ = rowsum(dO ∘ O), loaded per Q tile by the
 consumers (64 floats, from L2). Masks: keys past Nk and (causal, bottom-right) keys after a query are
 zeroed in Pᵀ after the exponential, only on the tiles that need it (a runtime branch); query rows
@@ -34,17 +40,33 @@ accumulators spill about 3 KB per thread with two consumers and 1.5 KB with one.
 
 from __future__ import annotations
 
+import os
+
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
 from ..contract import cdiv, padded_head_dim
 from ..launch import Launch
-from .hopper_ws import _signal, descriptor, register_budget
+from .hopper_ws import GluonTensorDescriptor, _signal, descriptor, register_budget
 
 #: K/V rows per consumer warpgroup: wgmma's M is 64 per warpgroup.
 ROWS_PER_CONSUMER = 64
+#: Fused dQ's product has the Q tile's rows as its M: one warpgroup's 64.
+FUSED_DQ_BLOCK_M = 64
+#: How fused dQ adds its tiles into the fp32 accumulator (``LAB_FUSED_DQ_ATOMICS``): "mma", by the
+#: threads' atomics straight from the accumulator's registers (a warp's instruction touches 8 rows, 32
+#: bytes of each); "rows", the same after a conversion, through shared memory, to a layout whose warp
+#: instruction covers 2 whole rows of 64 columns; "tma", staged in shared memory and added by the copy
+#: engine's bulk reduce, one instruction per 64 × 64 tile (FlashAttention-3's way).
+FUSED_DQ_ATOMICS = os.environ.get("LAB_FUSED_DQ_ATOMICS", "mma")
+FUSED_DQ_ATOMICS_CHOICES = ("mma", "rows", "tma")
+if FUSED_DQ_ATOMICS not in FUSED_DQ_ATOMICS_CHOICES:
+    raise ValueError(f"LAB_FUSED_DQ_ATOMICS must be one of {', '.join(FUSED_DQ_ATOMICS_CHOICES)}, "
+                     f"got {FUSED_DQ_ATOMICS!r}")
 
 
 @gluon.jit
@@ -90,11 +112,62 @@ def _producer(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, ring, b, 
             it += 1
 
 
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """global[the box at ``coord``] += shared memory ``src``, element by element, by the copy engine
+    (``cp.reduce.async.bulk.tensor.add``): Triton 3.6 has the op but no Gluon name for it (later
+    versions call it ``tma.async_atomic_add``). Completes like a TMA store: ``tma.store_wait``."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
-    """One warpgroup: dK and dV of its 64 K/V rows, over every Q tile of the group's query heads."""
-    (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, ring, LSE, DELTA, b, h_kv, start_n, Hq, Nq, Nk, qk_scale,
-     sm_scale) = args
+def _fused_dq(ds, k_t, dq_acc, dq_stages, first_stage: gl.constexpr, b, h, row0, Nq, sm_scale, HEAD_DIM: gl.constexpr, DQ_COLS: gl.constexpr,
+              dq_layout: gl.constexpr, ATOMICS: gl.constexpr):
+    """dQ[row0 : row0 + BLOCK_M] += sm_scale · dS·K, ``DQ_COLS`` columns per product, each product's
+    tile added to the fp32 accumulator as ``ATOMICS`` says (:data:`FUSED_DQ_ATOMICS`): by the threads'
+    own ``red.global.add`` from the accumulator's registers ("mma") or from a row-contiguous layout
+    ("rows"), both into ``dq_acc``, the head's rows; or staged in shared memory and added by the copy
+    engine's bulk reduce ("tma": ``dq_acc`` is then the accumulator's TMA descriptor, and this
+    consumer's fp32 buffers, one per product, are ``dq_stages`` from ``first_stage`` on)."""
+    BLOCK_M: gl.constexpr = ds.shape[0]
+    D: gl.constexpr = k_t.shape[1]
+    PARTS: gl.constexpr = D // DQ_COLS
+    zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+    row_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // DQ_COLS, DQ_COLS // 4], [4, 1], [1, 0])
+    for c in gl.static_range(PARTS):
+        part = warpgroup_mma(ds, k_t.slice(c * DQ_COLS, DQ_COLS, dim=1), zero, use_acc=False, is_async=True)
+        part = warpgroup_mma_wait(0, deps=(part, ))
+        if ATOMICS == "tma":
+            # Buffer c was last read by the reduce issued PARTS reduces ago: wait for that one only.
+            tma.store_wait(PARTS - 1)
+            buf = dq_stages.index(first_stage + c)
+            buf.reshape([BLOCK_M, DQ_COLS]).store(part * sm_scale)
+            fence_async_shared()
+            _tma_reduce_add(dq_acc, [b, h, row0, c * DQ_COLS], buf)  # (rows past Nq, columns past D clipped)
+        else:
+            if ATOMICS == "rows":
+                # Each warp's atomics over whole rows (16 threads × 4 columns: one 256-byte run per row),
+                # not the accumulator's 8 rows × 8 bytes per thread pair: fewer, fuller L2 requests.
+                part = gl.convert_layout(part, row_layout)
+                r = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, row_layout))
+                cols = c * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, row_layout))
+            else:
+                r = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+                cols = c * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
+            mask = gl.expand_dims(r < Nq, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
+            # (int32 offsets: a head holds under 2^31 elements)
+            ptrs = dq_acc + gl.expand_dims(r * HEAD_DIM, 1) + gl.expand_dims(cols, 0)
+            gl.atomic_add(ptrs, part * sm_scale, mask=mask, sem="relaxed")
+
+
+@gluon.jit
+def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+              ATOMICS: gl.constexpr):
+    """One warpgroup: dK and dV of its 64 K/V rows, over every Q tile of the group's query heads; with
+    a dQ accumulator (``DQ_ACC``, fused dQ), also each Q tile's share of dQ from these rows."""
+    (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, ring, LSE, DELTA, DQ_ACC, ds_bufs, dq_stages, b, h_kv, start_n, Hq,
+     Nq, Nk, qk_scale, sm_scale) = args
     q_bufs, do_bufs, ready, empty = ring
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[3]
@@ -109,6 +182,11 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)   # one value per K/V row of Sᵀ
     query_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (column of Sᵀ)
+    # Fused dQ: the share dS·K of this pair, DQ_COLS columns at a time (so only a 64-row × DQ_COLS
+    # fp32 tile is ever live beside dK and dV), added into the fp32 accumulator by the L2's atomics.
+    DQ_COLS: gl.constexpr = 64 if D > 64 else D
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLS, 16])
 
     first, n_tiles, unmasked = _q_range(start_n, Nq, Nk, BLOCK_M, ROWS * CONSUMERS, CAUSAL)
     keys = start_n + WG * ROWS + gl.arange(0, ROWS, layout=key_layout)
@@ -152,7 +230,20 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr)
             dst = pt * (dpt - gl.expand_dims(delta, 0))
             dst_op = gl.convert_layout(dst.to(dtype), op_layout)
             dk = warpgroup_mma(dst_op, q_t, dk, is_async=True)
+            if DQ_ACC is not None:
+                # dQ's product wants dS (queries × keys) as its A operand, the registers hold dSᵀ:
+                # through shared memory, read back transposed; B is this consumer's K tile.
+                ds_t = ds_bufs.index(WG)
+                ds_t.store(dst.to(dtype))
+                fence_async_shared()
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+            if DQ_ACC is not None:
+                if ATOMICS == "tma":
+                    dq_acc = DQ_ACC
+                else:
+                    dq_acc = DQ_ACC + bh * Nq * HEAD_DIM
+                _fused_dq(ds_t.permute((1, 0)), k_t, dq_acc, dq_stages, WG * (D // DQ_COLS), b, h_kv * GROUP + g,
+                          row0, Nq, sm_scale, HEAD_DIM, DQ_COLS, dq_layout, ATOMICS)
             _signal(empty.index(s))  # this consumer is done with the slot's Q and dO
             it += 1
     # Out through this consumer's own K and V buffers (nothing reads them any more), TMA-stored:
@@ -166,10 +257,11 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr)
 
 
 @gluon.jit(do_not_specialize=["Hq", "Hkv", "Nq", "Nk"])
-def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, qk_scale, sm_scale,
+def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ_ACC, qk_scale, sm_scale,
                        Hq, Hkv, Nq, Nk,
                        STAGES: gl.constexpr, CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                       HEAD_DIM: gl.constexpr, ATOMICS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       PRODUCER_REGS: gl.constexpr):
     """Grid (K/V tiles of ``CONSUMERS × 64`` rows, B · Hkv). See the module docstring."""
     ROWS: gl.constexpr = k_desc.block_type.shape[2]
     pid_n = gl.program_id(0)
@@ -189,19 +281,29 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, D
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
     ring = (q_bufs, do_bufs, ready, empty)
-    args = (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, ring, LSE, DELTA, b, h_kv, start_n, Hq, Nq, Nk, qk_scale,
-            sm_scale)
+    ds_bufs = k_bufs  # (unused without fused dQ)
+    if DQ_ACC is not None:  # one dSᵀ tile per consumer, the fused dQ product's operand
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_M], q_desc.dtype)
+        ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, ROWS, BLOCK_M], ds_layout)
+    dq_stages = k_bufs  # (unused but with the bulk reduce)
+    if ATOMICS == "tma":  # per consumer, one fp32 buffer per D-slice of the dQ tile
+        dq_block: gl.constexpr = DQ_ACC.block_type.shape
+        dq_stages = gl.allocate_shared_memory(gl.float32, [CONSUMERS * (k_desc.block_type.shape[3] // dq_block[3])]
+                                              + dq_block, DQ_ACC.layout)
+    args = (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, ring, LSE, DELTA, DQ_ACC, ds_bufs, dq_stages, b, h_kv, start_n,
+            Hq, Nq, Nk, qk_scale, sm_scale)
     producer_args = (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, ring, b, h_kv, start_n, Nq, Nk,
                      GROUP, CAUSAL)
     if CONSUMERS == 1:
         gl.warp_specialize([
-            (_consumer, (args, 0, GROUP, CAUSAL)),
+            (_consumer, (args, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS)),
             (_producer, producer_args),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (args, 0, GROUP, CAUSAL)),
-            (_consumer, (args, 1, GROUP, CAUSAL)),
+            (_consumer, (args, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS)),
+            (_consumer, (args, 1, GROUP, CAUSAL, HEAD_DIM, ATOMICS)),
             (_producer, producer_args),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -218,10 +320,21 @@ def kernel_options(consumers: int) -> tuple[int, int, dict]:
     return consumer_regs, producer_regs, {"maxnreg": maxnreg}
 
 
+def _dq_descriptor(dq_acc, D: int) -> GluonTensorDescriptor:
+    """The fp32 dQ accumulator's TMA descriptor for the bulk reduce: boxes of one consumer's 64 rows by
+    the D-slice the fused dQ product makes (``_consumer``'s ``DQ_COLS``)."""
+    block = [1, 1, FUSED_DQ_BLOCK_M, 64 if D > 64 else D]
+    return GluonTensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), block,
+                                 gl.NVMMASharedLayout.get_default_for(block, gl.float32))
+
+
 def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float, sm_scale: float, block_m: int,
-              consumers: int, stages: int) -> Launch:
+              consumers: int, stages: int, dq_acc=None) -> Launch:
     """The launch of ``ws_bwd_dkdv_kernel`` for these tensors: K/V tiles of ``consumers × 64`` rows,
-    Q/dO tiles of ``block_m`` rows through ``stages`` slots."""
+    Q/dO tiles of ``block_m`` rows through ``stages`` slots; with ``dq_acc`` (a zeroed fp32 tensor
+    shaped like ``q``) it also adds dQ into it (fused dQ: 64-row Q tiles only, wgmma's M)."""
+    if dq_acc is not None and block_m != FUSED_DQ_BLOCK_M:
+        raise ValueError(f"fused dQ takes {FUSED_DQ_BLOCK_M}-row Q tiles (wgmma's M per warpgroup), got {block_m}")
     B, Hq, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     D = padded_head_dim(q.shape[-1])  # tiles of the padded width: TMA zero-fills past the head dim
@@ -229,9 +342,13 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
     consumer_regs, producer_regs, extra = kernel_options(consumers)
     args = dict(q_desc=descriptor(q, (1, 1, block_m, D)), k_desc=descriptor(k, rows), v_desc=descriptor(v, rows),
                 do_desc=descriptor(do, (1, 1, block_m, D)), dk_desc=descriptor(dk, rows),
-                dv_desc=descriptor(dv, rows), LSE=lse, DELTA=delta, qk_scale=qk_scale, sm_scale=sm_scale,
-                Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, STAGES=stages, CONSUMERS=consumers, GROUP=Hq // Hkv, CAUSAL=causal,
-                CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
+                dv_desc=descriptor(dv, rows), LSE=lse, DELTA=delta,
+                DQ_ACC=_dq_descriptor(dq_acc, D) if dq_acc is not None and FUSED_DQ_ATOMICS == "tma" else dq_acc,
+                qk_scale=qk_scale,
+                sm_scale=sm_scale, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, STAGES=stages, CONSUMERS=consumers,
+                GROUP=Hq // Hkv, CAUSAL=causal, HEAD_DIM=q.shape[-1], ATOMICS=FUSED_DQ_ATOMICS,
+                CONSUMER_REGS=consumer_regs,
+                PRODUCER_REGS=producer_regs)
     grid = (cdiv(Nk, ROWS_PER_CONSUMER * consumers), B * Hkv)
     return Launch(ws_bwd_dkdv_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)
 

@@ -26,8 +26,9 @@ runs in this process alone, one kernel at a time. ``--budget-s`` stops tuning ne
 and keeps what was measured. Every timing goes to ``--csv``.
 
 ``--hopper`` races the Hopper kernels (``hopper_bwd.py``: the dK/dV and the dQ kernel, each with its
-own tile candidates) against the tl plans already tuned, and keeps each where the whole backward
-measures faster with it (``ws`` and ``ws_dq`` in the JSON's entries):
+own tile candidates, and the dK/dV kernel adding dQ itself, fused) against the tl plans already
+tuned, and keeps each where the whole backward measures faster with it (``ws`` and ``ws_dq`` in the
+JSON's entries; ``"ws_dq": "fused"`` for the fused one):
 
     python -m stages.c_optimized.tune_backward --hopper --D 64,128 --dtype bf16
 """
@@ -223,7 +224,7 @@ def tune_hopper_cell(dtype_name: str, D: int, causal: bool, N: int, entry: dict,
     backwards in interleaved rounds: the tl plan, and the tl plan with the fastest Hopper dK/dV kernel,
     the fastest Hopper dQ kernel, both. Returns ``entry`` with ``ws``/``ws_dq`` set where the whole
     backward measured faster with them (and removed where not)."""
-    from .backward import BwdConfig, attention_backward
+    from .backward import FUSED_DQ, BwdConfig, attention_backward
 
     tensors = _inputs(dtype_name, D, causal, N)
     q, k, v, o, lse, do = tensors
@@ -234,25 +235,35 @@ def tune_hopper_cell(dtype_name: str, D: int, causal: bool, N: int, entry: dict,
     tl_grads = attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, **tl_kw)
     tl_launches = _plan("dkdv", tl_kw["config"], tensors, causal)
     best = {}
+
+    def race(kind: str, ws, kw: dict, time_it) -> None:
+        """Check one candidate's gradients against the tl kernels', then time it (``time_it``)."""
+        status, ms = "ok", None
+        try:
+            grads = attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, **kw)
+            torch.cuda.synchronize()
+            diff = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+                       for a, b in zip(grads, tl_grads))
+            if not diff < 0.02:
+                status = f"wrong: max relative difference {diff:.2e} from the tl kernels"
+            else:
+                ms = time_it()
+        except Exception as e:  # noqa: BLE001 - recorded, the rest go on
+            status = f"error: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+        rows.append({**cell, "kind": kind, "config": str(ws), "ms": f"{ms:.4f}" if ms else "", "status": status})
+        if ms is not None and (kind not in best or ms < best[kind][0]):
+            best[kind] = (ms, ws)
+
     for kind, index in (("ws", 1), ("ws_dq", 2)):
         for ws in ws_candidates(D, q.element_size()):
             kw = {"ws_config" if kind == "ws" else "ws_dq_config": ws}
-            status, ms = "ok", None
-            try:
-                grads = attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, **kw)
-                torch.cuda.synchronize()
-                diff = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
-                           for a, b in zip(grads, tl_grads))
-                if not diff < 0.02:
-                    status = f"wrong: max relative difference {diff:.2e} from the tl kernels"
-                else:
-                    launches = _ws_launches(tensors, causal, tl_kw, kw)
-                    ms = _bench(launches[index].run)
-            except Exception as e:  # noqa: BLE001 - recorded, the rest go on
-                status = f"error: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
-            rows.append({**cell, "kind": kind, "config": str(ws), "ms": f"{ms:.4f}" if ms else "", "status": status})
-            if ms is not None and (kind not in best or ms < best[kind][0]):
-                best[kind] = (ms, ws)
+            race(kind, ws, kw, lambda: _bench(_ws_launches(tensors, causal, tl_kw, kw)[index].run))
+    # Fused dQ (the dK/dV kernel adding dQ itself): only whole backwards compare, since it does the
+    # work of two kernels; 64-row Q tiles only.
+    for ws in (c for c in ws_candidates(D, q.element_size()) if c.block_m == 64):
+        kw = {"ws_config": ws, "ws_dq_config": FUSED_DQ}
+        race("fused", ws, kw, lambda: _bench(lambda: attention_backward(do, q, k, v, o, lse, causal=causal,
+                                                                        scale=scale, **kw)))
     tl_ms = {"ws": _bench(tl_launches[1].run), "ws_dq": _bench(_plan("dq", tl_kw["dq_config"], tensors, causal)[2].run)}
     for kind in ("ws", "ws_dq"):
         rows.append({**cell, "kind": kind, "config": "tl", "ms": f"{tl_ms[kind]:.4f}", "status": "ok"})
@@ -263,22 +274,26 @@ def tune_hopper_cell(dtype_name: str, D: int, causal: bool, N: int, entry: dict,
         plans["ws_dq"] = {"ws_dq_config": best["ws_dq"][1]}
     if "ws" in best and "ws_dq" in best:
         plans["ws+ws_dq"] = {**plans["ws"], **plans["ws_dq"]}
+    if "fused" in best:
+        plans["ws+fused"] = {"ws_config": best["fused"][1], "ws_dq_config": FUSED_DQ, "deterministic": False}
     samples = {name: [] for name in plans}
     for _ in range(ROUNDS):
         for name, kw in plans.items():
             samples[name].append(_bench(lambda: attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale,
-                                                                   **tl_kw, **kw)))
+                                                                   **{**tl_kw, **kw})))
     medians = {name: statistics.median(t) for name, t in samples.items()}
     for name, ms in medians.items():
-        rows.append({**cell, "kind": f"whole_{name}", "config": ",".join(str(c) for c in plans[name].values()) or "tl",
+        rows.append({**cell, "kind": f"whole_{name}",
+                     "config": ",".join(str(c) for key, c in plans[name].items() if key != "deterministic") or "tl",
                      "ms": f"{ms:.4f}", "status": "ok"})
     winner = min(medians, key=medians.get)
     print(f"{dtype_name} D={D} causal={int(causal)} N={N} Hopper kernels: "
           + ", ".join(f"{n} {medians[n]:.3f} ms" for n in medians) + f" -> {winner}", flush=True)
     out = {key: value for key, value in entry.items() if key not in ("ws", "ws_dq")}
     for key, config in plans[winner].items():
-        out["ws" if key == "ws_config" else "ws_dq"] = str(config)
-    if winner != "tl":
+        if key != "deterministic":
+            out["ws" if key == "ws_config" else "ws_dq"] = str(config)
+    if winner not in ("tl", "ws+fused"):
         out["dq_method"] = "separate"  # the Hopper kernels form dQ in a kernel of its own
     return out
 
