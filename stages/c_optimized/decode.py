@@ -75,13 +75,29 @@ class SplitConfig:
     forced: int | None = None
 
 
-def tiles_for(group: int, Nq: int, D: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) of the split kernel: BLOCK_M covers the group's rows (16: ``tl.dot``'s
-    smallest tile, up to 64), BLOCK_N 64 keys (32 at the widest head dims, to fit shared memory)."""
+@dataclass(frozen=True)
+class SplitTiles:
+    """What the split kernel is compiled with: ``block_m`` query rows by ``block_n`` keys per tile,
+    ``num_warps``, and ``num_stages`` (K/V tiles in the software pipeline)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def split_tiles(group: int, Nq: int, D: int) -> SplitTiles:
+    """The split kernel's tiles: BLOCK_M covers the group's rows (16: ``tl.dot``'s smallest tile, up
+    to 64), BLOCK_N 64 keys (32 at the widest head dims, to fit shared memory). The one place the
+    split path's tiles are decided (``experiments/decode_tiles.py`` sweeps alternatives through it)."""
     rows = group * Nq
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     block_n = 64 if padded_head_dim(D) <= 128 else 32
-    return block_m, block_n
+    return SplitTiles(block_m, block_n)
+
+
+def _config(tiles: SplitTiles, splits: int, chunk: int, forced: int | None = None) -> SplitConfig:
+    return SplitConfig(tiles.block_m, tiles.block_n, splits, chunk, tiles.num_warps, tiles.num_stages, forced)
 
 
 #: A call is *decoding* when all the query rows of a KV head's group (group · Nq) fit one tile and
@@ -104,8 +120,7 @@ DECODE_WAVES = 4
 def _wanted_splits(B: int, Hkv: int, group: int, Nq: int, D: int, sms: int) -> int:
     """Splits that would fill the GPU, before the keys limit them: about :data:`DECODE_WAVES` programs
     per SM when decoding, about one wave otherwise."""
-    block_m, _ = tiles_for(group, Nq, D)
-    items = B * Hkv * cdiv(group * Nq, block_m)
+    items = B * Hkv * cdiv(group * Nq, split_tiles(group, Nq, D).block_m)
     return round(DECODE_WAVES * sms / items) if group * Nq <= DECODE_ROWS else sms // items
 
 
@@ -123,7 +138,7 @@ def decode_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: i
     """The chunks a decoding call splits its ``Nk`` keys into: :func:`_wanted_splits`, at most one
     per ``MIN_TILES_PER_SPLIT`` tiles and :data:`MAX_SPLITS`, at least 1 (a short cache: one chunk,
     the same kernel)."""
-    block_n = 64 if D <= 128 else 32  # tiles_for's
+    block_n = split_tiles(group, Nq, D).block_n
     wanted = _wanted_splits(B, Hkv, group, Nq, D, sms)
     return max(1, min(wanted, cdiv(Nk, block_n) // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
@@ -148,7 +163,7 @@ def choose_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: i
         if not decoding_splits_keys(B, Hkv, group, Nq, D, sms):
             return None
         return forced_splits(group, Nq, Nk, D, decode_splits(B, Hkv, group, Nq, Nk, D, sms))
-    _, block_n = tiles_for(group, Nq, D)
+    block_n = split_tiles(group, Nq, D).block_n
     splits = min(_wanted_splits(B, Hkv, group, Nq, D, sms), cdiv(Nk, block_n) // MIN_TILES_PER_SPLIT, MAX_SPLITS)
     if splits < 2:
         return None
@@ -166,15 +181,14 @@ def split_counts(block_n: int, Nk: int, splits: int) -> tuple[int, int]:
 def forced_splits(group: int, Nq: int, Nk: int, D: int, splits: int) -> SplitConfig:
     """``splits`` chunks (``attention(..., split_kv=splits)``), each a whole number of K/V tiles
     (:func:`split_counts`)."""
-    block_m, block_n = tiles_for(group, Nq, D)
-    return SplitConfig(block_m, block_n, *split_counts(block_n, Nk, splits))
+    tiles = split_tiles(group, Nq, D)
+    return _config(tiles, *split_counts(tiles.block_n, Nk, splits))
 
 
 def per_call_config(group: int, Nq: int, D: int, forced: int | None = None) -> SplitConfig:
     """The split kernel's config for decoding calls of every cache length: its tiles, the count of
     chunks left to each call (``splits = 0``), ``forced`` chunks if given."""
-    block_m, block_n = tiles_for(group, Nq, D)
-    return SplitConfig(block_m, block_n, 0, 0, forced=forced)
+    return _config(split_tiles(group, Nq, D), 0, 0, forced)
 
 
 #: Sizes are runtime values (``do_not_specialize``): a KV cache that grows by one key per call changes

@@ -1,0 +1,141 @@
+"""The split-KV decode kernel's tiles and pipeline depth against its split count, on a GPU.
+
+A decode step reads the whole K/V cache once: a bandwidth problem whose speed depends on how many
+bytes each SM has in flight (the pipeline's depth times the tile), on how long each program runs
+before its start-up and drain stop mattering, and on the merge of the splits. The split kernel's
+tiles come from one function, ``decode.split_tiles``; this script replaces it by each candidate
+(BLOCK_N keys per tile, warps, pipeline stages) and times stage C's whole decode call (split kernel
+and merge) at several split counts, on the GPU alone (CUDA-graph replay, L2 flushed between
+replays), beside cuDNN. Every candidate's output is checked against stage C's default before it is
+timed (max |difference|).
+
+Cells: grouped-query and multi-head decoding, batch 1 to 64, caches of 4k to 128k keys, D 64 and
+128, bf16. One CSV row per (cell, tiles, splits); GB/s counts K and V read once and Q and O.
+
+    python experiments/decode_tiles.py --out results/h200/experiments/<date>_decode_tiles.csv
+    python experiments/decode_tiles.py --cells b1-gqa-32k --out /tmp/t.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import stages  # noqa: E402,F401  (before triton)
+import torch  # noqa: E402
+
+from harness import timing  # noqa: E402
+from harness.peers import peer_attention  # noqa: E402
+from stages.c_optimized import decode  # noqa: E402
+from stages.c_optimized import kernels as ck  # noqa: E402
+from stages.c_optimized.configs import num_sms  # noqa: E402
+
+#: (name, B, Hq, Hkv, Nk, D): Nq = 1, non-causal, bf16
+CELLS = [
+    ("b1-gqa-4k", 1, 32, 8, 4096, 128),
+    ("b1-gqa-32k", 1, 32, 8, 32768, 128),
+    ("b1-gqa-128k", 1, 32, 8, 131072, 128),
+    ("b1-mha-32k", 1, 32, 32, 32768, 128),
+    ("b1-gqa-32k-d64", 1, 32, 8, 32768, 64),
+    ("decode-gqa", 16, 32, 8, 8192, 128),
+    ("mistral-decode", 8, 32, 8, 16384, 128),
+    ("decode-long", 4, 32, 32, 32768, 128),
+    ("b64-gqa-4k", 64, 32, 8, 4096, 128),
+]
+
+BLOCK_N = (32, 64, 128)
+WARPS = (4, 8)
+STAGES = (2, 3, 4, 5)
+#: programs per SM the split count aims at (the default takes decode.DECODE_WAVES)
+WAVES = (1, 2, 4, 8)
+#: shared memory one program may take (the H200's 227 KB per block, with room for the compiler's own)
+SMEM_BYTES = 220 * 1024
+
+
+def graph_ms(fn) -> float:
+    return timing.summarize(timing.samples_graph(lambda: fn, 50, 100), True).ms_median
+
+
+def use_tiles(tiles: decode.SplitTiles | None) -> None:
+    """Make every plan from here on take ``tiles`` (None: the default), forgetting what was cached."""
+    decode.split_tiles = (lambda group, Nq, D: tiles) if tiles is not None else DEFAULT_TILES
+    ck._select.cache_clear()
+    ck._recipe.cache_clear()
+    ck._LAYOUT_PLANS.clear()
+    decode._wanted_splits.cache_clear()
+
+
+DEFAULT_TILES = decode.split_tiles
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cells", default="", help="comma-separated cell names (default: all)")
+    args = ap.parse_args(argv)
+    cells = [c for c in CELLS if not args.cells or c[0] in args.cells.split(",")]
+    sms = num_sms(torch.device("cuda"))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["cell", "B", "Hq", "Hkv", "Nk", "D", "candidate", "block_m", "block_n", "num_warps",
+                    "num_stages", "splits", "ms_gpu", "gbps", "max_abs_diff", "status"])
+        for name, B, Hq, Hkv, Nk, D in cells:
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q = torch.randn(B, Hq, 1, D, device="cuda", generator=g).bfloat16()
+            k = torch.randn(B, Hkv, Nk, D, device="cuda", generator=g).bfloat16()
+            v = torch.randn(B, Hkv, Nk, D, device="cuda", generator=g).bfloat16()
+            nbytes = 2 * (2 * k.numel() + 2 * q.numel())
+            group = Hq // Hkv
+            use_tiles(None)
+            ref = ck.attention(q, k, v)
+            default = DEFAULT_TILES(group, 1, D)
+            items = B * Hkv * -(-group // default.block_m)
+
+            def row(label, tiles, splits, fn):
+                try:
+                    out = fn()
+                    torch.cuda.synchronize()
+                    diff = (out.float() - ref.float()).abs().max().item() if label != "cudnn" else ""
+                    ms = graph_ms(fn)
+                    w.writerow([name, B, Hq, Hkv, Nk, D, label, *(tiles or ("",) * 4), splits, f"{ms:.5f}",
+                                f"{nbytes / ms / 1e6:.0f}", diff, "ok"])
+                    print(f"{name} {label} {tiles} splits={splits}: {ms * 1e3:.1f} us "
+                          f"{nbytes / ms / 1e6:.0f} GB/s", flush=True)
+                except Exception as e:  # out of shared memory, a compile error: recorded, the sweep goes on
+                    w.writerow([name, B, Hq, Hkv, Nk, D, label, *(tiles or ("",) * 4), splits, "", "", "",
+                                f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"])
+                f.flush()
+
+            use_tiles(None)
+            row("default", (default.block_m, default.block_n, default.num_warps, default.num_stages), "",
+                lambda: ck.attention(q, k, v))
+            cudnn = peer_attention("sdpa_cudnn")
+            row("cudnn", None, "", lambda: cudnn(q, k, v, causal=False))
+            for block_n, warps, stages_ in itertools.product(BLOCK_N, WARPS, STAGES):
+                if stages_ * block_n * D * 2 * 2 > SMEM_BYTES:
+                    continue
+                tiles = decode.SplitTiles(default.block_m, block_n, warps, stages_)
+                use_tiles(tiles)
+                seen = set()
+                for waves in WAVES:
+                    splits = max(1, min(round(waves * sms / items), -(-Nk // block_n), decode.MAX_SPLITS))
+                    splits = decode.split_counts(block_n, Nk, splits)[0]
+                    if splits in seen or splits < 2:
+                        continue
+                    seen.add(splits)
+                    row("sweep", (tiles.block_m, block_n, warps, stages_), splits,
+                        lambda s=splits: ck.attention(q, k, v, split_kv=s))
+            use_tiles(None)
+            del q, k, v, ref
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
