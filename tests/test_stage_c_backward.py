@@ -391,6 +391,12 @@ def test_fused_dq_compiles_for_sm90(atomics, instruction, monkeypatch):
     padded = bwd.compile_backward(Problem(1, 4, 200, 48, "bf16", True), 90, ws_config="ws-M64-c1-s2",
                                   ws_dq_config="fused")
     assert instruction in padded[1].asm["ptx"]
+    # The way of adding is the fused rung's alone: the dK/dV kernel without fused dQ compiles under
+    # every setting (the bulk reduce once asked for the accumulator's descriptor that it has not got).
+    unfused = bwd.compile_backward(Problem(1, 4, 200, 64, "bf16", False, Hkv=2, Nk=300), 90,
+                                   ws_config="ws-M64-c2-s2")
+    assert [k.name for k in unfused][1] == "ws_bwd_dkdv_kernel"
+    assert "cp.reduce.async.bulk" not in unfused[1].asm["ptx"] and "atom.global" not in unfused[1].asm["ptx"]
 
 
 def test_hopper_dkdv_config_errors_name_the_argument(device):

@@ -287,7 +287,7 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, D
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_M], q_desc.dtype)
         ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, ROWS, BLOCK_M], ds_layout)
     dq_stages = k_bufs  # (unused but with the bulk reduce)
-    if ATOMICS == "tma":  # per consumer, one fp32 buffer per D-slice of the dQ tile
+    if DQ_ACC is not None and ATOMICS == "tma":  # per consumer, one fp32 buffer per D-slice of the dQ tile
         dq_block: gl.constexpr = DQ_ACC.block_type.shape
         dq_stages = gl.allocate_shared_memory(gl.float32, [CONSUMERS * (k_desc.block_type.shape[3] // dq_block[3])]
                                               + dq_block, DQ_ACC.layout)
