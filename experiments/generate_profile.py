@@ -4,6 +4,7 @@ random weights), summarized per new token.
 
     python experiments/generate_profile.py                       # both models, lab_c against sdpa
     python experiments/generate_profile.py --model gpt2 --impls c,b,sdpa --new-tokens 32
+    python experiments/generate_profile.py --rounds 20 --python 25   # + wall times in turns, cProfile
 
 Per impl, per generated token: wall ms; GPU kernels launched and their summed GPU time (so the
 host-bound share shows as wall minus GPU); the attention calls' CPU time (the profiler's
@@ -78,12 +79,55 @@ def summarize(prof, ms: float, new_tokens: int, on_gpu: bool) -> tuple[str, dict
     return "\n".join(lines), {name: (kernels[name] / new_tokens, kernel_us[name] / new_tokens) for name in kernels}
 
 
+def python_profile(model, prompt, new_tokens: int, top: int) -> str:
+    """cProfile of one generate(): the Python functions with the most time of their own (the host
+    path's share of a host-bound decode step, function by function)."""
+    import cProfile
+    import io
+    import pstats
+
+    ones = torch.ones_like(prompt)
+    prof = cProfile.Profile()
+    with torch.no_grad():
+        prof.enable()
+        model.generate(prompt, attention_mask=ones, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, num_beams=1, pad_token_id=model.config.eos_token_id)
+        prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    body = out.getvalue().strip().splitlines()
+    start = next((i for i, line in enumerate(body) if line.lstrip().startswith("ncalls")), 0)
+    return "\n".join("    " + line for line in body[start:])
+
+
+def rounds(model, prompt, new_tokens: int, impls: list[str], n: int, on_gpu: bool) -> str:
+    """Wall ms of ``n`` generate() calls per impl, in turns, the turn order reversed every round (so
+    neither impl always follows the other): median and min per impl."""
+    import statistics
+
+    ones = torch.ones_like(prompt)
+    times = {impl: [] for impl in impls}
+    for r in range(n):
+        for impl in (impls if r % 2 == 0 else impls[::-1]):
+            model.set_attn_implementation(G.attn_implementation(impl))
+            with torch.no_grad():
+                _, ms, _ = G.timed_call(lambda: model.generate(
+                    prompt, attention_mask=ones, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                    do_sample=False, num_beams=1, pad_token_id=model.config.eos_token_id), on_gpu)
+            times[impl].append(ms)
+    return "\n".join(f"    {impl}: median {statistics.median(t):.1f} ms, min {min(t):.1f}, max {max(t):.1f} "
+                     f"({n} calls; {statistics.median(t) / new_tokens:.3f} ms per token)" for impl, t in times.items())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="gpt2,llama")
     ap.add_argument("--impls", default="c,sdpa", help="stages by name and transformers' own (sdpa, eager)")
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--top", type=int, default=12, help="kernels listed per model (by launches per token)")
+    ap.add_argument("--rounds", type=int, default=0, help="then time this many generate() calls per impl in turns")
+    ap.add_argument("--python", type=int, default=0, metavar="TOP",
+                    help="then a cProfile of one generate() per impl: the TOP functions by own time")
     args = ap.parse_args()
     from stages import hf
 
@@ -119,6 +163,14 @@ def main() -> int:
                 cells = [f"{per_impl[i].get(k, (0, 0))[0]:5.1f} ({per_impl[i].get(k, (0, 0))[1]:7.1f})"
                          for i in args.impls.split(",")]
                 print(f"    {k[:70]:70} " + " | ".join(cells))
+        impls = args.impls.split(",")
+        if args.rounds:
+            print(f"  generate() wall time, {args.rounds} rounds in turns:")
+            print(rounds(model, prompt, new_tokens, impls, args.rounds, on_gpu))
+        for impl in impls if args.python else ():
+            model.set_attn_implementation(G.attn_implementation(impl))
+            print(f"  cProfile of one generate(), {impl}:")
+            print(python_profile(model, prompt, new_tokens, args.python))
         del model
         G.free_memory()
     return 0
