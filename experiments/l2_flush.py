@@ -1,0 +1,103 @@
+"""What the L2 flush between timed calls costs a read-bound kernel, on a GPU.
+
+``triton.testing.do_bench`` clears the L2 before every timed call by zeroing a 256 MB buffer. Zeroing
+*writes*: the L2 (write-back) is left holding up to its size (60 MB on an H200) of dirty lines of
+that buffer, and the timed kernel's first reads must evict them, writing them to DRAM, before its own
+bytes arrive. A kernel that reads 134 MB (a B 1 decode step over a 32k cache) then moves up to a
+third more bytes than it asked for, inside its timed window. Flushing by *reading* the buffer leaves
+the L2 just as cold for the kernel's data, but clean.
+
+For decode cells (Nq = 1, bf16, non-causal) this times, in CUDA-graph replay with CUDA events around
+each replay, stage C, cuDNN and a device-to-device copy of the same byte count (half read, half
+written: the copy bandwidth the results page divides by), each after a zeroing flush (do_bench's),
+after a reading flush, and with no flush (K and V may then be served from the L2 where they fit), and
+prints µs and GB/s per (cell, impl, flush).
+
+    python experiments/l2_flush.py > results/h200/experiments/<date>_l2_flush.txt
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import stages  # noqa: E402,F401  (before triton)
+import torch  # noqa: E402
+
+from harness.peers import peer_attention  # noqa: E402
+from stages.c_optimized import kernels as ck  # noqa: E402
+
+#: (name, B, Hq, Hkv, Nk, D)
+CELLS = [
+    ("b1-gqa-4k", 1, 32, 8, 4096, 128),
+    ("b1-gqa-32k", 1, 32, 8, 32768, 128),
+    ("b1-gqa-128k", 1, 32, 8, 131072, 128),
+    ("b1-mha-32k", 1, 32, 32, 32768, 128),
+    ("decode-gqa", 16, 32, 8, 8192, 128),
+    ("decode-long", 4, 32, 32, 32768, 128),
+]
+REPS = 200
+FLUSH_BYTES = 256 * 1024 * 1024
+
+
+def replay_us(fn, flush) -> float:
+    """Median µs of ``fn`` replayed from a CUDA graph, ``flush()`` before each replay, CUDA events
+    around the replay alone."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = fn()  # noqa: F841
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(REPS)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(REPS)]
+    for _ in range(10):
+        flush()
+        graph.replay()
+    for s, e in zip(starts, ends):
+        flush()
+        s.record()
+        graph.replay()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+
+
+def main() -> int:
+    buf = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    flushes = {
+        "zero": buf.zero_,                                # do_bench's: leaves the L2 full of dirty lines
+        "read": buf.sum,                                  # leaves it full of clean ones
+        "none": lambda: None,
+    }
+    cudnn = peer_attention("sdpa_cudnn")
+    print(f"{torch.cuda.get_device_name()}; median of {REPS} graph replays per row; bf16, Nq = 1, non-causal")
+    for name, B, Hq, Hkv, Nk, D in CELLS:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(B, Hq, 1, D, device="cuda", generator=g).bfloat16()
+        k = torch.randn(B, Hkv, Nk, D, device="cuda", generator=g).bfloat16()
+        v = torch.randn(B, Hkv, Nk, D, device="cuda", generator=g).bfloat16()
+        nbytes = 2 * (k.numel() + v.numel() + 2 * q.numel())
+        src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        impls = {"c": lambda: ck.attention(q, k, v), "cudnn": lambda: cudnn(q, k, v, causal=False),
+                 "copy": lambda: dst.copy_(src)}
+        print(f"\n{name}: B {B}, H {Hq}/{Hkv}, Nk {Nk}, D {D}; {nbytes / 1e6:.1f} MB read (the copy: half read, half written)")
+        for impl, fn in impls.items():
+            cells = []
+            for flush_name, flush in flushes.items():
+                us = replay_us(fn, flush)
+                cells.append(f"{flush_name} {us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s")
+            print(f"  {impl:6} " + " | ".join(cells), flush=True)
+        del q, k, v, src, dst
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
