@@ -11,7 +11,7 @@ module             what it measures / does
 =================  ==============================================================
 ``inputs``         seeded q, k, v for a cell (the same for every impl in the cell)
 ``reference``      float64 reference attention, relative error, PyTorch's own error
-``timing``         ms per call (``triton.testing.do_bench``; perf_counter on CPU)
+``timing``         ms per call (CUDA events, the L2 flushed by a read; perf_counter on CPU)
 ``memory``         peak extra device memory of one call, bytes
 ``energy``         J per call and W from NVML's energy counter
 ``ncu``            DRAM bytes from Nsight Compute (``profile`` and ``compare --ncu``)

@@ -10,6 +10,7 @@ import platform
 
 import torch
 
+from . import timing
 from .results import slugify
 
 
@@ -28,6 +29,7 @@ def gpu_env(device_index: int | None = None) -> dict:
         "memory_bytes": props.total_memory,
         "cuda_runtime": torch.version.cuda,
         "gpu_count": torch.cuda.device_count(),
+        "timing": timing.METHOD,
     }
     try:
         from .energy import _nvml, nvml_handle

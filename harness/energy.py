@@ -3,7 +3,7 @@
 ``nvmlDeviceGetTotalEnergyConsumption`` returns millijoules since the driver loaded. It updates only
 about every 100 ms, so one call (micro- to milliseconds) is far below its resolution: we run ``fn``
 in a loop for at least ``min_seconds`` (2 s by default), synchronized at both ends, and divide.
-The loop runs back to back with no L2 flush, unlike do_bench, so it is the energy of a steady stream
+The loop runs back to back with no L2 flush, unlike the timing, so it is the energy of a steady stream
 of calls. Clocks, temperature and the active clocks-event (throttle) reasons are read right after
 the loop, to say under which conditions the number was taken.
 

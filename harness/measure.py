@@ -5,7 +5,7 @@ Order of one measurement, and why:
 1. a warm call: compiles (and autotunes) the kernels; its output gives the numerical error, so
    compilation is never timed and the error costs no extra call;
 2. peak memory over one more call (GPU);
-3. time with do_bench (GPU) or perf_counter (interpreter); in ``run_cells`` every impl of a cell
+3. time with CUDA events (GPU, ``timing.samples_gpu``) or perf_counter (interpreter); in ``run_cells`` every impl of a cell
    is timed in turns with the others (``TIMING_ROUNDS`` turns of ~100 ms on a GPU, forward and
    back), and its median is over all its turns' samples;
 4. energy over a >= 2 s loop (optional, GPU with NVML);

@@ -1,12 +1,18 @@
 """Time per call, in ms: median and the 20th/80th percentiles of a set of samples.
 
-On a GPU: ``triton.testing.do_bench(fn, warmup=100, rep=100, return_mode="all")`` after a warm call
-made by the caller (so compilation and autotuning are not timed). The warmup is 100 ms, not
-do_bench's 25: compiling a kernel leaves the GPU idle for seconds, and a sub-millisecond kernel
-timed right after that can catch the clocks still ramping. do_bench runs ``fn`` for ~100 ms of
-repetitions, clears the L2 cache before each one (it writes a 256 MB buffer), and times each with
-CUDA events; warmup/rep are in ms. ``samples`` returns every repetition's time, so a caller can
-pool the samples of several turns (``measure.run_cells`` times a cell's implementations in turns).
+On a GPU: ``triton.testing.do_bench``'s recipe, after a warm call made by the caller (so compilation
+and autotuning are not timed): estimate the call's time, run it for ``warmup_ms`` (100 ms, not
+do_bench's 25: compiling a kernel leaves the GPU idle for seconds, and a sub-millisecond kernel timed
+right after that can catch the clocks still ramping), then repeat it for ``rep_ms``, each repetition
+after an L2 flush and timed with CUDA events. ``samples`` returns every repetition's time, so a caller
+can pool the samples of several turns (``measure.run_cells`` times a cell's implementations in turns).
+
+**The flush reads, it does not write.** do_bench clears the L2 by zeroing a 256 MB buffer. The L2 is a
+write-back cache, so that leaves it full of dirty lines (up to its size: 60 MB on an H200), and the
+timed call's first loads must wait while they are written back to DRAM. A call that only reads (a
+decode step reading its KV cache) is then charged for the benchmark's own writes: on the H200 about
+10 µs per call, a fifth of a 134 MB decode step. Reading a 256 MB buffer instead evicts the timed
+call's data just as surely and leaves the L2 clean (:func:`flush_l2`).
 
 On a CPU the stages run in the Triton interpreter: each call is timed with ``time.perf_counter``
 and the result is labelled ``interpreter``: it says how slow the interpreter is, nothing about a GPU.
@@ -31,15 +37,58 @@ class Timing:
     ms_median: float
     ms_p20: float
     ms_p80: float
-    method: str  # "do_bench" or "perf_counter"
+    method: str  # "cuda_events" or "perf_counter"
+
+
+#: How GPU times are taken, for the results' provenance (``env.json``'s ``timing``).
+METHOD = ("CUDA events around each repetition (do_bench's counts: 100 ms of warm-up, then 100 ms of "
+          "repetitions), the L2 flushed before each by reading a 256 MB buffer")
+
+#: Bytes read between repetitions: more than any GPU's L2 (60 MB on an H200), so nothing the timed
+#: call left there survives.
+FLUSH_BYTES = 256 * 2**20
+_FLUSH_BUFFERS: dict = {}
+
+
+def flush_l2() -> None:
+    """Evict the L2 of the current CUDA device by reading :data:`FLUSH_BYTES`, leaving it full of clean
+    lines, so the next call finds none of its data there and writes nothing back (the module
+    docstring says why not zeroing)."""
+    import torch
+
+    device = torch.cuda.current_device()
+    buf = _FLUSH_BUFFERS.get(device)
+    if buf is None:
+        buf = _FLUSH_BUFFERS[device] = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    buf.sum()
 
 
 def samples_gpu(fn: Callable[[], object], warmup_ms: int = 100, rep_ms: int = 100) -> list[float]:
-    """Every repetition's time (ms) of do_bench on the current CUDA device (call ``fn`` once before:
-    compilation is not timed)."""
-    import triton.testing
+    """Every repetition's time (ms) on the current CUDA device (call ``fn`` once before: compilation is
+    not timed): the module docstring's recipe."""
+    import torch
 
-    return [float(t) for t in triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")]
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush_l2()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate_ms = max(start.elapsed_time(end) / 5, 1e-3)
+    warmup, reps = max(1, int(warmup_ms / estimate_ms)), max(1, int(rep_ms / estimate_ms))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for _ in range(warmup):
+        fn()
+    for s, e in zip(starts, ends):
+        flush_l2()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
 def samples_cpu(fn: Callable[[], object], calls: int = 3) -> list[float]:
@@ -60,8 +109,8 @@ def samples_graph(make_call: Callable[[], Callable[[], object]], warmup_ms: int 
     on, so anything it sets up there (the saved forward a backward call needs: autograd runs each
     backward op on its forward op's stream) is on the capturing stream too. The call runs once
     before the capture, on that stream, as PyTorch asks (lazy initialization, such as a library
-    creating its handle or workspace, must not happen inside a capture). Replays are timed with
-    do_bench like the eager call, so the two columns differ by the host path only. A call that
+    creating its handle or workspace, must not happen inside a capture). Replays are timed by
+    :func:`samples_gpu` like the eager call, so the two columns differ by the host path only. A call that
     cannot be captured (it synchronizes, or reads a result on the host) raises; the caller leaves
     the column empty and says why.
     """
@@ -90,9 +139,9 @@ def samples(fn: Callable[[], object], on_gpu: bool, cpu_calls: int = 3) -> list[
 def summarize(times_ms: Sequence[float], on_gpu: bool) -> Timing:
     arr = np.asarray(times_ms, dtype=float)
     return Timing(float(np.median(arr)), float(np.percentile(arr, 20)), float(np.percentile(arr, 80)),
-                  "do_bench" if on_gpu else "perf_counter")
+                  "cuda_events" if on_gpu else "perf_counter")
 
 
 def bench_gpu(fn: Callable[[], object], warmup_ms: int = 100, rep_ms: int = 100) -> Timing:
-    """One turn of do_bench on the current CUDA device, summarized (the notebooks' quick timings)."""
+    """One turn of :func:`samples_gpu` on the current CUDA device, summarized (the notebooks' quick timings)."""
     return summarize(samples_gpu(fn, warmup_ms, rep_ms), True)

@@ -628,3 +628,23 @@ def test_a_run_records_the_stage_switches_its_environment_set(tmp_path, monkeypa
     assert runs["2026-12-03T00:00:00Z"]["switches"] == {"LAB_DECODE_MERGE": "wide"}
     assert "switches" not in runs["2026-12-03T00:01:00Z"]
     assert "switches" not in results.load_env(tmp_path)  # per run, not the directory's latest facts
+
+
+@pytest.mark.gpu
+def test_gpu_timing_counts_its_repetitions_and_flushes_by_reading():
+    """``timing.samples_gpu``: do_bench's counts (one repetition per ~estimate within rep_ms), every
+    sample positive; the flush buffer is made once per device and is larger than the L2, and the
+    flush only reads it (its contents are unchanged)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from harness import timing
+
+    x = torch.randn(1 << 20, device="cuda")
+    samples = timing.samples_gpu(lambda: x.mul_(1.0), warmup_ms=5, rep_ms=20)
+    assert len(samples) >= 2 and all(t > 0 for t in samples)
+    buf = timing._FLUSH_BUFFERS[torch.cuda.current_device()]
+    assert buf.numel() * buf.element_size() == timing.FLUSH_BYTES > torch.cuda.get_device_properties(0).L2_cache_size
+    before = buf[:1024].clone()
+    timing.flush_l2()
+    assert torch.equal(buf[:1024], before)
+    assert timing.summarize(samples, True).method == "cuda_events"
