@@ -27,20 +27,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import stages  # noqa: E402,F401  (before triton)
 import torch  # noqa: E402
 
+from experiments.decode_tiles import CELLS as DECODE_CELLS  # noqa: E402
+from harness import timing  # noqa: E402
 from harness.peers import peer_attention  # noqa: E402
 from stages.c_optimized import kernels as ck  # noqa: E402
 
-#: (name, B, Hq, Hkv, Nk, D)
-CELLS = [
-    ("b1-gqa-4k", 1, 32, 8, 4096, 128),
-    ("b1-gqa-32k", 1, 32, 8, 32768, 128),
-    ("b1-gqa-128k", 1, 32, 8, 131072, 128),
-    ("b1-mha-32k", 1, 32, 32, 32768, 128),
-    ("decode-gqa", 16, 32, 8, 8192, 128),
-    ("decode-long", 4, 32, 32, 32768, 128),
-]
+#: six of the decode tile sweep's cells (name, B, Hq, Hkv, Nk, D): batch 1 at three cache lengths,
+#: multi-head, and two larger batches
+CELLS = [c for c in DECODE_CELLS if c[0] in ("b1-gqa-4k", "b1-gqa-32k", "b1-gqa-128k", "b1-mha-32k", "decode-gqa",
+                                               "decode-long")]
 REPS = 200
-FLUSH_BYTES = 256 * 1024 * 1024
 
 
 def replay_us(fn, flush) -> float:
@@ -69,10 +65,10 @@ def replay_us(fn, flush) -> float:
 
 
 def main() -> int:
-    buf = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    buf = torch.empty(timing.FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
     flushes = {
         "zero": buf.zero_,                                # do_bench's: leaves the L2 full of dirty lines
-        "read": buf.sum,                                  # leaves it full of clean ones
+        "read": buf.sum,                                  # leaves it full of clean ones (harness.timing's)
         "none": lambda: None,
     }
     cudnn = peer_attention("sdpa_cudnn")
