@@ -7,8 +7,8 @@ bytes arrive. A kernel that reads 134 MB (a B 1 decode step over a 32k cache) th
 third more bytes than it asked for, inside its timed window. Flushing by *reading* the buffer leaves
 the L2 just as cold for the kernel's data, but clean.
 
-For decode cells (Nq = 1, bf16, non-causal) this times, in CUDA-graph replay with CUDA events around
-each replay, stage C, cuDNN and a device-to-device copy of the same byte count (half read, half
+For decode cells (Nq = 1, bf16, non-causal) this times, in CUDA-graph replay the way the harness does
+(``timing.samples_graph``: CUDA events around each replay, the flush passed in), stage C, cuDNN and a device-to-device copy of the same byte count (half read, half
 written: the copy bandwidth the results page divides by), each after a zeroing flush (do_bench's),
 after a reading flush, and with no flush (K and V may then be served from the L2 where they fit), and
 prints µs and GB/s per (cell, impl, flush).
@@ -18,7 +18,6 @@ prints µs and GB/s per (cell, impl, flush).
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -36,43 +35,17 @@ from stages.c_optimized import kernels as ck  # noqa: E402
 #: multi-head, and two larger batches
 CELLS = [c for c in DECODE_CELLS if c[0] in ("b1-gqa-4k", "b1-gqa-32k", "b1-gqa-128k", "b1-mha-32k", "decode-gqa",
                                                "decode-long")]
-REPS = 200
-
-
-def replay_us(fn, flush) -> float:
-    """Median µs of ``fn`` replayed from a CUDA graph, ``flush()`` before each replay, CUDA events
-    around the replay alone."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        out = fn()  # noqa: F841
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(REPS)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(REPS)]
-    for _ in range(10):
-        flush()
-        graph.replay()
-    for s, e in zip(starts, ends):
-        flush()
-        s.record()
-        graph.replay()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
 
 
 def main() -> int:
     buf = torch.empty(timing.FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
     flushes = {
         "zero": buf.zero_,                                # do_bench's: leaves the L2 full of dirty lines
-        "read": buf.sum,                                  # leaves it full of clean ones (harness.timing's)
+        "read": timing.flush_l2,                          # the harness's: leaves it full of clean ones
         "none": lambda: None,
     }
     cudnn = peer_attention("sdpa_cudnn")
-    print(f"{torch.cuda.get_device_name()}; median of {REPS} graph replays per row; bf16, Nq = 1, non-causal")
+    print(f"{torch.cuda.get_device_name()}; median of ~100 ms of graph replays per row; bf16, Nq = 1, non-causal")
     for name, B, Hq, Hkv, Nk, D in CELLS:
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(B, Hq, 1, D, device="cuda", generator=g).bfloat16()
@@ -87,7 +60,7 @@ def main() -> int:
         for impl, fn in impls.items():
             cells = []
             for flush_name, flush in flushes.items():
-                us = replay_us(fn, flush)
+                us = timing.summarize(timing.samples_graph(lambda: fn, flush=flush), True).ms_median * 1e3
                 cells.append(f"{flush_name} {us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s")
             print(f"  {impl:6} " + " | ".join(cells), flush=True)
         del q, k, v, src, dst

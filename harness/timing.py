@@ -63,16 +63,18 @@ def flush_l2() -> None:
     buf.sum()
 
 
-def samples_gpu(fn: Callable[[], object], warmup_ms: int = 100, rep_ms: int = 100) -> list[float]:
+def samples_gpu(fn: Callable[[], object], warmup_ms: int = 100, rep_ms: int = 100,
+                flush: Callable[[], object] = flush_l2) -> list[float]:
     """Every repetition's time (ms) on the current CUDA device (call ``fn`` once before: compilation is
-    not timed): the module docstring's recipe."""
+    not timed): the module docstring's recipe, ``flush()`` before each repetition (``experiments/l2_flush.py``
+    passes others to compare)."""
     import torch
 
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(5):
-        flush_l2()
+        flush()
         fn()
     end.record()
     torch.cuda.synchronize()
@@ -83,7 +85,7 @@ def samples_gpu(fn: Callable[[], object], warmup_ms: int = 100, rep_ms: int = 10
     for _ in range(warmup):
         fn()
     for s, e in zip(starts, ends):
-        flush_l2()
+        flush()
         s.record()
         fn()
         e.record()
@@ -102,7 +104,7 @@ def samples_cpu(fn: Callable[[], object], calls: int = 3) -> list[float]:
 
 
 def samples_graph(make_call: Callable[[], Callable[[], object]], warmup_ms: int = 100,
-                  rep_ms: int = 100) -> list[float]:
+                  rep_ms: int = 100, flush: Callable[[], object] = flush_l2) -> list[float]:
     """Every repetition's time (ms) of the call replayed from a CUDA graph: the GPU's time alone.
 
     ``make_call()`` returns the call to capture; it runs on the side stream the graph is captured
@@ -126,7 +128,7 @@ def samples_graph(make_call: Callable[[], Callable[[], object]], warmup_ms: int 
     try:
         with torch.cuda.graph(graph, stream=stream):
             out = call()  # noqa: F841  (held until the replays end: the graph writes into it)
-        return samples_gpu(graph.replay, warmup_ms, rep_ms)
+        return samples_gpu(graph.replay, warmup_ms, rep_ms, flush)
     finally:
         del graph
         torch.cuda.synchronize()
