@@ -5,6 +5,7 @@ random weights), summarized per new token.
     python experiments/generate_profile.py                       # both models, lab_c against sdpa
     python experiments/generate_profile.py --model gpt2 --impls c,b,sdpa --new-tokens 32
     python experiments/generate_profile.py --rounds 20 --python 25   # + wall times in turns, cProfile
+    python experiments/generate_profile.py --impls c,sdpa,c+sdpa_mask,sdpa+lab_mask,no_attention --rounds 12
 
 Per impl, per generated token: wall ms; GPU kernels launched and their summed GPU time (so the
 host-bound share shows as wall minus GPU); the attention calls' CPU time (the profiler's
@@ -42,6 +43,34 @@ def timed_attention(impl_name: str):
 
     ALL_ATTENTION_FUNCTIONS[impl_name] = wrapped
     return lambda: ALL_ATTENTION_FUNCTIONS.__setitem__(impl_name, inner)
+
+
+#: ``--impls`` names that take one part of a step from one implementation and the rest from
+#: another, registered by :func:`register_hybrids`: what a generate() step costs with stage C's
+#: attention behind SDPA's mask function, with SDPA's attention behind the lab's mask function,
+#: and with no attention at all (the query handed back as the output: every other cost of the step)
+HYBRIDS = ("c+sdpa_mask", "sdpa+lab_mask", "no_attention")
+
+
+def register_hybrids() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    from stages import hf
+
+    def no_attention(module, query, key, value, attention_mask, **kwargs):
+        return query.transpose(1, 2), None
+
+    for name, attention, mask in (("c+sdpa_mask", hf.attention_forward("c"), sdpa_mask),
+                                  ("sdpa+lab_mask", sdpa_attention_forward, hf.lab_mask),
+                                  ("no_attention", no_attention, sdpa_mask)):
+        AttentionInterface.register(name, attention)
+        AttentionMaskInterface.register(name, mask)
+
+
+def implementation(impl: str) -> str:
+    return impl if impl in HYBRIDS else G.attn_implementation(impl)
 
 
 def profile_generate(model, prompt, new_tokens: int, on_gpu: bool):
@@ -109,7 +138,7 @@ def rounds(model, prompt, new_tokens: int, impls: list[str], n: int, on_gpu: boo
     times = {impl: [] for impl in impls}
     for r in range(n):
         for impl in (impls if r % 2 == 0 else impls[::-1]):
-            model.set_attn_implementation(G.attn_implementation(impl))
+            model.set_attn_implementation(implementation(impl))
             with torch.no_grad():
                 _, ms, _ = G.timed_call(lambda: model.generate(
                     prompt, attention_mask=ones, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -122,7 +151,8 @@ def rounds(model, prompt, new_tokens: int, impls: list[str], n: int, on_gpu: boo
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="gpt2,llama")
-    ap.add_argument("--impls", default="c,sdpa", help="stages by name and transformers' own (sdpa, eager)")
+    ap.add_argument("--impls", default="c,sdpa", help="stages by name, transformers' own (sdpa, eager) and "
+                    f"the hybrids {', '.join(HYBRIDS)}")
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--top", type=int, default=12, help="kernels listed per model (by launches per token)")
     ap.add_argument("--rounds", type=int, default=0, help="then time this many generate() calls per impl in turns")
@@ -132,6 +162,7 @@ def main() -> int:
     from stages import hf
 
     hf.register()
+    register_hybrids()
     on_gpu = torch.cuda.is_available()
     shapes, sizes = (G.GPU_SHAPES, G.GPU_SIZES) if on_gpu else (G.TINY_SHAPES, G.TINY_SIZES)
     new_tokens = args.new_tokens or sizes.new_tokens
@@ -147,8 +178,8 @@ def main() -> int:
         print(f"\n{name}: {shape.describe()}")
         per_impl = {}
         for impl in args.impls.split(","):
-            model.set_attn_implementation(G.attn_implementation(impl))
-            undo = timed_attention(G.attn_implementation(impl))
+            model.set_attn_implementation(implementation(impl))
+            undo = timed_attention(implementation(impl))
             try:
                 prof, ms = profile_generate(model, prompt, new_tokens, on_gpu)
             finally:
@@ -168,7 +199,7 @@ def main() -> int:
             print(f"  generate() wall time, {args.rounds} rounds in turns:")
             print(rounds(model, prompt, new_tokens, impls, args.rounds, on_gpu))
         for impl in impls if args.python else ():
-            model.set_attn_implementation(G.attn_implementation(impl))
+            model.set_attn_implementation(implementation(impl))
             print(f"  cProfile of one generate(), {impl}:")
             print(python_profile(model, prompt, new_tokens, args.python))
         del model

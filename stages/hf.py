@@ -118,14 +118,34 @@ def check_supported(impl: str, attention_mask, dropout: float, kwargs: dict, con
                             "have no dropout",
                       "set the config's attention dropout to 0 (attention_dropout=0.0 for Llama, attn_pdrop=0.0 "
                       'for GPT-2) or use attn_implementation="sdpa"')
-    for name, meaning in UNSUPPORTED_KWARGS.items():
-        if kwargs.get(name) is not None:
-            raise _refuse(impl, f"the model asks for {meaning} ({name}={_short(kwargs[name])}), but {_SUPPORTED}",
-                          'use attn_implementation="eager" (transformers\' reference, which implements it) '
-                          'for this model')
-    if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
+    # Eager, one set operation finds the usual call clean; Dynamo traces the loop (it has no isdisjoint).
+    tracing = torch.compiler.is_compiling()
+    if tracing or not UNSUPPORTED_KWARGS.keys().isdisjoint(kwargs):
+        for name, meaning in UNSUPPORTED_KWARGS.items():
+            if kwargs.get(name) is not None:
+                raise _refuse(impl, f"the model asks for {meaning} ({name}={_short(kwargs[name])}), but "
+                                    f"{_SUPPORTED}", 'use attn_implementation="eager" (transformers\' reference, '
+                                                     'which implements it) for this model')
+    if kwargs.get("output_attentions") or _config_wants_weights(config, tracing):
         raise _refuse(impl, "output_attentions=True, but the kernels never form the attention weights",
                       'use attn_implementation="eager" to get them')
+
+
+def _config_wants_weights(config, tracing: bool = False) -> bool:
+    """The config's ``output_attentions``. transformers keeps it as ``_output_attentions`` behind a
+    property; read from the instance's own attributes (``object.__getattribute__``: not through the
+    config class's attribute hooks, which cost microseconds on every attention call of every layer)."""
+    if config is None:
+        return False
+    if tracing:  # (Dynamo reads the property as it is; the hooks cost nothing at run time there)
+        return bool(getattr(config, "output_attentions", False))
+    try:
+        attributes = object.__getattribute__(config, "__dict__")
+    except AttributeError:  # (an object without instance attributes)
+        attributes = {}
+    if "_output_attentions" in attributes:
+        return bool(attributes["_output_attentions"])
+    return bool(getattr(config, "output_attentions", False))
 
 
 def _short(value) -> str:

@@ -138,7 +138,8 @@ class FastLaunch:
     Not taken (``kernel[grid](...)`` instead): under the interpreter, while launch hooks are active
     or Triton's debug mode is on (:func:`launch_hooks_active`), for a kernel with pre-run hooks. Two
     checks of ``kernel[grid]`` are skipped: that global values a kernel reads did not change since
-    it was compiled, and the cache invalidation of edits to the kernel's source while running.
+    it was compiled, and the cache invalidation of edits to the kernel's source while running; and
+    Triton's check that each pointer is a GPU address (the stage's input checks make sure of it).
     """
 
     def __init__(self, kernel, static: dict, dynamic: tuple, *, pointers: int, num_warps: int = 4,
@@ -163,7 +164,7 @@ class FastLaunch:
         self._slots = tuple(names.index(name) for name in dynamic)
         self._pointers = pointers
         self._fast = (not interpreted()) if fast is None else fast
-        self._compiled = {}  # (device, pointer facts, integer facts) -> (launcher, function handle, packed metadata)
+        self._compiled = {}  # (device, pointer facts, integer facts) -> _kept(compiled kernel)
         self._get_device = self._get_stream = None
         self._int_slots = None  # (specialized, unspecialized) positions of integer values, found on the first call
 
@@ -209,7 +210,7 @@ class FastLaunch:
             args = self.arguments(*values)
             compiled = self.kernel.warmup(**dict(zip(self.names, args)), grid=tuple(grid), **self.options)
             if compiled is not None:
-                self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+                self._compiled[key] = _kept(compiled)
 
     def __call__(self, grid: tuple, *values, facts=None) -> None:
         """Launch on ``grid`` with these dynamic ``values``; ``facts``: their ``_integer_facts``, when
@@ -220,25 +221,60 @@ class FastLaunch:
             if facts is None:
                 facts = self._integer_facts(values)
             if facts is not None:
+                n = self._pointers
+                addresses = [t.data_ptr() for t in values[:n]]
                 # Of what Triton keys its kernels on, only these vary between calls here.
                 key = (self._get_device() if self._get_device is not None else None,
-                       tuple([t.data_ptr() % 16 == 0 for t in values[:self._pointers]]), facts)
+                       tuple([a % 16 == 0 for a in addresses]), facts)
                 entry = self._compiled.get(key)
                 if entry is not None:
-                    launcher, function, packed_metadata = entry
+                    launcher, function, before_args = entry
                     device = key[0]
                     g0 = grid[0]
                     g1 = grid[1] if len(grid) > 1 else 1
                     g2 = grid[2] if len(grid) > 2 else 1
-                    # What JITFunction.run ends with, less the launch metadata and hooks (none listen).
-                    launcher(g0, g1, g2, self._get_stream(device), function, packed_metadata, None, None, None, *args)
+                    # The pointers go to the launcher as addresses: handed a tensor, it would call
+                    # data_ptr() and ask the driver what the address is (cuPointerGetAttribute), per
+                    # pointer and call; the stage's checks already put every tensor on the GPU.
+                    for slot, address in zip(self._slots, addresses):
+                        args[slot] = address
+                    launcher(g0, g1, g2, self._get_stream(device), function, *before_args, *args)
                     return
         compiled = self.kernel[tuple(grid)](**dict(zip(self.names, args)), **self.options)
         if key is not None and compiled is not None and not getattr(self.kernel, "pre_run_hooks", None):
             if self._get_device is None:
                 self._get_device, self._get_stream = _driver_getters()
                 key = (self._get_device(), *key[1:])
-            self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+            self._compiled[key] = _kept(compiled)
+
+
+def _kept(compiled) -> tuple:
+    """(launch function, CUfunction, the launch function's arguments between the stream and the
+    kernel's): what :class:`FastLaunch` keeps of a CompiledKernel. JITFunction.run ends in
+    ``compiled.run(grid..., stream, function, packed_metadata, launch_metadata, enter_hook,
+    exit_hook, *args)``, a Python wrapper (Triton's ``CudaLauncher``) that allocates the scratch
+    buffers a kernel may ask for and calls the compiled C launcher. A kernel that asks for none (no
+    global or profiler scratch, no TMA descriptors the wrapper must unpack) is handed to the C
+    launcher itself, with what the wrapper would pass it; any other launcher is kept whole."""
+    run = compiled.run
+    direct = getattr(run, "launch", None)
+    if (type(run).__name__ == "CudaLauncher" and callable(direct) and getattr(direct, "__name__", "") == "launch"
+            and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0
+            and _base_arguments_known()):
+        return direct, compiled.function, (run.launch_cooperative_grid, run.launch_pdl, None, None,
+                                           compiled.packed_metadata, None, None, None)
+    return run, compiled.function, (compiled.packed_metadata, None, None, None)
+
+
+def _base_arguments_known() -> bool:
+    """Whether Triton's C launcher takes the leading arguments :func:`_kept` passes it (grid, stream,
+    function, cooperative grid, PDL, two scratch buffers, metadata, launch metadata, two hooks): the
+    format string of Triton 3.6's NVIDIA driver."""
+    try:
+        from triton.backends.nvidia import driver as nvidia_driver
+    except ImportError:
+        return False
+    return getattr(nvidia_driver, "_BASE_ARGS_FORMAT", None) == "iiiKKppOOOOOO"
 
 
 def descriptor_over(cls, fields: dict, t: torch.Tensor):

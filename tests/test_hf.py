@@ -315,6 +315,23 @@ def test_math_changing_kwargs_are_refused(kwarg, value):
         assert out.shape == (1, 3, 4, 16) and weights is None
 
 
+def test_a_config_asking_for_the_attention_weights_is_refused():
+    """``output_attentions`` set on the model's config (read without the config's attribute hooks,
+    so a wrong read would let it through silently)."""
+    from types import SimpleNamespace
+
+    forward = hf.attention_forward("c")
+    q = k = v = torch.randn(1, 4, 3, 16, device=DEVICE)
+    wants = transformers.GPT2Config(output_attentions=True)
+    assert wants.output_attentions
+    with pytest.raises(hf.UnsupportedAttention, match="output_attentions"):
+        forward(SimpleNamespace(config=wants, is_causal=True), q, k, v, None)
+    with pytest.raises(hf.UnsupportedAttention, match="output_attentions"):
+        forward(SimpleNamespace(config=SimpleNamespace(output_attentions=True)), q, k, v, None)
+    out, _ = forward(SimpleNamespace(config=transformers.GPT2Config(), is_causal=True), q, k, v, None)
+    assert out.shape == (1, 3, 4, 16)
+
+
 def test_a_stage_without_a_backward_is_refused_under_grad(fake_stages):
     from dataclasses import replace
 

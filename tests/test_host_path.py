@@ -113,9 +113,10 @@ def _recording_recipe(monkeypatch, path: str, causal: bool = False):
 
 
 def _same(a, b) -> bool:
-    """Equal launch arguments: the same tensor, equal descriptors (a new object per call), else ==."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return a is b
+    """Equal launch arguments: the tensor's address where JITFunction.run binds a tensor (the lean
+    path hands the launcher addresses), equal descriptors (a new object per call), else ==."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):  # (a descriptor's base: the tensor itself)
+        return a is b or (type(a) is int and isinstance(b, torch.Tensor) and a == b.data_ptr())
     if hasattr(a, "block_shape"):
         return type(a) is type(b) and a.__dict__.keys() == b.__dict__.keys() and all(
             _same(a.__dict__[key], b.__dict__[key]) for key in a.__dict__)
@@ -145,6 +146,32 @@ def test_the_lean_launch_passes_what_jit_run_would(monkeypatch, path):
             assert desc.shape == list(q.shape) and desc.strides == list(q.stride())
 
 
+def test_a_kernel_without_scratch_goes_to_the_c_launcher_itself():
+    """What FastLaunch keeps of a compiled kernel: Triton 3.6's C launcher with the arguments its
+    Python wrapper (``CudaLauncher``) would add, when the kernel asks for no scratch buffer and takes
+    no TMA descriptor the wrapper must unpack; the wrapper otherwise."""
+    calls = []
+
+    def c_launch(*args):
+        calls.append(args)
+
+    c_launch.__name__ = "launch"  # the C launcher's name in Triton's generated module
+    run = type("CudaLauncher", (), {})()
+    run.launch, run.launch_cooperative_grid, run.launch_pdl = c_launch, False, True
+    run.global_scratch_size = run.profile_scratch_size = 0
+    compiled = dataclasses.make_dataclass("Compiled", ["run", "function", "packed_metadata"])(run, 11, "packed")
+    fn, function, before = launch._kept(compiled)
+    assert fn is c_launch and function == 11
+    fn(1, 2, 3, "stream", function, *before, "arg0")
+    assert calls == [(1, 2, 3, "stream", 11, False, True, None, None, "packed", None, None, None, "arg0")]
+    for scratch in ("global_scratch_size", "profile_scratch_size"):
+        setattr(run, scratch, 128)
+        assert launch._kept(compiled) == (run, 11, ("packed", None, None, None))
+        setattr(run, scratch, 0)
+    run.launch = lambda *args: None  # wrap_handle_tensordesc's unpacking wrapper: not the C launcher
+    assert launch._kept(compiled)[0] is run
+
+
 def test_a_new_pointer_alignment_goes_back_to_triton(monkeypatch):
     """Triton compiles a kernel per pointer alignment (16-byte or not): a misaligned tensor must not
     reuse the kernel compiled for aligned ones, and an aligned one must find its kernel again."""
@@ -159,7 +186,7 @@ def test_a_new_pointer_alignment_goes_back_to_triton(monkeypatch):
     _call(recipe, choice, q, k, v, o)
     _call(recipe, choice, shifted, k, v, o)
     assert (len(jit.bound), len(jit.launched)) == (2, 2)
-    assert jit.launched[1][9:][0] is shifted
+    assert jit.launched[1][9:][0] == shifted.data_ptr()
 
 
 def test_a_stride_that_specializes_differently_goes_back_to_triton(monkeypatch):
