@@ -19,6 +19,7 @@ kernel replaced by a no-op: the Python side of the path alone, not GPU host time
     python experiments/host_path.py                 # on the GPU
     python experiments/host_path.py --B 1 --H 8 --N 128 --D 64 --calls 2000
     python experiments/host_path.py --cpu-steps     # the Python side, anywhere
+    python experiments/host_path.py --B 4 --H 12 --N 1 --Nk 160   # a decode step of GPT-2's shape
 """
 
 from __future__ import annotations
@@ -53,18 +54,23 @@ def step_times(q, k, v, causal: bool, options: dict, number: int) -> dict:
     full = {**DEFAULT_OPTIONS, **options}
     o = new_output(q)
     arch, sms = kernels._arch_and_sms(q)
-    recipe = kernels._recipe_for(q, k, v, o, None, causal, arch, sms, **full)
-    tensors = kernels._call_tensors(recipe, q, k, v, o, None)
+    plan = dict(config=full["config"], split_kv=full["split_kv"], ws_rung=full["ws_rung"],
+                **{name: full[name] for name in kernels.SWITCH_NAMES})
+    choice, recipe = kernels._plan_call(q, k, v, o, None, causal, arch, sms, **plan)
+    workspace, runs = recipe.runtime(q, k, v, o, choice)
+    tensors = kernels._call_tensors(workspace, q, k, v, o, None)
     times = {
         "validate_inputs": us(lambda: validate_inputs(q, k, v, causal=causal)),
         "new_output": us(lambda: new_output(q)),
         "arch_and_sms": us(lambda: kernels._arch_and_sms(q)),
-        "recipe lookup": us(lambda: kernels._recipe_for(q, k, v, o, None, causal, arch, sms, **full)),
-        "workspace": us(lambda: kernels._call_tensors(recipe, q, k, v, o, None)),
+        "plan (choice and recipe lookup)": us(lambda: kernels._plan_call(q, k, v, o, None, causal, arch, sms, **plan)),
+        "runtime arguments": us(lambda: recipe.runtime(q, k, v, o, choice)),
+        "workspace": us(lambda: kernels._call_tensors(workspace, q, k, v, o, None)),
     }
-    for i, r in enumerate(recipe.launches):
+    for i, (r, (grid, ints)) in enumerate(zip(recipe.launches, runs)):
         name = getattr(r.kernel, "__name__", None) or r.kernel.fn.__name__
-        times[f"launch {i}: {name} ({len(r.descs)} descriptors)"] = us(lambda r=r: r.launch(tensors, scale))
+        times[f"launch {i}: {name} ({len(r.descs)} descriptors)"] = us(
+            lambda r=r, grid=grid, ints=ints: r.launch(grid, tensors, ints, scale))
     times["attention (whole call)"] = us(lambda: kernels.attention(q, k, v, causal=causal, **options))
     return times, recipe
 
@@ -73,25 +79,34 @@ def _mock_launchers(recipe) -> None:
     """CPU only: every launch of ``recipe`` takes the lean path into a launcher that does nothing."""
     class AnyKey(dict):
         def get(self, key, default=None):
-            return (lambda *args: None), None, None
+            return (lambda *args: None), None, ()
 
     for r in recipe.launches:
         fl = r.launcher
         fl._fast, fl._get_device, fl._get_stream, fl._compiled = True, (lambda: 0), (lambda d: 0), AnyKey()
 
 
+def inputs(args, device) -> tuple[torch.Tensor, ...]:
+    """q [B, H, N, D], k and v [B, Hkv, Nk, D] (Hkv and Nk default to H and N), fp16."""
+    q = torch.randn(args.B, args.H, args.N, args.D, dtype=torch.float16, device=device)
+    kv = (args.B, args.Hkv or args.H, args.Nk or args.N, args.D)
+    return q, torch.randn(kv, dtype=torch.float16, device=device), torch.randn(kv, dtype=torch.float16, device=device)
+
+
 def cpu_steps(args) -> None:
-    q, k, v = (torch.randn(args.B, args.H, args.N, args.D, dtype=torch.float16) for _ in range(3))
+    q, k, v = inputs(args, "cpu")
     kernels._DEVICE_FACTS[q.get_device()] = (90, 132)  # plan as for an H200
     print(f"CPU, compiled kernels replaced by a no-op; problem B={args.B} H={args.H} N={args.N} D={args.D} fp16, "
           f"planned for sm_90 with 132 SMs; µs per call (best of 5)")
     for variant, options in VARIANTS.items():
         full = {**DEFAULT_OPTIONS, **options}
         o = new_output(q)
-        recipe = kernels._recipe_for(q, k, v, o, None, False, 90, 132, **full)
+        plan = dict(config=full["config"], split_kv=full["split_kv"], ws_rung=full["ws_rung"],
+                    **{name: full[name] for name in kernels.SWITCH_NAMES})
+        _, recipe = kernels._plan_call(q, k, v, o, None, False, 90, 132, **plan)
         _mock_launchers(recipe)
         times, recipe = step_times(q, k, v, False, options, args.number)
-        print(f"--- {variant}: path {recipe.choice.path}")
+        print(f"--- {variant}: path {recipe.path}")
         for name, t in times.items():
             print(f"  {name:48s} {t:7.2f}")
 
@@ -101,7 +116,7 @@ def gpu(args) -> None:
     from harness.peers import peer_attention
 
     device = torch.device("cuda")
-    q, k, v = (torch.randn(args.B, args.H, args.N, args.D, dtype=torch.float16, device=device) for _ in range(3))
+    q, k, v = inputs(args, device)
     sync = torch.cuda.synchronize
     print(f"GPU {torch.cuda.get_device_name()}; B={args.B} H={args.H} N={args.N} D={args.D} fp16; "
           f"µs of host time per call, {args.calls} calls back to back")
@@ -145,7 +160,7 @@ def gpu(args) -> None:
         except ValueError as e:
             print(f"--- {variant}: unsupported: {e}")
             continue
-        print(f"--- {variant}: path {recipe.choice.path}")
+        print(f"--- {variant}: path {recipe.path}")
         for name, t in times.items():
             print(f"  {name:48s} {t:7.2f}")
         torch.cuda.synchronize()
@@ -157,6 +172,8 @@ def main() -> None:
     p.add_argument("--H", type=int, default=8)
     p.add_argument("--N", type=int, default=128)
     p.add_argument("--D", type=int, default=64)
+    p.add_argument("--Nk", type=int, default=None, help="keys (default N): --N 1 --Nk 160 is a decode step")
+    p.add_argument("--Hkv", type=int, default=None, help="key/value heads (default H)")
     p.add_argument("--calls", type=int, default=2000, help="calls timed per row on the GPU")
     p.add_argument("--number", type=int, default=2000, help="calls per repeat in the per-step timings")
     p.add_argument("--cpu-steps", action="store_true", help="time the Python side on the CPU (no-op kernels)")
