@@ -136,3 +136,35 @@ def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
         validate_inputs(q, k, v)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert validate_inputs(q, k, v) == pytest.approx(64 ** -0.5)
+
+
+def test_a_remembered_layout_still_refuses_every_wrong_input(monkeypatch):
+    """``validate_inputs`` remembers the layouts that passed (on a GPU; here switched on for CPU
+    tensors): the same layout passes again with the same scale, and an input that differs from it in
+    any checked fact is still refused with its message, never waved through by the memory."""
+    from stages import contract
+    from stages.contract import validate_inputs
+
+    monkeypatch.setattr(contract, "remember_cpu_layouts", True)
+    monkeypatch.setattr(contract, "_PASSED", {})
+    q, k, v = make_qkv(2, 4, 8, 64, torch.float16, "cpu", Hkv=2)
+    assert validate_inputs(q, k, v, causal=True) == pytest.approx(64 ** -0.5)
+    assert validate_inputs(q, k, v, causal=True, sm_scale=0.5) == 0.5
+    assert len(contract._PASSED) == 2
+    assert validate_inputs(q, k, v, causal=True) == pytest.approx(64 ** -0.5)  # remembered
+    assert validate_inputs(q, k, v, causal=True, sm_scale=0.5) == 0.5
+    assert len(contract._PASSED) == 2
+    wrong = {
+        "multiple of the key/value heads": lambda: validate_inputs(q[:, :3], k, v),
+        "same shape": lambda: validate_inputs(q, k, v[:, :, :5]),
+        "one dtype": lambda: validate_inputs(q, k.float(), v),
+        "contiguous in its last": lambda: validate_inputs(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v),
+        "causal must be a bool": lambda: validate_inputs(q, k, v, causal=1),
+        "sm_scale must be a finite": lambda: validate_inputs(q, k, v, causal=True, sm_scale=float("nan")),
+        "sm_scale must be a finite positive": lambda: validate_inputs(q, k, v, causal=True, sm_scale=-0.5),
+        "meta device": lambda: validate_inputs(q.to("meta"), k.to("meta"), v.to("meta"), causal=True),
+    }
+    for message, call in wrong.items():
+        with pytest.raises((ValueError, TypeError), match=message):
+            call()
+    assert len(contract._PASSED) == 2  # nothing wrong was remembered
