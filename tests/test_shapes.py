@@ -145,6 +145,7 @@ def test_a_remembered_layout_still_refuses_every_wrong_input(monkeypatch):
     from stages import contract
     from stages.contract import validate_inputs
 
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (CPU tensors are refused where the kernels are compiled)
     monkeypatch.setattr(contract, "remember_cpu_layouts", True)
     monkeypatch.setattr(contract, "_PASSED", {})
     q, k, v = make_qkv(2, 4, 8, 64, torch.float16, "cpu", Hkv=2)
