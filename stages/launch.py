@@ -260,7 +260,7 @@ def _kept(compiled) -> tuple:
     direct = getattr(run, "launch", None)
     if (type(run).__name__ == "CudaLauncher" and callable(direct) and getattr(direct, "__name__", "") == "launch"
             and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0
-            and _base_arguments_known()):
+            and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl") and _base_arguments_known()):
         return direct, compiled.function, (run.launch_cooperative_grid, run.launch_pdl, None, None,
                                            compiled.packed_metadata, None, None, None)
     return run, compiled.function, (compiled.packed_metadata, None, None, None)

@@ -168,6 +168,9 @@ def test_a_kernel_without_scratch_goes_to_the_c_launcher_itself():
         setattr(run, scratch, 128)
         assert launch._kept(compiled) == (run, 11, ("packed", None, None, None))
         setattr(run, scratch, 0)
+    del run.launch_pdl  # a launcher of another shape than Triton 3.6's: kept whole
+    assert launch._kept(compiled)[0] is run
+    run.launch_pdl = True
     run.launch = lambda *args: None  # wrap_handle_tensordesc's unpacking wrapper: not the C launcher
     assert launch._kept(compiled)[0] is run
 
