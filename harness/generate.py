@@ -502,7 +502,8 @@ def _shape_of(row: dict) -> str:
 
 def generate_tables(rows: list[dict]) -> str:
     """Markdown from ``generate/runs.csv`` rows (the latest of each (model, impl, pass) is used):
-    per model, a decode table (tokens/s and × SDPA, time to first token, ms per decode step, the
+    per model, a decode table (tokens/s and × SDPA, by the median call and by the fastest, time to
+    first token, ms per decode step, the
     share of tokens equal to SDPA's, peak memory) and a training table (step ms and × SDPA,
     tokens/s, peak memory). × SDPA is above 1 when the impl is faster, and compares an impl's row
     with SDPA's row *of the same run* (the impls of a run take turns; rows of different runs are
@@ -525,13 +526,14 @@ def generate_tables(rows: list[dict]) -> str:
             if pass_ == "decode":
                 parts.append(f"#### {title} ({_shape_of(r0)}), decode: batch {r0['batch']}, prompt "
                              f"{r0['prompt_len']} tokens, {r0['new_tokens']} new tokens, {r0['dtype']}")
-                lines = ["| impl | tokens/s | × SDPA | first token, ms | ms per decode step | same tokens as SDPA "
-                         "| peak memory | status |", "|---|--:|--:|--:|--:|--:|--:|---|"]
+                lines = ["| impl | tokens/s | × SDPA | × SDPA, fastest calls | first token, ms | ms per decode step "
+                         "| same tokens as SDPA | peak memory | status |", "|---|--:|--:|--:|--:|--:|--:|--:|---|"]
                 for r in at:
                     ok = _ok(r)
                     lines.append("| " + " | ".join([
                         _md(_impl_label(r["impl"])), _amount(r["tokens_per_s"] if ok else None),
                         _versus(r, refs.get(r["run_id"]), lambda a, b: a["tokens_per_s"] / b["tokens_per_s"]),
+                        _versus(r, refs.get(r["run_id"]), lambda a, b: b["ms_min"] / a["ms_min"]),
                         _amount(r["ttft_ms"] if ok else None), _amount(r["decode_step_ms"] if ok else None),
                         _num(r["same_tokens_frac"], ".0%"),
                         "—" if r["peak_mem_bytes"] is None else fmt_bytes(r["peak_mem_bytes"]),
@@ -585,7 +587,10 @@ def render_block(results_dir, readme_dir=".") -> str:
             "difference can change a token and all after it). Training step: forward, loss, backward and "
             "AdamW step, median over the timed steps. × SDPA: above 1 when the impl is faster, against SDPA's "
             "row of the same run (the impls of a run share one model and take turns; each impl's latest run "
-            "is shown, so impls can come from different runs). Peak memory: the most allocated during a call, weights, "
+            "is shown, so impls can come from different runs). × SDPA, fastest calls: the same from each "
+            "impl's fastest `generate()` call, steadier than the median where the host is noisy (a decode "
+            "step is host-bound: a host that stalls in stretches moves the median by more than the impls "
+            "differ). Peak memory: the most allocated during a call, weights, "
             "optimizer state and cache included (1 GB = 10⁹ bytes).")
     if interpreted:
         text += " **Some rows ran in the Triton interpreter on a CPU: their times are not GPU times.**"

@@ -121,8 +121,8 @@ def test_report_block_renders_the_latest_run_against_sdpa(results_dir):
                             "./generate/runs.csv")
     assert "Llama shape (6 layers, 16 query heads sharing 4 K/V heads, head dim 128, hidden 2048), decode: " \
            "batch 4, prompt 128 tokens, 64 new tokens, bf16" in block
-    assert "| C optimized | 2,000 | 2.00× | 20 | 5 | 75% | 2 GB | ok |" in block
-    assert "| transformers SDPA | 1,000 | 1.00× |" in block
+    assert "| C optimized | 2,000 | 2.00× | 2.00× | 20 | 5 | 75% | 2 GB | ok |" in block
+    assert "| transformers SDPA | 1,000 | 1.00× | 1.00× |" in block
     assert "training step: batch 8 × 2048 tokens, bf16, AdamW" in block
     assert "| C optimized | 50 | 2.00× | 327,680 | 30 GB | ok |" in block
     assert "| A naive | — | — | — | — | oom |" in block
@@ -138,9 +138,23 @@ def test_times_against_sdpa_compare_rows_of_one_run(tmp_path):
                                           decode("a", 100.0, run_id="2026-12-01T09:00:00.000000Z"),
                                           decode("c", 900.0, run_id=second), decode("sdpa", 1000.0, run_id=second)])
     block = report.render_generate_block(tmp_path, tmp_path)
-    assert "| B tiled | 300 | 0.50× |" in block      # 300 / its own run's 600, not / 1,000
+    assert "| B tiled | 300 | 0.50× | 0.50× |" in block      # 300 / its own run's 600, not / 1,000
     assert "| C optimized | 900 | 0.90× |" in block
-    assert "| A naive | 100 | — |" in block         # its run timed no SDPA
+    assert "| A naive | 100 | — | — |" in block         # its run timed no SDPA
+
+
+def test_the_fastest_calls_are_compared_apart_from_the_median(tmp_path):
+    """× SDPA by the fastest calls reads each impl's fastest generate() call (ms_min), not its median:
+    a run whose host stalled during stage C's median calls but not its fastest shows both."""
+    run = "2026-12-01T11:00:00.000000Z"
+    c = decode("c", 900.0, run_id=run)
+    c["ms_min"] = 200.0
+    sdpa = decode("sdpa", 1000.0, run_id=run)
+    sdpa["ms_min"] = 190.0
+    G.append_rows(tmp_path / "generate", [c, sdpa])
+    block = report.render_generate_block(tmp_path, tmp_path)
+    assert "| C optimized | 900 | 0.90× | 0.95× |" in block  # 190 / 200 ms
+    assert "fastest `generate()` call" in block
 
 
 def test_report_fills_the_readme_block_only_when_the_generate_csv_exists(results_dir, tmp_path_factory):
