@@ -35,10 +35,17 @@ def cudnn(q, k, v, causal: bool) -> torch.Tensor:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-def time_in_turns(variants: dict[str, Callable[[], torch.Tensor]], turns: int) -> dict[str, float]:
-    """Median ms per call of each variant, sampled in ``turns`` alternating rounds."""
+def do_bench_samples(fn: Callable[[], object]) -> list[float]:
+    """Every repetition's ms of ``triton.testing.do_bench`` (50 ms of warm-up, 100 ms of repetitions):
+    the A/B files' original method."""
     import triton.testing
 
+    return triton.testing.do_bench(fn, warmup=50, rep=100, return_mode="all")
+
+
+def time_in_turns(variants: dict[str, Callable[[], torch.Tensor]], turns: int,
+                  sample: Callable[[Callable[[], object]], list[float]] = do_bench_samples) -> dict[str, float]:
+    """Median ms per call of each variant, ``sample(fn)`` taken in ``turns`` alternating rounds."""
     samples: dict[str, list[float]] = {name: [] for name in variants}
     for fn in variants.values():
         fn()  # compile and autotune outside the timing
@@ -46,7 +53,7 @@ def time_in_turns(variants: dict[str, Callable[[], torch.Tensor]], turns: int) -
     order = list(variants)
     for t in range(turns):
         for name in (order if t % 2 == 0 else order[::-1]):
-            samples[name] += triton.testing.do_bench(variants[name], warmup=50, rep=100, return_mode="all")
+            samples[name] += sample(variants[name])
     return {name: statistics.median(s) for name, s in samples.items()}
 
 

@@ -44,6 +44,12 @@ DEFAULT_OPTIONS = dict(config=None, split_kv=None, tuned_tiles=True, pipelining=
 VARIANTS = {"default": {}, "tl": {"warp_specialization": False}, "split": {"split_kv": 2}}
 
 
+def plan_options(full: dict) -> dict:
+    """The keywords ``kernels._plan_call`` takes, from ``attention``'s options."""
+    return dict(config=full["config"], split_kv=full["split_kv"], ws_rung=full["ws_rung"],
+                **{name: full[name] for name in kernels.SWITCH_NAMES})
+
+
 def step_times(q, k, v, causal: bool, options: dict, number: int) -> dict:
     """µs per call of each step of stage C's forward host path (best of 5 repeats of ``number``)."""
     def us(fn):
@@ -54,8 +60,7 @@ def step_times(q, k, v, causal: bool, options: dict, number: int) -> dict:
     full = {**DEFAULT_OPTIONS, **options}
     o = new_output(q)
     arch, sms = kernels._arch_and_sms(q)
-    plan = dict(config=full["config"], split_kv=full["split_kv"], ws_rung=full["ws_rung"],
-                **{name: full[name] for name in kernels.SWITCH_NAMES})
+    plan = plan_options(full)
     choice, recipe = kernels._plan_call(q, k, v, o, None, causal, arch, sms, **plan)
     workspace, runs = recipe.runtime(q, k, v, o, choice)
     tensors = kernels._call_tensors(workspace, q, k, v, o, None)
@@ -101,8 +106,7 @@ def cpu_steps(args) -> None:
     for variant, options in VARIANTS.items():
         full = {**DEFAULT_OPTIONS, **options}
         o = new_output(q)
-        plan = dict(config=full["config"], split_kv=full["split_kv"], ws_rung=full["ws_rung"],
-                    **{name: full[name] for name in kernels.SWITCH_NAMES})
+        plan = plan_options(full)
         _, recipe = kernels._plan_call(q, k, v, o, None, False, 90, 132, **plan)
         _mock_launchers(recipe)
         times, recipe = step_times(q, k, v, False, options, args.number)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import statistics
 import sys
 from pathlib import Path
 
@@ -36,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import stages  # noqa: E402,F401  (first: it decides about the interpreter)
 import torch  # noqa: E402
 
-from experiments.ab import cudnn, fa_paper_inputs  # noqa: E402
+from experiments.ab import cudnn, fa_paper_inputs, time_in_turns  # noqa: E402
 from harness.timing import samples_gpu  # noqa: E402
 from stages.c_optimized import VARIANTS, kernels  # noqa: E402
 from stages.contract import Problem, new_output  # noqa: E402
@@ -78,15 +77,9 @@ def cell(w, dtype: str, D: int, causal: bool, N: int, turns: int) -> None:
             label = name if cap is None else f"{name} maxnreg{cap}"
             variants[label], facts[label] = capped_call(q, k, v, causal, switches, cap)
     errors = {name: ((fn().float() - ref).norm() / ref.norm()).item() for name, fn in variants.items()}
-    torch.cuda.synchronize()
-    samples = {name: [] for name in variants}
-    order = list(variants)
-    for t in range(turns):
-        for name in (order if t % 2 == 0 else order[::-1]):
-            samples[name] += samples_gpu(variants[name])
-    ms = {name: statistics.median(s) for name, s in samples.items()}
+    ms = time_in_turns(variants, turns, sample=samples_gpu)
     flops = Problem.of(q, causal=causal).flops
-    for name in order:
+    for name in variants:
         kernel, regs, spills, shared = (facts.get(name) or [("", "", "", "")])[0]
         cap = CAP if "maxnreg" in name else ""
         w.writerow([dtype, D, int(causal), N, name, cap, kernel, regs, spills, shared, f"{ms[name]:.5f}",
