@@ -35,7 +35,7 @@ if has tune; then
   run timeout ${TUNE_S:-600} $py -m stages.c_optimized.tune_backward --budget-s 480 \
       --csv results/$gpu/experiments/${day}_bwd_tuning.csv
   # then, on Hopper, the Gluon kernels raced against the tl plans just tuned (kept where faster)
-  run timeout ${HOPPER_S:-420} $py -m stages.c_optimized.tune_backward --hopper --D 64,128 --dtype bf16 \
+  run timeout ${HOPPER_S:-420} $py -m stages.c_optimized.tune_backward --hopper --D 64,128,256 --dtype bf16 \
       --csv results/$gpu/experiments/${day}_hopper_bwd_tuning.csv
 fi
 if has grid; then

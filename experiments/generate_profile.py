@@ -6,6 +6,7 @@ random weights), summarized per new token.
     python experiments/generate_profile.py --model gpt2 --impls c,b,sdpa --new-tokens 32
     python experiments/generate_profile.py --rounds 20 --python 25   # + wall times in turns, cProfile
     python experiments/generate_profile.py --impls c,sdpa,c+sdpa_mask,sdpa+lab_mask,no_attention --rounds 12
+    python experiments/generate_profile.py --rounds 20 --gc frozen   # the rounds without walks of the model
 
 Per impl, per generated token: wall ms; GPU kernels launched and their summed GPU time (so the
 host-bound share shows as wall minus GPU); the attention calls' CPU time (the profiler's
@@ -129,23 +130,78 @@ def python_profile(model, prompt, new_tokens: int, top: int) -> str:
     return "\n".join("    " + line for line in body[start:])
 
 
-def rounds(model, prompt, new_tokens: int, impls: list[str], n: int, on_gpu: bool) -> str:
+class GcClock:
+    """Python's garbage collections while it is installed: per generation, how many ran and the ms
+    they took (``gc.callbacks``). A decode step is host-bound, and a collection of the oldest
+    generation walks every live Python object (the model's modules, transformers' and torch's own):
+    an impl that allocates more container objects per call triggers such walks more often."""
+
+    def __init__(self):
+        self.count = [0, 0, 0]
+        self.ms = [0.0, 0.0, 0.0]
+        self._t0 = None
+
+    def __call__(self, phase, info):
+        import time
+
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            g = info["generation"]
+            self.count[g] += 1
+            self.ms[g] += (time.perf_counter() - self._t0) * 1e3
+            self._t0 = None
+
+    def __enter__(self):
+        import gc
+
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        import gc
+
+        gc.callbacks.remove(self)
+
+
+def rounds(model, prompt, new_tokens: int, impls: list[str], n: int, on_gpu: bool, gc_mode: str = "on") -> str:
     """Wall ms of ``n`` generate() calls per impl, in turns, the turn order reversed every round (so
-    neither impl always follows the other): median and min per impl."""
+    neither impl always follows the other): median and min per impl, and Python's garbage
+    collections during the calls (:class:`GcClock`). ``gc_mode``: "on" (Python's default), "frozen"
+    (``gc.freeze()`` after a full collection first: the model and everything alive then is never
+    walked again) or "off" (``gc.disable()`` during the rounds)."""
+    import gc
     import statistics
 
     ones = torch.ones_like(prompt)
     times = {impl: [] for impl in impls}
-    for r in range(n):
-        for impl in (impls if r % 2 == 0 else impls[::-1]):
-            model.set_attn_implementation(implementation(impl))
-            with torch.no_grad():
-                _, ms, _ = G.timed_call(lambda: model.generate(
-                    prompt, attention_mask=ones, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                    do_sample=False, num_beams=1, pad_token_id=model.config.eos_token_id), on_gpu)
-            times[impl].append(ms)
-    return "\n".join(f"    {impl}: median {statistics.median(t):.1f} ms, min {min(t):.1f}, max {max(t):.1f} "
-                     f"({n} calls; {statistics.median(t) / new_tokens:.3f} ms per token)" for impl, t in times.items())
+    clocks = {impl: GcClock() for impl in impls}
+    gc.collect()
+    if gc_mode == "frozen":
+        gc.freeze()
+    if gc_mode == "off":
+        gc.disable()
+    try:
+        for r in range(n):
+            for impl in (impls if r % 2 == 0 else impls[::-1]):
+                model.set_attn_implementation(implementation(impl))
+                with torch.no_grad(), clocks[impl]:
+                    _, ms, _ = G.timed_call(lambda: model.generate(
+                        prompt, attention_mask=ones, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                        do_sample=False, num_beams=1, pad_token_id=model.config.eos_token_id), on_gpu)
+                times[impl].append(ms)
+    finally:
+        gc.enable()
+        if gc_mode == "frozen":
+            gc.unfreeze()
+    lines = []
+    for impl, t in times.items():
+        c = clocks[impl]
+        lines.append(f"    {impl}: median {statistics.median(t):.1f} ms, min {min(t):.1f}, max {max(t):.1f} "
+                     f"({n} calls; {statistics.median(t) / new_tokens:.3f} ms per token); garbage collections "
+                     f"per call by generation {c.count[0] / n:.1f}/{c.count[1] / n:.2f}/{c.count[2] / n:.2f}, "
+                     f"{sum(c.ms) / n:.2f} ms per call (oldest generation {c.ms[2] / n:.2f})")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -156,6 +212,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--top", type=int, default=12, help="kernels listed per model (by launches per token)")
     ap.add_argument("--rounds", type=int, default=0, help="then time this many generate() calls per impl in turns")
+    ap.add_argument("--gc", default="on", choices=("on", "frozen", "off"),
+                    help="Python's garbage collector during --rounds: on (default), frozen (gc.freeze() first) or off")
     ap.add_argument("--python", type=int, default=0, metavar="TOP",
                     help="then a cProfile of one generate() per impl: the TOP functions by own time")
     args = ap.parse_args()
@@ -196,8 +254,8 @@ def main() -> int:
                 print(f"    {k[:70]:70} " + " | ".join(cells))
         impls = args.impls.split(",")
         if args.rounds:
-            print(f"  generate() wall time, {args.rounds} rounds in turns:")
-            print(rounds(model, prompt, new_tokens, impls, args.rounds, on_gpu))
+            print(f"  generate() wall time, {args.rounds} rounds in turns, garbage collector {args.gc}:")
+            print(rounds(model, prompt, new_tokens, impls, args.rounds, on_gpu, args.gc))
         for impl in impls if args.python else ():
             model.set_attn_implementation(implementation(impl))
             print(f"  cProfile of one generate(), {impl}:")

@@ -443,3 +443,63 @@ def test_gpu_hopper_backward_at_padded_head_dims(D, ws_padded_head_dims, device)
         q, k, v = make_qkv(2, 4, 300, D, torch.bfloat16, device, Hkv=2, Nk=300, seed=31)
         check_gradients(attention, q, k, v, causal=causal, dtype_name="bf16", ws_config="ws-M32-c2-s2",
                         ws_dq_config="ws-M64-c2-s2")
+
+
+# ------------------------------------------------- the Hopper backward above 128 columns (split head dim)
+
+#: Head dims above 128 (padded to 256 where not 256 itself) and the tiles that fit shared memory
+#: there: the dK/dV kernel's two consumers share one 64-row K/V tile and split its head dim; the dQ
+#: kernel with one consumer (64 query rows) or two (128) and 32- or 64-row K/V tiles.
+WIDE_HEAD_DIMS = [136, 200, 256]
+WIDE_CONFIGS = [("ws-M32-c2-s3", "ws-M64-c1-s2"), ("ws-M64-c2-s2", "ws-M32-c2-s2")]
+
+
+def test_split_head_dim_tiles_and_shared_memory():
+    """Above 128 columns the dK/dV kernel keeps one 64-row K/V tile (two consumers, a head-dim half
+    each): its shared memory counts 64 resident rows, it takes only two-consumer configs, and the
+    tuner's candidates say so; the dQ kernel is unchanged."""
+    from stages.c_optimized import hopper_ws
+    from stages.c_optimized.tune_backward import ws_candidates
+
+    assert [hopper_ws.split_head_dim(d) for d in (64, 128, 256)] == [1, 1, 2]
+    ws = bwd.WsConfig(64, 2, 2)
+    assert ws.resident_rows(128) == 128 and ws.resident_rows(256) == 64 and ws.resident_rows(256, "dq") == 128
+    assert ws.shared_bytes(256, 2) == (2 * 64 + 2 * 2 * 64) * 256 * 2
+    assert not bwd.WsConfig(64, 1, 2).fits_head_dim(256) and bwd.WsConfig(64, 1, 2).fits_head_dim(256, "dq")
+    dkdv, dq = ws_candidates(256, 2, "dkdv"), ws_candidates(256, 2, "dq")
+    assert dkdv and all(c.consumers == 2 for c in dkdv) and bwd.WsConfig(64, 2, 2) in dkdv
+    assert bwd.WsConfig(64, 1, 2) in dq and bwd.WsConfig(64, 2, 2) not in dq  # (256 KB: over the limit)
+    assert all(c.shared_bytes(256, 2, "dq") <= 227 * 1024 for c in dq)
+
+
+def test_split_head_dim_compiles_for_sm90():
+    """D 256 and D 200 (padded to 256): the dK/dV kernel with the head dim split between two
+    consumers (its epilogue waits on an mbarrier for both halves), the Hopper dQ kernel after it;
+    a one-consumer dK/dV config is refused, naming what it takes."""
+    for D in (256, 200):
+        kernels = bwd.compile_backward(Problem(1, 4, 200, D, "bf16", True, Hkv=2, Nk=300), 90,
+                                       ws_config="ws-M32-c2-s3", ws_dq_config="ws-M64-c1-s2")
+        assert [k.name for k in kernels] == ["attention_bwd_delta_kernel", "ws_bwd_dkdv_kernel", "ws_bwd_dq_kernel"]
+        for kernel in kernels[1:]:
+            ptx = kernel.asm["ptx"]
+            assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "ld.local" not in ptx
+        assert "mbarrier.arrive" in kernels[1].asm["ptx"]
+    with pytest.raises((ValueError, RuntimeError), match="c2"):  # (on a CPU: the compiling child's error, passed on)
+        bwd.compile_backward(Problem(1, 4, 200, 256, "bf16", False), 90, ws_config="ws-M64-c1-s2")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("configs", WIDE_CONFIGS, ids=lambda c: "+".join(c))
+@pytest.mark.parametrize("D", WIDE_HEAD_DIMS)
+def test_gpu_hopper_backward_above_128_columns(D, configs, ws_padded_head_dims, device):
+    """The split-head-dim dK/dV kernel and the Hopper dQ kernel against float64, over ragged N with
+    GQA, one query row, MQA with Nq < Nk and Nq > Nk (causal rows that see no key), causal and not."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper backward kernels need sm_90")
+    ws, ws_dq = configs
+    for B, Hq, Hkv, Nq, Nk in ((2, 4, 2, 300, 300), (1, 2, 2, 1, 3), (1, 4, 1, 200, 450), (1, 2, 2, 450, 200)):
+        for causal in (False, True):
+            q, k, v = make_qkv(B, Hq, Nq, D, torch.bfloat16, device, Hkv=Hkv, Nk=Nk, seed=41)
+            check_gradients(attention, q, k, v, causal=causal, dtype_name="bf16", ws_config=ws, ws_dq_config=ws_dq)
+    q, k, v = make_qkv(1, 2, 130, D, torch.float16, device, seed=42, layout="bnhd")
+    check_gradients(attention, q, k, v, causal=True, dtype_name="fp16", ws_config=ws, ws_dq_config=ws_dq)

@@ -196,15 +196,26 @@ class WsConfig:
                              f"c 1 or 2 consumer warpgroups, s stages), got {text!r}")
         return cls(*(int(g) for g in m.groups()))
 
-    def shared_bytes(self, D: int, element_bytes: int) -> int:
+    def resident_rows(self, D: int, kernel: str = "dkdv") -> int:
+        """Rows of the resident tiles: ``block_n``, but in the dK/dV kernel above 128 columns, where
+        the consumers share one 64-row K/V tile and split its head dim (``hopper_ws.split_head_dim``)."""
+        return self.block_n // (hopper_ws.split_head_dim(D) if kernel == "dkdv" else 1)
+
+    def fits_head_dim(self, D: int, kernel: str = "dkdv") -> bool:
+        """Whether the kernel takes these tiles at (padded) head dim ``D``: a dK/dV kernel that splits
+        the head dim needs that many consumers."""
+        return kernel != "dkdv" or hopper_ws.split_head_dim(D) in (1, self.consumers)
+
+    def shared_bytes(self, D: int, element_bytes: int, kernel: str = "dkdv") -> int:
         """Shared memory of one program: the two resident tiles, ``stages`` slots of the two streamed ones."""
-        return (2 * self.block_n + 2 * self.stages * self.block_m) * D * element_bytes
+        return (2 * self.resident_rows(D, kernel) + 2 * self.stages * self.block_m) * D * element_bytes
 
 
 #: The Hopper dK/dV kernel's tiles per head dim before a GPU has chosen: the largest Q tile with no
 #: spills under ptxas (sm_90a, 240 registers per consumer thread): at D = 128, 64-row Q tiles spill
-#: (two fp32 64×128 accumulators leave too little for two 64×64 score tiles), 32-row ones do not.
-WS_HAND_CONFIGS = {64: WsConfig(64, 2, 2), 128: WsConfig(32, 2, 2)}
+#: (two fp32 64×128 accumulators leave too little for two 64×64 score tiles), 32-row ones do not; at
+#: D = 256 (the head dim split between two consumers) 32-row tiles spill least (36-96 bytes).
+WS_HAND_CONFIGS = {64: WsConfig(64, 2, 2), 128: WsConfig(32, 2, 2), 256: WsConfig(32, 2, 3)}
 
 
 @dataclass(frozen=True)
@@ -638,6 +649,10 @@ def choose_ws(planned: WsConfig | None, forced: WsConfig | str | None, q, k, v, 
                              f"{hopper_ws.supported_head_dims('backward')}, 16-byte aligned strides and every switch on; "
                              f"got arch {arch}, {q.dtype}, D {D}, "
                              f"switches on: {switches_on}")
+        if name == "ws_config" and not ws.fits_head_dim(padded_head_dim(D)):
+            raise ValueError(f"ws_config={ws}: above head dim {hopper_ws.SPLIT_ABOVE} the Hopper dK/dV kernel splits "
+                             f"the head dim between {hopper_ws.split_head_dim(padded_head_dim(D))} consumer "
+                             f"warpgroups: give a config with c2 (e.g. 'ws-M32-c2-s3'); got D {D}")
         return ws
     if planned is not None and switches_on and tma_supported(arch, q, k, v, do):
         return planned

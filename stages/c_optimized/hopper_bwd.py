@@ -32,10 +32,19 @@ consumers (64 floats, from L2). Masks: keys past Nk and (causal, bottom-right) k
 zeroed in Pᵀ after the exponential, only on the tiles that need it (a runtime branch); query rows
 past Nq read zeros by TMA and lse = +inf, so their P is exactly 0.
 
-Covers sm_90, fp16/bf16, D 64 and 128 (and, with ``hopper_ws.PADDED_HEAD_DIMS``, the multiples of 8
-between them, in tiles of the padded width), Nq ≠ Nk, GQA, 16-byte aligned strides (TMA's rule). Not
-D 256 (``hopper_ws.MAX_HEAD_DIM``): compiled for sm_90 there, the dK/dV kernel's two 256-wide
-accumulators spill about 3 KB per thread with two consumers and 1.5 KB with one.
+**Above 128 columns** (D 256, and 136-248 padded to it) a consumer cannot keep dK and dV whole: two
+64 × 256 fp32 accumulators are 256 registers per thread before anything else (compiled for sm_90 that
+way they spilled about 3 KB per thread). So the two consumers **split the head dim**
+(``SPLIT_D`` = :func:`hopper_ws.split_head_dim`): they share one 64-row K/V tile, each keeps the dK and
+dV columns of its half (128 registers), both compute the whole Sᵀ and dPᵀ (products over all 256
+columns), and each multiplies Pᵀ and dSᵀ into its half of dO and Q. The scores are computed twice, half
+again the tensor work the four products need, in exchange for no exchange: neither consumer
+waits for the other until the epilogue, where both write their halves over the K/V tile (an mbarrier
+says when both are done reading it) and one stores the whole tiles. FlashAttention-3 splits the same
+way at 256 but shares the scores through shared memory instead of recomputing them.
+
+Covers sm_90, fp16/bf16, D 64, 128 and 256 (and, with ``hopper_ws.PADDED_HEAD_DIMS``, every multiple
+of 8 from 40, in tiles of the padded width), Nq ≠ Nk, GQA, 16-byte aligned strides (TMA's rule).
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..contract import cdiv, padded_head_dim
 from ..launch import Launch
-from .hopper_ws import GluonTensorDescriptor, _signal, descriptor, register_budget
+from .hopper_ws import SPLIT_ABOVE, GluonTensorDescriptor, _signal, descriptor, register_budget, split_head_dim
 
 #: K/V rows per consumer warpgroup: wgmma's M is 64 per warpgroup.
 ROWS_PER_CONSUMER = 64
@@ -86,18 +95,19 @@ def _q_range(start_n, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUS
 @gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, ring, b, h_kv, start_n, Nq, Nk,
               GROUP: gl.constexpr, CAUSAL: gl.constexpr):
-    """One warp: this program's K and V tiles (each consumer's 64 rows) once, then the Q and dO tiles
-    of every query head of the group, in the consumers' order, through the ring."""
+    """One warp: this program's K and V tiles (64 rows each: one per consumer, or one that two
+    consumers split by head-dim halves) once, then the Q and dO tiles of every query head of the
+    group, in the consumers' order, through the ring."""
     q_bufs, do_bufs, ready, empty = ring
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[3]
-    CONSUMERS: gl.constexpr = k_bufs.shape[0]
+    KV_TILES: gl.constexpr = k_bufs.shape[0]
     ROWS: gl.constexpr = k_bufs.shape[3]
-    mbarrier.expect(kv_bar, 2 * CONSUMERS * k_desc.block_type.nbytes)
-    for c in gl.static_range(CONSUMERS):
+    mbarrier.expect(kv_bar, 2 * KV_TILES * k_desc.block_type.nbytes)
+    for c in gl.static_range(KV_TILES):
         tma.async_copy_global_to_shared(k_desc, [b, h_kv, start_n + c * ROWS, 0], kv_bar, k_bufs.index(c))
         tma.async_copy_global_to_shared(v_desc, [b, h_kv, start_n + c * ROWS, 0], kv_bar, v_bufs.index(c))
-    first, n_tiles, unmasked = _q_range(start_n, Nq, Nk, BLOCK_M, ROWS * CONSUMERS, CAUSAL)
+    first, n_tiles, unmasked = _q_range(start_n, Nq, Nk, BLOCK_M, ROWS * KV_TILES, CAUSAL)
     it = 0
     for g in range(GROUP):
         h = h_kv * GROUP + g
@@ -163,22 +173,28 @@ def _fused_dq(ds, k_t, dq_acc, dq_stages, first_stage: gl.constexpr, b, h, row0,
 
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-              ATOMICS: gl.constexpr):
+              ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr):
     """One warpgroup: dK and dV of its 64 K/V rows, over every Q tile of the group's query heads; with
-    a dQ accumulator (``DQ_ACC``, fused dQ), also each Q tile's share of dQ from these rows."""
-    (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, ring, LSE, DELTA, DQ_ACC, ds_bufs, dq_stages, b, h_kv, start_n, Hq,
-     Nq, Nk, qk_scale, sm_scale) = args
+    a dQ accumulator (``DQ_ACC``, fused dQ), also each Q tile's share of dQ from these rows. With
+    ``SPLIT_D`` = 2 two consumers share one 64-row K/V tile and each keeps the dK and dV columns of
+    its half of the head dim: both compute the whole Sᵀ and dPᵀ (products over the full head dim),
+    and each multiplies them into its half of Q and dO."""
+    (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, out_bar, ring, LSE, DELTA, DQ_ACC, ds_bufs, dq_stages, b, h_kv,
+     start_n, Hq, Nq, Nk, qk_scale, sm_scale) = args
     q_bufs, do_bufs, ready, empty = ring
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[3]
     D: gl.constexpr = q_bufs.shape[4]
-    CONSUMERS: gl.constexpr = k_bufs.shape[0]
+    KV_TILES: gl.constexpr = k_bufs.shape[0]
     ROWS: gl.constexpr = k_bufs.shape[3]
+    TILE: gl.constexpr = WG // SPLIT_D           # which of the program's K/V tiles is this consumer's
+    DH: gl.constexpr = D // SPLIT_D              # the dK/dV columns it keeps,
+    COL0: gl.constexpr = (WG % SPLIT_D) * DH     # from this one on
     dtype: gl.constexpr = q_bufs.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, D, 16])
+                                                         instr_shape=[16, DH, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)   # one value per K/V row of Sᵀ
     query_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (column of Sᵀ)
@@ -188,14 +204,14 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLS, 16])
 
-    first, n_tiles, unmasked = _q_range(start_n, Nq, Nk, BLOCK_M, ROWS * CONSUMERS, CAUSAL)
-    keys = start_n + WG * ROWS + gl.arange(0, ROWS, layout=key_layout)
-    ragged = start_n + ROWS * CONSUMERS > Nk  # this program's tile runs past the last key
+    first, n_tiles, unmasked = _q_range(start_n, Nq, Nk, BLOCK_M, ROWS * KV_TILES, CAUSAL)
+    keys = start_n + TILE * ROWS + gl.arange(0, ROWS, layout=key_layout)
+    ragged = start_n + ROWS * KV_TILES > Nk  # this program's tile runs past the last key
     offset = Nk - Nq
-    k_t = k_bufs.index(WG).reshape([ROWS, D])
-    v_t = v_bufs.index(WG).reshape([ROWS, D])
-    dk = gl.zeros([ROWS, D], gl.float32, acc_layout)
-    dv = gl.zeros([ROWS, D], gl.float32, acc_layout)
+    k_t = k_bufs.index(TILE).reshape([ROWS, D])
+    v_t = v_bufs.index(TILE).reshape([ROWS, D])
+    dk = gl.zeros([ROWS, DH], gl.float32, acc_layout)
+    dv = gl.zeros([ROWS, DH], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
     it = 0
     for g in range(GROUP):
@@ -210,6 +226,12 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             q_t = q_bufs.index(s).reshape([BLOCK_M, D])
             do_t = do_bufs.index(s).reshape([BLOCK_M, D])
+            if SPLIT_D == 1:
+                q_half = q_t
+                do_half = do_t
+            else:  # (the B operands of dK's and dV's products: this consumer's columns)
+                q_half = q_t.slice(COL0, DH, dim=1)
+                do_half = do_t.slice(COL0, DH, dim=1)
             st = warpgroup_mma(k_t, q_t.permute((1, 0)), gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout),
                                use_acc=False, is_async=True)
             dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout),
@@ -225,11 +247,11 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                     valid = valid & (gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0) + offset)
                 pt = gl.where(valid, pt, 0.0)
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
-            dv = warpgroup_mma(pt_op, do_t, dv, is_async=True)
+            dv = warpgroup_mma(pt_op, do_half, dv, is_async=True)
             dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # dPᵀ is done; dV's product may still be running
             dst = pt * (dpt - gl.expand_dims(delta, 0))
             dst_op = gl.convert_layout(dst.to(dtype), op_layout)
-            dk = warpgroup_mma(dst_op, q_t, dk, is_async=True)
+            dk = warpgroup_mma(dst_op, q_half, dk, is_async=True)
             if DQ_ACC is not None:
                 # dQ's product wants dS (queries × keys) as its A operand, the registers hold dSᵀ:
                 # through shared memory, read back transposed; B is this consumer's K tile.
@@ -246,40 +268,61 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                           row0, Nq, sm_scale, HEAD_DIM, DQ_COLS, dq_layout, ATOMICS)
             _signal(empty.index(s))  # this consumer is done with the slot's Q and dO
             it += 1
-    # Out through this consumer's own K and V buffers (nothing reads them any more), TMA-stored:
-    # the store clips rows past Nk.
-    k_bufs.index(WG).reshape([ROWS, D]).store((dk * sm_scale).to(dtype))
-    v_bufs.index(WG).reshape([ROWS, D]).store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [b, h_kv, start_n + WG * ROWS, 0], k_bufs.index(WG))
-    tma.async_copy_shared_to_global(dv_desc, [b, h_kv, start_n + WG * ROWS, 0], v_bufs.index(WG))
-    tma.store_wait(0)
+    if SPLIT_D == 1:
+        # Out through this consumer's own K and V buffers (nothing reads them any more), TMA-stored:
+        # the store clips rows past Nk.
+        k_bufs.index(WG).reshape([ROWS, D]).store((dk * sm_scale).to(dtype))
+        v_bufs.index(WG).reshape([ROWS, D]).store(dv.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [b, h_kv, start_n + WG * ROWS, 0], k_bufs.index(WG))
+        tma.async_copy_shared_to_global(dv_desc, [b, h_kv, start_n + WG * ROWS, 0], v_bufs.index(WG))
+        tma.store_wait(0)
+    else:
+        # The shared K/V tile is read by both consumers' products until their last one: each writes
+        # its halves of dK and dV over it only when both are done (one arrival per warpgroup, after
+        # the warpgroup barrier Triton puts before it), and consumer 0 stores the whole tiles once
+        # both halves are in.
+        mbarrier.arrive(out_bar.index(0))
+        mbarrier.wait(out_bar.index(0), 0)
+        k_t.slice(COL0, DH, dim=1).store((dk * sm_scale).to(dtype))
+        v_t.slice(COL0, DH, dim=1).store(dv.to(dtype))
+        fence_async_shared()
+        mbarrier.arrive(out_bar.index(1))
+        if WG == 0:
+            mbarrier.wait(out_bar.index(1), 0)
+            tma.async_copy_shared_to_global(dk_desc, [b, h_kv, start_n, 0], k_bufs.index(0))
+            tma.async_copy_shared_to_global(dv_desc, [b, h_kv, start_n, 0], v_bufs.index(0))
+            tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=["Hq", "Hkv", "Nq", "Nk"])
 def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ_ACC, qk_scale, sm_scale,
                        Hq, Hkv, Nq, Nk,
                        STAGES: gl.constexpr, CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-                       HEAD_DIM: gl.constexpr, ATOMICS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       PRODUCER_REGS: gl.constexpr):
-    """Grid (K/V tiles of ``CONSUMERS × 64`` rows, B · Hkv). See the module docstring."""
+                       HEAD_DIM: gl.constexpr, ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Grid (K/V tiles of ``CONSUMERS / SPLIT_D × 64`` rows, B · Hkv). See the module docstring."""
     ROWS: gl.constexpr = k_desc.block_type.shape[2]
+    KV_TILES: gl.constexpr = CONSUMERS // SPLIT_D
     pid_n = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // Hkv
     h_kv = bh % Hkv
-    start_n = pid_n * (ROWS * CONSUMERS)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [CONSUMERS] + k_desc.block_type.shape, k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [CONSUMERS] + v_desc.block_type.shape, v_desc.layout)
+    start_n = pid_n * (ROWS * KV_TILES)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [KV_TILES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [KV_TILES] + v_desc.block_type.shape, v_desc.layout)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    out_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # (SPLIT_D's epilogue)
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+    for i in gl.static_range(2):
+        mbarrier.init(out_bar.index(i), count=CONSUMERS)
     ring = (q_bufs, do_bufs, ready, empty)
     ds_bufs = k_bufs  # (unused without fused dQ)
     if DQ_ACC is not None:  # one dSᵀ tile per consumer, the fused dQ product's operand
@@ -291,19 +334,19 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, D
         dq_block: gl.constexpr = DQ_ACC.block_type.shape
         dq_stages = gl.allocate_shared_memory(gl.float32, [CONSUMERS * (k_desc.block_type.shape[3] // dq_block[3])]
                                               + dq_block, DQ_ACC.layout)
-    args = (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, ring, LSE, DELTA, DQ_ACC, ds_bufs, dq_stages, b, h_kv, start_n,
-            Hq, Nq, Nk, qk_scale, sm_scale)
+    args = (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, out_bar, ring, LSE, DELTA, DQ_ACC, ds_bufs, dq_stages, b, h_kv,
+            start_n, Hq, Nq, Nk, qk_scale, sm_scale)
     producer_args = (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, ring, b, h_kv, start_n, Nq, Nk,
                      GROUP, CAUSAL)
     if CONSUMERS == 1:
         gl.warp_specialize([
-            (_consumer, (args, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS)),
+            (_consumer, (args, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D)),
             (_producer, producer_args),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (args, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS)),
-            (_consumer, (args, 1, GROUP, CAUSAL, HEAD_DIM, ATOMICS)),
+            (_consumer, (args, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D)),
+            (_consumer, (args, 1, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D)),
             (_producer, producer_args),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -330,14 +373,22 @@ def _dq_descriptor(dq_acc, D: int) -> GluonTensorDescriptor:
 
 def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float, sm_scale: float, block_m: int,
               consumers: int, stages: int, dq_acc=None) -> Launch:
-    """The launch of ``ws_bwd_dkdv_kernel`` for these tensors: K/V tiles of ``consumers × 64`` rows,
-    Q/dO tiles of ``block_m`` rows through ``stages`` slots; with ``dq_acc`` (a zeroed fp32 tensor
-    shaped like ``q``) it also adds dQ into it (fused dQ: 64-row Q tiles only, wgmma's M)."""
+    """The launch of ``ws_bwd_dkdv_kernel`` for these tensors: K/V tiles of ``consumers × 64`` rows
+    (above 128 columns, one tile of 64 rows whose head dim the two consumers split:
+    :func:`split_head_dim`), Q/dO tiles of ``block_m`` rows through ``stages`` slots; with ``dq_acc`` (a
+    zeroed fp32 tensor shaped like ``q``) it also adds dQ into it (fused dQ: 64-row Q tiles only,
+    wgmma's M)."""
     if dq_acc is not None and block_m != FUSED_DQ_BLOCK_M:
         raise ValueError(f"fused dQ takes {FUSED_DQ_BLOCK_M}-row Q tiles (wgmma's M per warpgroup), got {block_m}")
     B, Hq, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     D = padded_head_dim(q.shape[-1])  # tiles of the padded width: TMA zero-fills past the head dim
+    split = split_head_dim(D)
+    if split > 1 and (consumers != split or dq_acc is not None):
+        raise ValueError(f"above head dim {SPLIT_ABOVE} the Hopper dK/dV kernel splits the head dim between "
+                         f"{split} consumer warpgroups and forms no dQ itself: it takes ws configs with c{split} "
+                         f"and a dQ kernel of its own, got {consumers} consumer(s)"
+                         + (" and fused dQ" if dq_acc is not None else ""))
     rows = (1, 1, ROWS_PER_CONSUMER, D)
     consumer_regs, producer_regs, extra = kernel_options(consumers)
     args = dict(q_desc=descriptor(q, (1, 1, block_m, D)), k_desc=descriptor(k, rows), v_desc=descriptor(v, rows),
@@ -346,10 +397,9 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 DQ_ACC=_dq_descriptor(dq_acc, D) if dq_acc is not None and FUSED_DQ_ATOMICS == "tma" else dq_acc,
                 qk_scale=qk_scale,
                 sm_scale=sm_scale, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, STAGES=stages, CONSUMERS=consumers,
-                GROUP=Hq // Hkv, CAUSAL=causal, HEAD_DIM=q.shape[-1], ATOMICS=FUSED_DQ_ATOMICS,
-                CONSUMER_REGS=consumer_regs,
-                PRODUCER_REGS=producer_regs)
-    grid = (cdiv(Nk, ROWS_PER_CONSUMER * consumers), B * Hkv)
+                GROUP=Hq // Hkv, CAUSAL=causal, HEAD_DIM=q.shape[-1], ATOMICS=FUSED_DQ_ATOMICS, SPLIT_D=split,
+                CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
+    grid = (cdiv(Nk, ROWS_PER_CONSUMER * consumers // split), B * Hkv)
     return Launch(ws_bwd_dkdv_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)
 
 

@@ -707,8 +707,20 @@ PADDED_HEAD_DIMS = os.environ.get("LAB_WS_PADDED_HEAD_DIMS", "1") == "1"
 
 #: The widest tile each kernel has: the forward's 64 x 256 accumulator per consumer (128 registers of
 #: a thread's 240) still fits beside a 64 x 64 score tile; the Hopper backward keeps dK and dV of its
-#: key rows in registers, which at 256 columns would need smaller tiles than it has.
-MAX_HEAD_DIM = {"forward": 256, "backward": 128}
+#: key rows in registers, and above 128 columns two consumers split them by head-dim halves
+#: (``hopper_bwd.split_head_dim``).
+MAX_HEAD_DIM = {"forward": 256, "backward": 256}
+
+#: The widest (padded) head dim whose dK and dV one consumer of the Hopper backward keeps whole.
+SPLIT_ABOVE = 128
+
+
+def split_head_dim(D_pad: int) -> int:
+    """How many consumers of the Hopper dK/dV kernel (``hopper_bwd.py``) share one 64-row K/V tile,
+    each keeping the dK and dV columns of its part of the head dim: 1 up to 128 columns, 2 above
+    (dK and dV of 64 rows × 256 columns in fp32 would take 256 registers per thread on their own;
+    halves take 128)."""
+    return 1 if D_pad <= SPLIT_ABOVE else 2
 
 
 def supported(dtype: torch.dtype, D: int, arch: int, kernel: str = "forward") -> bool:

@@ -207,15 +207,16 @@ def tune_cell(dtype_name: str, D: int, causal: bool, N: int, statuses: dict, row
     return entry
 
 
-def ws_candidates(D: int, element_bytes: int) -> list:
-    """Tile configs of the Hopper backward kernels (``hopper_bwd.py``) that fit shared memory: two
-    consumer warpgroups with 32- or 64-row streamed tiles, or one with 64 or 128, and 2 or 3 stages."""
+def ws_candidates(D: int, element_bytes: int, kernel: str = "dkdv") -> list:
+    """Tile configs of a Hopper backward kernel (``hopper_bwd.py``; ``kernel`` "dkdv" or "dq") that it
+    takes at head dim ``D`` and that fit shared memory: two consumer warpgroups with 32- or 64-row
+    streamed tiles, or one with 64 or 128, and 2 or 3 stages."""
     from .backward import WsConfig
     from .configs import SHARED_MEMORY_LIMIT
 
     limit = SHARED_MEMORY_LIMIT.get(90, 227 * 1024) - 2048
     tried = [WsConfig(m, 2, s) for m in (32, 64) for s in (2, 3)] + [WsConfig(m, 1, 2) for m in (64, 128)]
-    return [c for c in tried if c.shared_bytes(D, element_bytes) <= limit]
+    return [c for c in tried if c.fits_head_dim(D, kernel) and c.shared_bytes(D, element_bytes, kernel) <= limit]
 
 
 def tune_hopper_cell(dtype_name: str, D: int, causal: bool, N: int, entry: dict, rows: list) -> dict:
@@ -224,6 +225,8 @@ def tune_hopper_cell(dtype_name: str, D: int, causal: bool, N: int, entry: dict,
     backwards in interleaved rounds: the tl plan, and the tl plan with the fastest Hopper dK/dV kernel,
     the fastest Hopper dQ kernel, both. Returns ``entry`` with ``ws``/``ws_dq`` set where the whole
     backward measured faster with them (and removed where not)."""
+    from ..contract import padded_head_dim
+    from . import hopper_ws
     from .backward import FUSED_DQ, BwdConfig, attention_backward
 
     tensors = _inputs(dtype_name, D, causal, N)
@@ -255,12 +258,13 @@ def tune_hopper_cell(dtype_name: str, D: int, causal: bool, N: int, entry: dict,
             best[kind] = (ms, ws)
 
     for kind, index in (("ws", 1), ("ws_dq", 2)):
-        for ws in ws_candidates(D, q.element_size()):
+        for ws in ws_candidates(padded_head_dim(D), q.element_size(), "dkdv" if kind == "ws" else "dq"):
             kw = {"ws_config" if kind == "ws" else "ws_dq_config": ws}
             race(kind, ws, kw, lambda: _bench(_ws_launches(tensors, causal, tl_kw, kw)[index].run))
     # Fused dQ (the dK/dV kernel adding dQ itself): only whole backwards compare, since it does the
     # work of two kernels; 64-row Q tiles only.
-    for ws in (c for c in ws_candidates(D, q.element_size()) if c.block_m == 64):
+    for ws in (c for c in ws_candidates(padded_head_dim(D), q.element_size()) if c.block_m == 64
+               and hopper_ws.split_head_dim(padded_head_dim(D)) == 1):
         kw = {"ws_config": ws, "ws_dq_config": FUSED_DQ}
         race("fused", ws, kw, lambda: _bench(lambda: attention_backward(do, q, k, v, o, lse, causal=causal,
                                                                         scale=scale, **kw)))
@@ -336,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--csv", default=None, help="also write every timing to this CSV")
     ap.add_argument("--out", default=None, help="the JSON to write (default: tuned/<gpu-slug>-backward.json)")
     ap.add_argument("--hopper", action="store_true",
-                    help="tune only the Hopper kernels (hopper_bwd.py, sm_90, D 64/128) against the tl plans "
+                    help="tune only the Hopper kernels (hopper_bwd.py, sm_90, D 64-256) against the tl plans "
                          "already in the JSON, keeping them where they measure faster")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
