@@ -451,7 +451,8 @@ def test_gpu_hopper_backward_at_padded_head_dims(D, ws_padded_head_dims, device)
 #: there: the dK/dV kernel's two consumers share one 64-row K/V tile and split its head dim; the dQ
 #: kernel with one consumer (64 query rows) or two (128) and 32- or 64-row K/V tiles.
 WIDE_HEAD_DIMS = [136, 200, 256]
-WIDE_CONFIGS = [("ws-M32-c2-s3", "ws-M64-c1-s2"), ("ws-M64-c2-s2", "ws-M32-c2-s2")]
+WIDE_CONFIGS = [("ws-M32-c2-s3", "ws-M64-c1-s2"), ("ws-M64-c2-s2", "ws-M32-c2-s2"),
+                ("ws-M32-c2-s3-x", "ws-M32-c2-s3"), ("ws-M64-c2-s2-x", "ws-M64-c1-s2")]
 
 
 def test_split_head_dim_tiles_and_shared_memory():
@@ -470,15 +471,24 @@ def test_split_head_dim_tiles_and_shared_memory():
     assert dkdv and all(c.consumers == 2 for c in dkdv) and bwd.WsConfig(64, 2, 2) in dkdv
     assert bwd.WsConfig(64, 1, 2) in dq and bwd.WsConfig(64, 2, 2) not in dq  # (256 KB: over the limit)
     assert all(c.shared_bytes(256, 2, "dq") <= 227 * 1024 for c in dq)
+    # Sharing the scores ("-x"): two consumers that split the head dim, two buffers of Pᵀ and dSᵀ more.
+    shared = bwd.WsConfig.parse("ws-M64-c2-s2-x")
+    assert shared == bwd.WsConfig(64, 2, 2, True) and str(shared) == "ws-M64-c2-s2-x"
+    assert shared.shared_bytes(256, 2) == ws.shared_bytes(256, 2) + 2 * 2 * 64 * 64 * 2
+    assert shared.fits_head_dim(256) and not shared.fits_head_dim(128) and not shared.fits_head_dim(256, "dq")
+    assert shared in dkdv and not any(c.share for c in dq + ws_candidates(128, 2, "dkdv"))
+    with pytest.raises(ValueError, match="-x"):
+        bwd.WsConfig.parse("ws-M64-c1-s2-x")
 
 
 def test_split_head_dim_compiles_for_sm90():
     """D 256 and D 200 (padded to 256): the dK/dV kernel with the head dim split between two
-    consumers (its epilogue waits on an mbarrier for both halves), the Hopper dQ kernel after it;
-    a one-consumer dK/dV config is refused, naming what it takes."""
-    for D in (256, 200):
+    consumers (its epilogue waits on an mbarrier for both halves), with the scores recomputed and
+    shared, the Hopper dQ kernel after it; a one-consumer dK/dV config is refused, naming what it
+    takes."""
+    for D, ws in ((256, "ws-M32-c2-s3"), (200, "ws-M32-c2-s3"), (256, "ws-M32-c2-s3-x")):
         kernels = bwd.compile_backward(Problem(1, 4, 200, D, "bf16", True, Hkv=2, Nk=300), 90,
-                                       ws_config="ws-M32-c2-s3", ws_dq_config="ws-M64-c1-s2")
+                                       ws_config=ws, ws_dq_config="ws-M64-c1-s2")
         assert [k.name for k in kernels] == ["attention_bwd_delta_kernel", "ws_bwd_dkdv_kernel", "ws_bwd_dq_kernel"]
         for kernel in kernels[1:]:
             ptx = kernel.asm["ptx"]

@@ -175,26 +175,31 @@ def fits(config: BwdConfig, D_pad: int, element_bytes: int, arch: int) -> bool:
 class WsConfig:
     """Tiles of a Hopper backward kernel (``hopper_bwd.py``): ``consumers`` warpgroups of 64 resident
     rows each, tiles of ``block_m`` rows streamed through ``stages`` shared-memory slots. In the dK/dV
-    kernel the K/V rows are resident and Q/dO streamed; in the dQ kernel the other way round."""
+    kernel the K/V rows are resident and Q/dO streamed; in the dQ kernel the other way round. ``share``
+    ("-x" in the name; the dK/dV kernel where it splits the head dim): its two consumers compute each
+    Q tile's scores once between them and exchange them through shared memory."""
 
     block_m: int
     consumers: int
     stages: int
+    share: bool = False
 
     @property
     def block_n(self) -> int:
         return 64 * self.consumers
 
     def __str__(self) -> str:
-        return f"ws-M{self.block_m}-c{self.consumers}-s{self.stages}"
+        return f"ws-M{self.block_m}-c{self.consumers}-s{self.stages}" + ("-x" if self.share else "")
 
     @classmethod
     def parse(cls, text: str) -> "WsConfig":
-        m = re.fullmatch(r"ws-M(\d+)-c(\d+)-s(\d+)", text)
-        if not m or int(m.group(2)) not in (1, 2) or int(m.group(1)) not in (32, 64, 128):
+        m = re.fullmatch(r"ws-M(\d+)-c(\d+)-s(\d+)(-x)?", text)
+        if not m or int(m.group(2)) not in (1, 2) or int(m.group(1)) not in (32, 64, 128) \
+                or (m.group(4) and int(m.group(2)) != 2):
             raise ValueError(f"a Hopper backward config looks like 'ws-M64-c2-s2' (M 32, 64 or 128 query rows, "
-                             f"c 1 or 2 consumer warpgroups, s stages), got {text!r}")
-        return cls(*(int(g) for g in m.groups()))
+                             f"c 1 or 2 consumer warpgroups, s stages; '-x' after it: two consumers that "
+                             f"share the scores), got {text!r}")
+        return cls(int(m.group(1)), int(m.group(2)), int(m.group(3)), bool(m.group(4)))
 
     def resident_rows(self, D: int, kernel: str = "dkdv") -> int:
         """Rows of the resident tiles: ``block_n``, but in the dK/dV kernel above 128 columns, where
@@ -204,11 +209,15 @@ class WsConfig:
     def fits_head_dim(self, D: int, kernel: str = "dkdv") -> bool:
         """Whether the kernel takes these tiles at (padded) head dim ``D``: a dK/dV kernel that splits
         the head dim needs that many consumers."""
-        return kernel != "dkdv" or hopper_ws.split_head_dim(D) in (1, self.consumers)
+        if kernel != "dkdv":
+            return not self.share
+        split = hopper_ws.split_head_dim(D)
+        return split in (1, self.consumers) and (not self.share or split > 1)
 
     def shared_bytes(self, D: int, element_bytes: int, kernel: str = "dkdv") -> int:
         """Shared memory of one program: the two resident tiles, ``stages`` slots of the two streamed ones."""
-        return (2 * self.resident_rows(D, kernel) + 2 * self.stages * self.block_m) * D * element_bytes
+        exchange = 2 * 2 * 64 * self.block_m * element_bytes if self.share else 0  # Pᵀ and dSᵀ, two buffers
+        return (2 * self.resident_rows(D, kernel) + 2 * self.stages * self.block_m) * D * element_bytes + exchange
 
 
 #: The Hopper dK/dV kernel's tiles per head dim before a GPU has chosen: the largest Q tile with no
@@ -649,10 +658,12 @@ def choose_ws(planned: WsConfig | None, forced: WsConfig | str | None, q, k, v, 
                              f"{hopper_ws.supported_head_dims('backward')}, 16-byte aligned strides and every switch on; "
                              f"got arch {arch}, {q.dtype}, D {D}, "
                              f"switches on: {switches_on}")
-        if name == "ws_config" and not ws.fits_head_dim(padded_head_dim(D)):
-            raise ValueError(f"ws_config={ws}: above head dim {hopper_ws.SPLIT_ABOVE} the Hopper dK/dV kernel splits "
-                             f"the head dim between {hopper_ws.split_head_dim(padded_head_dim(D))} consumer "
-                             f"warpgroups: give a config with c2 (e.g. 'ws-M32-c2-s3'); got D {D}")
+        kernel = "dkdv" if name == "ws_config" else "dq"
+        if isinstance(ws, WsConfig) and not ws.fits_head_dim(padded_head_dim(D), kernel):
+            raise ValueError(f"{name}={ws}: above head dim {hopper_ws.SPLIT_ABOVE} the Hopper dK/dV kernel splits the "
+                             f"head dim between two consumer warpgroups (a config with c2 there, e.g. "
+                             f"'ws-M32-c2-s3'), and only there can they share the scores ('-x'); the dQ kernel "
+                             f"takes no '-x'; got D {D}")
         return ws
     if planned is not None and switches_on and tma_supported(arch, q, k, v, do):
         return planned
@@ -705,7 +716,8 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
 
         launches.append(hopper_bwd.plan_dkdv(q, k, v, do, dk, dv, lse, delta, causal=causal, qk_scale=qk_scale,
                                              sm_scale=scale, block_m=ws.block_m, consumers=ws.consumers,
-                                             stages=ws.stages, dq_acc=dq_acc if fused else None))
+                                             stages=ws.stages, dq_acc=dq_acc if fused else None,
+                                             share_scores=ws.share))
     else:
         launches.append(Launch(
             attention_bwd_dkdv_kernel, (cdiv(Nk, BN), B * Hkv),

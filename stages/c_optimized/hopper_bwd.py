@@ -36,12 +36,19 @@ past Nq read zeros by TMA and lse = +inf, so their P is exactly 0.
 64 × 256 fp32 accumulators are 256 registers per thread before anything else (compiled for sm_90 that
 way they spilled about 3 KB per thread). So the two consumers **split the head dim**
 (``SPLIT_D`` = :func:`hopper_ws.split_head_dim`): they share one 64-row K/V tile, each keeps the dK and
-dV columns of its half (128 registers), both compute the whole Sᵀ and dPᵀ (products over all 256
-columns), and each multiplies Pᵀ and dSᵀ into its half of dO and Q. The scores are computed twice, half
-again the tensor work the four products need, in exchange for no exchange: neither consumer
-waits for the other until the epilogue, where both write their halves over the K/V tile (an mbarrier
-says when both are done reading it) and one stores the whole tiles. FlashAttention-3 splits the same
-way at 256 but shares the scores through shared memory instead of recomputing them.
+dV columns of its half (128 registers), and each multiplies Pᵀ and dSᵀ into its half of dO and Q. Each
+needs all of Pᵀ and dSᵀ for that, and there are two rungs to get them:
+
+* **recompute** (``_consumer`` with ``SPLIT_D`` = 2): both compute the whole Sᵀ and dPᵀ, half again
+  the tensor work the four products need, but neither consumer waits for the other in the loop;
+* **share** (``_consumer_shared_scores``, ``SHARE_SCORES``, a config named ``...-x``): each computes the
+  scores of half the Q tile's queries, keeps them in registers for its own products and hands them to
+  the other through shared memory (two buffers, an mbarrier pair each), as FlashAttention-3 does at 256.
+  A third less tensor work, two meetings per Q tile. On the H200 it is the faster one
+  (performance-log entry 52).
+
+Either way both consumers write their halves of dK and dV over the K/V tile once neither reads it any
+more (an mbarrier says so) and one stores the whole tiles.
 
 Covers sm_90, fp16/bf16, D 64, 128 and 256 (and, with ``hopper_ws.PADDED_HEAD_DIMS``, every multiple
 of 8 from 40, in tiles of the padded width), Nq ≠ Nk, GQA, 16-byte aligned strides (TMA's rule).
@@ -295,12 +302,117 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
             tma.store_wait(0)
 
 
+@gluon.jit
+def _consumer_shared_scores(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+    """One of two warpgroups that share one 64-row K/V tile and split its head dim (as ``_consumer``
+    with ``SPLIT_D`` = 2), computing the scores once between them: of each Q tile this consumer
+    computes the columns of Sᵀ and dPᵀ of its half of the queries, keeps its Pᵀ and dSᵀ in registers
+    for its own products and hands them to the other consumer through shared memory, and takes the
+    other half from there. Per Q tile: dV[:, my columns] += Pᵀ[:, my queries] · dO[my queries, my
+    columns] + Pᵀ[:, other queries] · dO[other queries, my columns], dK alike. The exchange buffers are
+    double-buffered: mbarriers ``xready`` (both halves written) and ``xfree`` (both consumers done
+    reading the other's) per buffer, one arrival per warpgroup."""
+    (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, bars, ring, LSE, DELTA, DQ_ACC, p_x, s_x, b, h_kv,
+     start_n, Hq, Nq, Nk, qk_scale, sm_scale) = args
+    q_bufs, do_bufs, ready, empty = ring
+    STAGES: gl.constexpr = q_bufs.shape[0]
+    BLOCK_M: gl.constexpr = q_bufs.shape[3]
+    D: gl.constexpr = q_bufs.shape[4]
+    ROWS: gl.constexpr = k_bufs.shape[3]
+    HALF: gl.constexpr = BLOCK_M // 2   # the queries of a Q tile whose scores this consumer computes
+    DH: gl.constexpr = D // 2           # the dK/dV columns it keeps,
+    COL0: gl.constexpr = WG * DH        # from this one on
+    OTHER: gl.constexpr = 1 - WG
+    dtype: gl.constexpr = q_bufs.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, DH, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    query_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    first, n_tiles, unmasked = _q_range(start_n, Nq, Nk, BLOCK_M, ROWS, CAUSAL)
+    keys = start_n + gl.arange(0, ROWS, layout=key_layout)
+    ragged = start_n + ROWS > Nk
+    offset = Nk - Nq
+    k_t = k_bufs.index(0).reshape([ROWS, D])
+    v_t = v_bufs.index(0).reshape([ROWS, D])
+    dk = gl.zeros([ROWS, DH], gl.float32, acc_layout)
+    dv = gl.zeros([ROWS, DH], gl.float32, acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    it = 0
+    for g in range(GROUP):
+        bh = (b * Hq + h_kv * GROUP + g).to(gl.int64)
+        for j in range(n_tiles):
+            row0 = first + j * BLOCK_M
+            queries = row0 + WG * HALF + gl.arange(0, HALF, layout=query_layout)
+            lse = gl.load(LSE + bh * Nq + queries, mask=queries < Nq, other=float("inf"))
+            delta = gl.load(DELTA + bh * Nq + queries, mask=queries < Nq, other=0.0)
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            q_t = q_bufs.index(s).reshape([BLOCK_M, D])
+            do_t = do_bufs.index(s).reshape([BLOCK_M, D])
+            q_mine = q_t.slice(WG * HALF, HALF, dim=0)
+            do_mine = do_t.slice(WG * HALF, HALF, dim=0)
+            st = warpgroup_mma(k_t, q_mine.permute((1, 0)), gl.zeros([ROWS, HALF], gl.float32, s_layout),
+                               use_acc=False, is_async=True)
+            dpt = warpgroup_mma(v_t, do_mine.permute((1, 0)), gl.zeros([ROWS, HALF], gl.float32, s_layout),
+                                use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(1, deps=(st, ))
+            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))
+            need_mask = ragged
+            if CAUSAL:
+                need_mask = need_mask | (row0 < unmasked)
+            if need_mask:
+                valid = gl.expand_dims(keys, 1) < Nk
+                if CAUSAL:
+                    valid = valid & (gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0) + offset)
+                pt = gl.where(valid, pt, 0.0)
+            x = it % 2
+            use = it // 2
+            # Exchange buffer x was last read by the other consumer two Q tiles ago (a fresh mbarrier
+            # counts as "phase 1 completed": the first two tiles do not wait).
+            mbarrier.wait(bars.index(4 + x), (use & 1) ^ 1)
+            p_x.index(2 * x + WG).store(pt.to(dtype))
+            dpt = warpgroup_mma_wait(0, deps=(dpt, ))
+            dst = pt * (dpt - gl.expand_dims(delta, 0))
+            s_x.index(2 * x + WG).store(dst.to(dtype))
+            fence_async_shared()
+            mbarrier.arrive(bars.index(2 + x))  # my halves are in
+            pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+            dst_op = gl.convert_layout(dst.to(dtype), op_layout)
+            dv = warpgroup_mma(pt_op, do_mine.slice(COL0, DH, dim=1), dv, is_async=True)
+            dk = warpgroup_mma(dst_op, q_mine.slice(COL0, DH, dim=1), dk, is_async=True)
+            mbarrier.wait(bars.index(2 + x), use & 1)  # and the other's
+            dv = warpgroup_mma(p_x.index(2 * x + OTHER), do_t.slice(OTHER * HALF, HALF, dim=0).slice(COL0, DH, dim=1),
+                               dv, is_async=True)
+            dk = warpgroup_mma(s_x.index(2 * x + OTHER), q_t.slice(OTHER * HALF, HALF, dim=0).slice(COL0, DH, dim=1),
+                               dk, is_async=True)
+            dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+            mbarrier.arrive(bars.index(4 + x))  # done reading the other's halves in buffer x
+            _signal(empty.index(s))
+            it += 1
+    # As _consumer's split epilogue: both halves over the K/V tile once neither reads it, one TMA store.
+    mbarrier.arrive(bars.index(0))
+    mbarrier.wait(bars.index(0), 0)
+    k_t.slice(COL0, DH, dim=1).store((dk * sm_scale).to(dtype))
+    v_t.slice(COL0, DH, dim=1).store(dv.to(dtype))
+    fence_async_shared()
+    mbarrier.arrive(bars.index(1))
+    if WG == 0:
+        mbarrier.wait(bars.index(1), 0)
+        tma.async_copy_shared_to_global(dk_desc, [b, h_kv, start_n, 0], k_bufs.index(0))
+        tma.async_copy_shared_to_global(dv_desc, [b, h_kv, start_n, 0], v_bufs.index(0))
+        tma.store_wait(0)
+
+
 @gluon.jit(do_not_specialize=["Hq", "Hkv", "Nq", "Nk"])
 def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ_ACC, qk_scale, sm_scale,
                        Hq, Hkv, Nq, Nk,
                        STAGES: gl.constexpr, CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                        HEAD_DIM: gl.constexpr, ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                       SHARE_SCORES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Grid (K/V tiles of ``CONSUMERS / SPLIT_D × 64`` rows, B · Hkv). See the module docstring."""
     ROWS: gl.constexpr = k_desc.block_type.shape[2]
     KV_TILES: gl.constexpr = CONSUMERS // SPLIT_D
@@ -316,12 +428,13 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, D
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    out_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # (SPLIT_D's epilogue)
+    # SPLIT_D's epilogue (0, 1) and, with SHARE_SCORES, the exchange's "ready" (2, 3) and "free" (4, 5)
+    out_bar = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
-    for i in gl.static_range(2):
+    for i in gl.static_range(6):
         mbarrier.init(out_bar.index(i), count=CONSUMERS)
     ring = (q_bufs, do_bufs, ready, empty)
     ds_bufs = k_bufs  # (unused without fused dQ)
@@ -334,11 +447,22 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, D
         dq_block: gl.constexpr = DQ_ACC.block_type.shape
         dq_stages = gl.allocate_shared_memory(gl.float32, [CONSUMERS * (k_desc.block_type.shape[3] // dq_block[3])]
                                               + dq_block, DQ_ACC.layout)
+    if SHARE_SCORES:  # Pᵀ and dSᵀ halves, [2 · buffer + consumer]: what _consumer_shared_scores exchanges
+        BM: gl.constexpr = q_desc.block_type.shape[2]
+        x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BM // 2], q_desc.dtype)
+        ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, ROWS, BM // 2], x_layout)
+        dq_stages = gl.allocate_shared_memory(q_desc.dtype, [4, ROWS, BM // 2], x_layout)
     args = (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, out_bar, ring, LSE, DELTA, DQ_ACC, ds_bufs, dq_stages, b, h_kv,
             start_n, Hq, Nq, Nk, qk_scale, sm_scale)
     producer_args = (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, ring, b, h_kv, start_n, Nq, Nk,
                      GROUP, CAUSAL)
-    if CONSUMERS == 1:
+    if SHARE_SCORES:
+        gl.warp_specialize([
+            (_consumer_shared_scores, (args, 0, GROUP, CAUSAL)),
+            (_consumer_shared_scores, (args, 1, GROUP, CAUSAL)),
+            (_producer, producer_args),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif CONSUMERS == 1:
         gl.warp_specialize([
             (_consumer, (args, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D)),
             (_producer, producer_args),
@@ -372,12 +496,13 @@ def _dq_descriptor(dq_acc, D: int) -> GluonTensorDescriptor:
 
 
 def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float, sm_scale: float, block_m: int,
-              consumers: int, stages: int, dq_acc=None) -> Launch:
+              consumers: int, stages: int, dq_acc=None, share_scores: bool = False) -> Launch:
     """The launch of ``ws_bwd_dkdv_kernel`` for these tensors: K/V tiles of ``consumers × 64`` rows
     (above 128 columns, one tile of 64 rows whose head dim the two consumers split:
     :func:`split_head_dim`), Q/dO tiles of ``block_m`` rows through ``stages`` slots; with ``dq_acc`` (a
     zeroed fp32 tensor shaped like ``q``) it also adds dQ into it (fused dQ: 64-row Q tiles only,
-    wgmma's M)."""
+    wgmma's M). ``share_scores`` (with the split head dim only): the two consumers compute the scores
+    of a Q tile's halves and exchange them (``_consumer_shared_scores``) instead of both computing all."""
     if dq_acc is not None and block_m != FUSED_DQ_BLOCK_M:
         raise ValueError(f"fused dQ takes {FUSED_DQ_BLOCK_M}-row Q tiles (wgmma's M per warpgroup), got {block_m}")
     B, Hq, Nq, _ = q.shape
@@ -389,6 +514,9 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                          f"{split} consumer warpgroups and forms no dQ itself: it takes ws configs with c{split} "
                          f"and a dQ kernel of its own, got {consumers} consumer(s)"
                          + (" and fused dQ" if dq_acc is not None else ""))
+    if share_scores and split == 1:
+        raise ValueError(f"share_scores: the consumers share scores only where they split the head dim (above "
+                         f"{SPLIT_ABOVE} columns); got D {q.shape[-1]}")
     rows = (1, 1, ROWS_PER_CONSUMER, D)
     consumer_regs, producer_regs, extra = kernel_options(consumers)
     args = dict(q_desc=descriptor(q, (1, 1, block_m, D)), k_desc=descriptor(k, rows), v_desc=descriptor(v, rows),
@@ -398,6 +526,7 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 qk_scale=qk_scale,
                 sm_scale=sm_scale, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, STAGES=stages, CONSUMERS=consumers,
                 GROUP=Hq // Hkv, CAUSAL=causal, HEAD_DIM=q.shape[-1], ATOMICS=FUSED_DQ_ATOMICS, SPLIT_D=split,
+                SHARE_SCORES=share_scores,
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
     grid = (cdiv(Nk, ROWS_PER_CONSUMER * consumers // split), B * Hkv)
     return Launch(ws_bwd_dkdv_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)

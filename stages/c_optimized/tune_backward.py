@@ -210,12 +210,14 @@ def tune_cell(dtype_name: str, D: int, causal: bool, N: int, statuses: dict, row
 def ws_candidates(D: int, element_bytes: int, kernel: str = "dkdv") -> list:
     """Tile configs of a Hopper backward kernel (``hopper_bwd.py``; ``kernel`` "dkdv" or "dq") that it
     takes at head dim ``D`` and that fit shared memory: two consumer warpgroups with 32- or 64-row
-    streamed tiles, or one with 64 or 128, and 2 or 3 stages."""
+    streamed tiles, or one with 64 or 128, and 2 or 3 stages; where two consumers split the head dim
+    (``hopper_ws.split_head_dim``), each of theirs also with the scores shared ("-x")."""
     from .backward import WsConfig
     from .configs import SHARED_MEMORY_LIMIT
 
     limit = SHARED_MEMORY_LIMIT.get(90, 227 * 1024) - 2048
-    tried = [WsConfig(m, 2, s) for m in (32, 64) for s in (2, 3)] + [WsConfig(m, 1, 2) for m in (64, 128)]
+    tried = [WsConfig(m, 2, s, x) for x in (False, True) for m in (32, 64) for s in (2, 3)] \
+        + [WsConfig(m, 1, 2) for m in (64, 128)]
     return [c for c in tried if c.fits_head_dim(D, kernel) and c.shared_bytes(D, element_bytes, kernel) <= limit]
 
 
