@@ -212,14 +212,14 @@ def test_every_tuned_backward_plan_is_correct(name, key, entry, device):
     """The tiles a GPU's tuning picked, forced here, on a problem with several tiles each way, a ragged
     last tile, GQA and a head dim below the padded one (so the column mask runs too)."""
     dtype_name, d, c = key.split("/")
-    # A head dim below the padded one (the column mask), except where the entry has Hopper kernels (D 64, 128)
+    # A head dim below the padded one (the column mask), except where the entry has Hopper kernels
     D, causal = int(d[1:]) - (0 if "ws" in entry or "ws_dq" in entry else 8), c == "causal1"
     config = bwd.BwdConfig.parse(entry["dkdv"])
     dq_config = bwd.BwdConfig.parse(entry["dq"]) if "dq" in entry else None
     q, k, v = make_qkv(1, 2, 150, D, DTYPES[dtype_name], device, Hkv=1, Nk=130, seed=7)
     hopper = {name: entry[key] for name, key in (("ws_config", "ws"), ("ws_dq_config", "ws_dq")) if key in entry}
-    if hopper and not (device == "cuda" and torch.cuda.get_device_capability()[0] == 9 and D in (64, 128)):
-        hopper = {}  # (the Hopper kernels run on sm_90 at D 64 and 128: elsewhere the entry's tl kernels are tested)
+    if hopper and not (device == "cuda" and torch.cuda.get_device_capability()[0] == 9 and D in (64, 128, 256)):
+        hopper = {}  # (the Hopper kernels run on sm_90: elsewhere the entry's tl kernels are tested)
     fused = hopper.get("ws_dq_config") == bwd.FUSED_DQ  # (atomics: never deterministic)
     check_gradients(attention, q, k, v, causal=causal, dtype_name=dtype_name, config=config, dq_config=dq_config,
                     deterministic=entry["dq_method"] == "separate" and not fused, **hopper)
