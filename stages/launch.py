@@ -248,6 +248,69 @@ class FastLaunch:
             self._compiled[key] = _kept(compiled)
 
 
+    def bound(self, grid: tuple, values, varying: tuple, facts=None) -> "BoundLaunch | None":
+        """This launch with these dynamic ``values`` (a call that has just gone through ``__call__``)
+        as a :class:`BoundLaunch`: the kept compiled kernel and every argument in place, but the
+        pointers (addresses, per call) and the dynamic values at the indices ``varying`` (per call
+        too). The caller keeps it for calls that Triton would specialize the same way (pointer
+        alignment and integer facts: its key must hold them). None where calls must go through
+        ``__call__``: no lean path here, an integer past 32 bits, or no compiled kernel kept."""
+        if not (self._fast and fast_launch_enabled and not launch_hooks_active()) or self._get_device is None:
+            return None
+        if facts is None:
+            facts = self._integer_facts(values)
+        if facts is None:
+            return None
+        n = self._pointers
+        device = self._get_device()
+        entry = self._compiled.get((device, tuple([t.data_ptr() % 16 == 0 for t in values[:n]]), facts))
+        if entry is None:
+            return None
+        return BoundLaunch(entry, grid, self.arguments(*values), self._slots[:n],
+                           tuple(self._slots[i] for i in varying), device, self._get_device, self._get_stream)
+
+
+class BoundLaunch:
+    """One launch of a kept compiled kernel with every argument bound but a few: what a caller keeps
+    for a layout it launches again and again (stage C's forward keeps one per launch of a layout, so a
+    call of a known layout hands over addresses and a scale, not tensors to be checked, keyed and
+    bound). ``launch(addresses, varying)`` writes the pointer arguments (integer addresses, in the
+    kernel's order) and the other per-call values into a copy of the bound argument list and calls
+    the launcher. The caller checks first what the binding assumed: :meth:`open` (no launch hooks,
+    the lean path on, the bound device current)."""
+
+    __slots__ = ("_entry", "_grid", "_args", "_pointer_slots", "_varying_slots", "device", "_get_device",
+                 "_get_stream")
+
+    def __init__(self, entry, grid, args, pointer_slots, varying_slots, device, get_device, get_stream):
+        self._entry = entry
+        self._grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self._args = args
+        self._pointer_slots = tuple(pointer_slots)
+        self._varying_slots = tuple(varying_slots)
+        self.device = device
+        self._get_device = get_device
+        self._get_stream = get_stream
+
+    def open(self) -> bool:
+        """Whether this bound launch may run now: the lean path is on, nothing listens to Triton's
+        launches and the bound device is the current one (the launcher runs on the current device's
+        stream, as Triton's own path would)."""
+        return fast_launch_enabled and not launch_hooks_active() and self._get_device() == self.device
+
+    def launch(self, addresses, varying=()) -> None:
+        # A copy per call: the bound list is shared, and a launch from another thread must not see
+        # this call's addresses half written.
+        args = self._args.copy()
+        for slot, address in zip(self._pointer_slots, addresses):
+            args[slot] = address
+        for slot, value in zip(self._varying_slots, varying):
+            args[slot] = value
+        launcher, function, before_args = self._entry
+        g0, g1, g2 = self._grid
+        launcher(g0, g1, g2, self._get_stream(self.device), function, *before_args, *args)
+
+
 def _kept(compiled) -> tuple:
     """(launch function, CUfunction, the launch function's arguments between the stream and the
     kernel's): what :class:`FastLaunch` keeps of a CompiledKernel. JITFunction.run ends in

@@ -146,6 +146,95 @@ def test_the_lean_launch_passes_what_jit_run_would(monkeypatch, path):
             assert desc.shape == list(q.shape) and desc.strides == list(q.stride())
 
 
+def _forward_through(monkeypatch, path: str):
+    """Stage C's forward (``kernels._forward``) for ``path``'s problem, planned for its GPU, with the
+    recipe's kernels recording (``_recording``): returns (call(q, k, v, scale) -> o, recipe, (q, k, v))."""
+    arch, options, Nq, Nk = PATHS[path]
+    q, k, v = make_qkv(1, 4, Nq, 64, torch.float16, "cpu", Hkv=2, Nk=Nk)
+    choice, recipe = kernels._plan_call(q, k, v, new_output(q), None, False, arch, 132, **options)
+    recipe = _recording(monkeypatch, recipe)
+    monkeypatch.setattr(kernels, "_plan_call", lambda *a, **kw: (choice, recipe))
+    monkeypatch.setattr(kernels, "_arch_and_sms", lambda t: (arch, 132))
+    monkeypatch.setattr(kernels, "_LAYOUT_PLANS", {})
+    defaults = dict(config=None, split_kv=None, ws_rung=None, **dict.fromkeys(kernels.SWITCH_NAMES, True))
+    opts = {**defaults, **options}
+
+    def call(q, k, v, scale=0.125):
+        return kernels._forward(q, k, v, False, scale, False, opts["config"], opts["split_kv"], opts["ws_rung"],
+                                *(opts[name] for name in kernels.SWITCH_NAMES), False)[0]
+    return call, recipe, (q, k, v)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_layout_s_bound_launches_pass_what_the_lean_launch_would(monkeypatch, path):
+    """After a layout's first call its launches are bound once (``launch.BoundLaunch``): later calls of
+    the layout hand over addresses and the scale only. What reaches the launcher is what the lean launch
+    (itself checked against ``JITFunction.run`` above) passes for the same tensors and scale: every
+    argument, new tensors' addresses, a new scale, descriptors over this call's tensors."""
+    call, recipe, (q, k, v) = _forward_through(monkeypatch, path)
+    call(q, k, v)  # Triton's ordinary path: compiles (here, records) and keeps the kernels
+    (planned,) = kernels._LAYOUT_PLANS.values()
+    assert isinstance(planned.bound, kernels._BoundLayout)
+    q2, k2, v2 = (t.clone() for t in (q, k, v))  # new tensors of the same layout
+    o_bound = call(q2, k2, v2, scale=0.3)
+    bound_args = [r.kernel.launched[-1] for r in recipe.launches[:len(planned.runs)]]
+    planned.bound = False  # the same call without the binding: the lean launch of each kernel
+    call(q2, k2, v2, scale=0.3)
+    lean_args = [r.kernel.launched[-1] for r in recipe.launches[:len(planned.runs)]]
+    assert all(len(r.kernel.bound) == 1 for r in recipe.launches[:len(planned.runs)])  # (the first call's)
+    # A fresh output and fp32 workspace per call: their addresses differ between the two calls.
+    fresh = {"o"} | {role for role, shape in planned.workspace if shape is not None}
+    this_call = {"q": q2, "k": k2, "v": v2, "o": o_bound}
+    descs = {name: role for name, role, *_ in recipe.launches[0].descs}
+    for r, got, want in zip(recipe.launches, bound_args, lean_args):
+        assert len(got) == len(want)
+        names = [None] * 9 + list(r.kernel.arg_names)
+        roles = dict(r.tensors)
+        for name, a, b in zip(names, got, want):
+            role = roles.get(name)
+            if role in this_call:  # this call's tensors, by address
+                assert a == this_call[role].data_ptr(), f"{path}: {name} is not the {role} of this call"
+            elif role in fresh:
+                assert type(a) is int and a % 16 == 0
+            elif name in descs:  # a descriptor over this call's tensor of its role, otherwise the same
+                assert a.base is this_call[descs[name]] and a.block_shape == b.block_shape
+                assert a.shape == b.shape and a.strides == b.strides
+            else:
+                assert _same(a, b), f"{path}: {name} differs: {a!r} against {b!r}"
+        if r.scale_factor is not None:
+            assert 0.3 * r.scale_factor in got
+
+
+@pytest.mark.parametrize("how", ["enter hook", "switched off", "other device"])
+def test_bound_launches_step_aside_for_hooks_the_switch_and_another_device(monkeypatch, how):
+    """A bound layout launches only while the lean path would: with a launch hook, the switch off or
+    another device current than the one it was bound on, the call takes the full path instead
+    (Triton's ordinary one for the first two, the lean launch, which keys its kernels on the device,
+    for the other)."""
+    call, recipe, (q, k, v) = _forward_through(monkeypatch, "tl-tma")
+    jit = recipe.launches[0].kernel
+    call(q, k, v)
+    (planned,) = kernels._LAYOUT_PLANS.values()
+    bound = planned.bound.launches[0][0]
+    assert bound.open()
+    hook = lambda metadata: None  # noqa: E731
+    if how == "enter hook":
+        knobs.runtime.launch_enter_hook.add(hook)
+    elif how == "switched off":
+        monkeypatch.setattr(launch, "fast_launch_enabled", False)
+    else:
+        monkeypatch.setattr(bound, "_get_device", lambda: 1)
+    try:
+        assert not bound.open()
+        call(q, k, v)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    if how == "other device":  # (only the bound launch was told: the lean launch saw device 0 still)
+        assert (len(jit.bound), len(jit.launched)) == (1, 1)
+    else:
+        assert (len(jit.bound), len(jit.launched)) == (2, 0)
+
+
 def test_a_kernel_without_scratch_goes_to_the_c_launcher_itself():
     """What FastLaunch keeps of a compiled kernel: Triton 3.6's C launcher with the arguments its
     Python wrapper (``CudaLauncher``) would add, when the kernel asks for no scratch buffer and takes

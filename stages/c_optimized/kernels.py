@@ -408,6 +408,17 @@ class _LaunchRecipe:
         after = 1 if self.scale_factor is not None else 0
         return self.launcher._integer_facts([None] * before + list(ints) + [0.0] * after)
 
+    def bound(self, grid: tuple, tensors: dict, ints: tuple, scale: float, facts=None):
+        """This launch as it just ran with these tensors, sizes and scale, bound for the next calls of
+        the layout (``launch.BoundLaunch``: per call the pointers' addresses in ``self.tensors``' order,
+        then the descriptors and the scale), or None where it cannot be bound."""
+        values = self.values(tensors, ints, scale)
+        first = len(self.tensors)
+        varying = tuple(range(first, first + len(self.descs)))
+        if self.scale_factor is not None:
+            varying += (len(values) - 1,)
+        return self.launcher.bound(grid, values, varying, facts)
+
     def prepare(self, grid: tuple, tensors: dict, ints: tuple, scale: float) -> None:
         """Compile the kernel this launch would run for such a call, without running it."""
         self.launcher.prepare(grid, *self.values(tensors, ints, scale))
@@ -724,36 +735,122 @@ def _forward(q, k, v, causal: bool, scale: float, store_lse: bool, config, split
     # cache length), so what this layout needs (choice, recipe, grids, integer arguments and their
     # specialization facts) is kept for the next call; a new layout costs the plan once.
     switches = (tuned_tiles, pipelining, tma, exp2, causal_skip, warp_specialization)
-    aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0  # o and lse are fresh: aligned
+    # Each input's 16-byte alignment (o and lse are fresh, so aligned): the choice of TMA and Triton's
+    # specialization of every pointer follow from these, so the layout's bound launches can too.
+    qa, ka, va = q.data_ptr(), k.data_ptr(), v.data_ptr()
     arch, sms = _arch_and_sms(q)
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), aligned, q.dtype, arch, sms, causal, store_lse,
-           config, split_kv, switches, ws_rung)
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), qa % 16 == 0, ka % 16 == 0, va % 16 == 0, q.dtype,
+           arch, sms, causal, store_lse, config, split_kv, switches, ws_rung)
     planned = _LAYOUT_PLANS.get(key)
     if planned is None:
         planned = _plan_layout(q, k, v, o, lse, causal, arch, sms, config, split_kv, switches, ws_rung)
         if len(_LAYOUT_PLANS) >= _LAYOUT_PLANS_MAX:
             _LAYOUT_PLANS.clear()  # a model's layouts come back within a step; a cleared table refills
         _LAYOUT_PLANS[key] = planned
-    recipe, workspace, runs, facts = planned
-    tensors = _call_tensors(workspace, q, k, v, o, lse)
-    for launch, (grid, ints), f in zip(recipe.launches, runs, facts):
+    bound = planned.bound
+    if bound and bound.open():
+        bound.launch(q, k, v, o, lse, qa, ka, va, scale)
+        return o, lse
+    tensors = _call_tensors(planned.workspace, q, k, v, o, lse)
+    for launch, (grid, ints), f in zip(planned.recipe.launches, planned.runs, planned.facts):
         launch.launch(grid, tensors, ints, scale, facts=f)
-    if len(runs) < len(recipe.launches):
-        _prepare_merge(recipe, runs, tensors, scale)
+    if len(planned.runs) < len(planned.recipe.launches):
+        _prepare_merge(planned.recipe, planned.runs, tensors, scale)
+    if bound is None:  # (False: this layout cannot be bound; tried once)
+        planned.bound = _BoundLayout.of(planned, tensors, scale)
     return o, lse
 
 
-#: layout -> (recipe, workspace, per launch (grid, integer arguments), their specialization facts);
-#: ``_forward``'s memo of the last layouts seen
+#: layout -> its :class:`_LayoutPlan`: ``_forward``'s memo of the last layouts seen
 _LAYOUT_PLANS: dict = {}
 _LAYOUT_PLANS_MAX = 1024
 
 
-def _plan_layout(q, k, v, o, lse, causal, arch, sms, config, split_kv, switches, ws_rung) -> tuple:
+@dataclass
+class _LayoutPlan:
+    """What ``_forward`` keeps of one layout: the recipe, the workspace to allocate, per launch its
+    (grid, integer arguments) and their specialization facts; and, once a call has run it through
+    the lean path, its launches bound (:class:`_BoundLayout`; False where they cannot be)."""
+
+    recipe: _Recipe
+    workspace: tuple
+    runs: tuple
+    facts: tuple
+    bound: object = None
+
+
+def _plan_layout(q, k, v, o, lse, causal, arch, sms, config, split_kv, switches, ws_rung) -> _LayoutPlan:
     choice, recipe = _plan_call(q, k, v, o, lse, causal, arch, sms, config, split_kv, *switches, ws_rung=ws_rung)
     workspace, runs = recipe.runtime(q, k, v, o, choice)
     facts = tuple(launch.integer_facts(ints) for launch, (_, ints) in zip(recipe.launches, runs))
-    return recipe, workspace, runs, facts
+    return _LayoutPlan(recipe, workspace, tuple(runs), facts)
+
+
+@dataclass(frozen=True)
+class _BoundLayout:
+    """A layout's launches bound once (``launch.BoundLaunch``): a call hands each its pointers'
+    addresses (by role: the inputs', the fresh output's and log-sum-exp's, the fp32 workspace cut at
+    fixed offsets of one allocation) and, where it has them, descriptors over the call's tensors and
+    the scale. Nothing is checked, keyed or bound per call but whether the lean path is open."""
+
+    launches: tuple    # per launch: (BoundLaunch, its pointers' roles, its descriptors (role, class, fields),
+                       # the scale factor or None)
+    workspace: tuple   # (role, offset in fp32 elements into the workspace, or None: the unused fp32 tensor)
+    floats: int        # fp32 elements of the workspace (0: none)
+    unused: int        # the unused fp32 tensor's address
+    descriptors: bool  # whether a launch takes TMA descriptors (built over the call's tensors)
+
+    @classmethod
+    def of(cls, planned: _LayoutPlan, tensors: dict, scale: float):
+        """The layout's launches bound after a call that ran them with ``tensors``, or False."""
+        launches = []
+        for recipe, (grid, ints), facts in zip(planned.recipe.launches, planned.runs, planned.facts):
+            bound = recipe.bound(grid, tensors, ints, scale, facts)
+            if bound is None:
+                return False
+            # A descriptor's shape and strides are the layout's (its key holds them; o is contiguous,
+            # shaped like q): per call only its base, the tensor, is new.
+            descs = tuple((role, cls, {**fields, "shape": list(tensors[role].shape),
+                                       "strides": list(tensors[role].stride())})
+                          for (_, role, _, _), (cls, fields) in zip(recipe.descs, recipe.desc_templates))
+            launches.append((bound, tuple(role for _, role in recipe.tensors), descs, recipe.scale_factor))
+        workspace, offset = [], 0
+        for role, shape in planned.workspace:
+            if shape is not None and math.prod(shape) == 0:
+                return False  # (an empty buffer has no address to hand over: such calls take the full path)
+            workspace.append((role, None if shape is None else offset))
+            offset += 0 if shape is None else math.prod(shape)
+        unused = _unused_fp32(tensors["q"].device).data_ptr()
+        return cls(tuple(launches), tuple(workspace), offset, unused, any(descs for _, _, descs, _ in launches))
+
+    def open(self) -> bool:
+        """Whether the bound launches may run now (one check for all: they were bound on one device)."""
+        return self.launches[0][0].open()
+
+    def launch(self, q, k, v, o, lse, qa: int, ka: int, va: int, scale: float) -> None:
+        addresses = {"q": qa, "k": ka, "v": va, "o": o.data_ptr()}
+        if lse is not None:
+            addresses["lse"] = lse.data_ptr()
+        # (held until the launches are queued: freed before them, its memory could go to another tensor)
+        flat = torch.empty(self.floats, dtype=torch.float32, device=q.device) if self.floats else None
+        for role, offset in self.workspace:
+            addresses[role] = self.unused if offset is None else flat.data_ptr() + 4 * offset
+        tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse} if self.descriptors else None
+        for bound, roles, descs, factor in self.launches:
+            varying = [_descriptor(cls, fields, tensors[role]) for role, cls, fields in descs]
+            if factor is not None:
+                varying.append(scale * factor)
+            bound.launch([addresses[role] for role in roles], varying)
+        del flat
+
+
+def _descriptor(cls, fields: dict, base: torch.Tensor):
+    """A TMA descriptor of class ``cls`` with ``fields`` (all but its base: block, shape, strides,
+    layout; lists shared between calls, which the launcher only reads) over ``base``."""
+    desc = object.__new__(cls)
+    desc.__dict__.update(fields)
+    desc.base = base
+    return desc
 
 
 def _prepare_merge(recipe: _Recipe, runs: tuple, tensors: dict, scale: float) -> None:
