@@ -176,6 +176,30 @@ def host_path_us(d: Data, label: str) -> float:
     return float(re.search(re.escape(label) + r"\s+([0-9.]+)", text).group(1))
 
 
+def tuning_ms(d: Data, file: str, D: int, causal: int, kind: str) -> float:
+    """One whole-backward (or kernel) time of a committed backward tuning CSV: the row of ``kind``."""
+    import csv
+
+    with (d.dir / "experiments" / file).open() as f:
+        rows = [r for r in csv.DictReader(f) if int(r["D"]) == D and int(r["causal"]) == causal and r["kind"] == kind]
+    assert len(rows) == 1, (file, D, causal, kind, rows)
+    return float(rows[0]["ms"])
+
+
+def bwd_ratios(d: Data, dtype: str, head_dims) -> list[float]:
+    """Stage C's backward TFLOPS over cuDNN's per grid cell of ``dtype`` at these head dims."""
+    from harness import views
+
+    rows = [r for r in views.grid_rows(d.all_rows, "bwd") if views.is_ok(r) and r["dtype"] == dtype
+            and not r.get("variant") and r.get("tflops") and int(r["D"]) in head_dims]
+    cells: dict[tuple, dict] = {}
+    for r in rows:
+        cells.setdefault((r["D"], r["causal"], r["N"]), {})[r["impl"]] = r["tflops"]
+    ratios = [c["c"] / c["sdpa_cudnn"] for c in cells.values() if "c" in c and "sdpa_cudnn" in c]
+    assert ratios, (dtype, head_dims)
+    return ratios
+
+
 def span(d: Data, f, *args) -> tuple[float, float]:
     """(lowest, highest) of ``f(d, cell, *args)`` over the four ablation cells, rounded as printed."""
     values = [f(d, c, *args) for c in CELLS]
@@ -340,6 +364,12 @@ CLAIMS = [
     Claim(C_DETAILS, "builds TMA descriptors from templates: {} → {} µs per call",
           lambda d: (host_path_us(d, "stage C default  ordinary launch"),
                      host_path_us(d, "stage C default  lean launch"))),
+    Claim(C_DETAILS, "At D 256 the backward went from {} ms with the `tl` kernels to {}, level with cuDNN",
+          lambda d: (tuning_ms(d, "2026-12-04_hopper_bwd_tuning_d256_shared.csv", 256, 0, "whole_tl"),
+                     tuning_ms(d, "2026-12-04_hopper_bwd_tuning_d256_shared.csv", 256, 0, "whole_ws+ws_dq"))),
+    Claim(C_DETAILS, "ahead of cuDNN at D 32 and level with it at D 200 and 256",
+          lambda d: min(bwd_ratios(d, "bf16", (32,))) > 1 and min(bwd_ratios(d, "bf16", (200, 256))) >= 0.95,
+          why="the bf16 backward grid rows: C / cuDNN above 1 at D 32, at least 0.95 at D 200 and 256"),
     # ---------------------------------------------------------------- the CUDA twins
     Claim(TWINS, "padding buys c_cuda {}–{}×",
           lambda d: tuple(f(twin_ratios(d, "c_cuda", "unpadded", "all")) for f in (min, max))),
