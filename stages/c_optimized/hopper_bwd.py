@@ -179,6 +179,42 @@ def _fused_dq(ds, k_t, dq_acc, dq_stages, first_stage: gl.constexpr, b, h, row0,
 
 
 @gluon.jit
+def _probabilities_t(st, lse, keys, queries, qk_scale, need_mask, Nk, offset, CAUSAL: gl.constexpr):
+    """Pᵀ = 2^(Sᵀ · scale − lse) of a (K/V rows × queries) tile, with keys past Nk and (causal,
+    bottom-right) keys after a query zeroed where ``need_mask`` says the tile has any (a runtime branch)."""
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))
+    if need_mask:
+        valid = gl.expand_dims(keys, 1) < Nk
+        if CAUSAL:
+            valid = valid & (gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0) + offset)
+        pt = gl.where(valid, pt, 0.0)
+    return pt
+
+
+@gluon.jit
+def _store_halves(dk, dv, k_bufs, v_bufs, bars, dk_desc, dv_desc, b, h_kv, start_n, WG: gl.constexpr,
+                  COL0: gl.constexpr):
+    """The epilogue of two consumers that split the head dim: the shared K/V tile is read by both
+    consumers' products until their last one, so each writes its halves of dK and dV over it only
+    when both are done (``bars`` 0: one arrival per warpgroup, after the warpgroup barrier Triton puts
+    before it), and consumer 0 TMA-stores the whole tiles once both halves are in (``bars`` 1)."""
+    DH: gl.constexpr = dk.shape[1]
+    mbarrier.arrive(bars.index(0))
+    mbarrier.wait(bars.index(0), 0)
+    k_t = k_bufs.index(0).reshape([k_bufs.shape[3], k_bufs.shape[4]])
+    v_t = v_bufs.index(0).reshape([v_bufs.shape[3], v_bufs.shape[4]])
+    k_t.slice(COL0, DH, dim=1).store(dk.to(k_bufs.dtype))
+    v_t.slice(COL0, DH, dim=1).store(dv.to(v_bufs.dtype))
+    fence_async_shared()
+    mbarrier.arrive(bars.index(1))
+    if WG == 0:
+        mbarrier.wait(bars.index(1), 0)
+        tma.async_copy_shared_to_global(dk_desc, [b, h_kv, start_n, 0], k_bufs.index(0))
+        tma.async_copy_shared_to_global(dv_desc, [b, h_kv, start_n, 0], v_bufs.index(0))
+        tma.store_wait(0)
+
+
+@gluon.jit
 def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
               ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr):
     """One warpgroup: dK and dV of its 64 K/V rows, over every Q tile of the group's query heads; with
@@ -244,15 +280,10 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
             dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout),
                                 use_acc=False, is_async=True)
             st = warpgroup_mma_wait(1, deps=(st, ))  # Sᵀ is done; dPᵀ may still be running
-            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))
             need_mask = ragged
             if CAUSAL:
                 need_mask = need_mask | (row0 < unmasked)
-            if need_mask:
-                valid = gl.expand_dims(keys, 1) < Nk
-                if CAUSAL:
-                    valid = valid & (gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0) + offset)
-                pt = gl.where(valid, pt, 0.0)
+            pt = _probabilities_t(st, lse, keys, queries, qk_scale, need_mask, Nk, offset, CAUSAL)
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
             dv = warpgroup_mma(pt_op, do_half, dv, is_async=True)
             dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # dPᵀ is done; dV's product may still be running
@@ -285,21 +316,7 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
         tma.async_copy_shared_to_global(dv_desc, [b, h_kv, start_n + WG * ROWS, 0], v_bufs.index(WG))
         tma.store_wait(0)
     else:
-        # The shared K/V tile is read by both consumers' products until their last one: each writes
-        # its halves of dK and dV over it only when both are done (one arrival per warpgroup, after
-        # the warpgroup barrier Triton puts before it), and consumer 0 stores the whole tiles once
-        # both halves are in.
-        mbarrier.arrive(out_bar.index(0))
-        mbarrier.wait(out_bar.index(0), 0)
-        k_t.slice(COL0, DH, dim=1).store((dk * sm_scale).to(dtype))
-        v_t.slice(COL0, DH, dim=1).store(dv.to(dtype))
-        fence_async_shared()
-        mbarrier.arrive(out_bar.index(1))
-        if WG == 0:
-            mbarrier.wait(out_bar.index(1), 0)
-            tma.async_copy_shared_to_global(dk_desc, [b, h_kv, start_n, 0], k_bufs.index(0))
-            tma.async_copy_shared_to_global(dv_desc, [b, h_kv, start_n, 0], v_bufs.index(0))
-            tma.store_wait(0)
+        _store_halves(dk * sm_scale, dv, k_bufs, v_bufs, out_bar, dk_desc, dv_desc, b, h_kv, start_n, WG, COL0)
 
 
 @gluon.jit
@@ -360,15 +377,10 @@ def _consumer_shared_scores(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL:
             dpt = warpgroup_mma(v_t, do_mine.permute((1, 0)), gl.zeros([ROWS, HALF], gl.float32, s_layout),
                                 use_acc=False, is_async=True)
             st = warpgroup_mma_wait(1, deps=(st, ))
-            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))
             need_mask = ragged
             if CAUSAL:
                 need_mask = need_mask | (row0 < unmasked)
-            if need_mask:
-                valid = gl.expand_dims(keys, 1) < Nk
-                if CAUSAL:
-                    valid = valid & (gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0) + offset)
-                pt = gl.where(valid, pt, 0.0)
+            pt = _probabilities_t(st, lse, keys, queries, qk_scale, need_mask, Nk, offset, CAUSAL)
             x = it % 2
             use = it // 2
             # Exchange buffer x was last read by the other consumer two Q tiles ago (a fresh mbarrier
@@ -393,18 +405,7 @@ def _consumer_shared_scores(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL:
             mbarrier.arrive(bars.index(4 + x))  # done reading the other's halves in buffer x
             _signal(empty.index(s))
             it += 1
-    # As _consumer's split epilogue: both halves over the K/V tile once neither reads it, one TMA store.
-    mbarrier.arrive(bars.index(0))
-    mbarrier.wait(bars.index(0), 0)
-    k_t.slice(COL0, DH, dim=1).store((dk * sm_scale).to(dtype))
-    v_t.slice(COL0, DH, dim=1).store(dv.to(dtype))
-    fence_async_shared()
-    mbarrier.arrive(bars.index(1))
-    if WG == 0:
-        mbarrier.wait(bars.index(1), 0)
-        tma.async_copy_shared_to_global(dk_desc, [b, h_kv, start_n, 0], k_bufs.index(0))
-        tma.async_copy_shared_to_global(dv_desc, [b, h_kv, start_n, 0], v_bufs.index(0))
-        tma.store_wait(0)
+    _store_halves(dk * sm_scale, dv, k_bufs, v_bufs, bars, dk_desc, dv_desc, b, h_kv, start_n, WG, COL0)
 
 
 @gluon.jit(do_not_specialize=["Hq", "Hkv", "Nq", "Nk"])
