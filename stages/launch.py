@@ -247,7 +247,6 @@ class FastLaunch:
                 key = (self._get_device(), *key[1:])
             self._compiled[key] = _kept(compiled)
 
-
     def bound(self, grid: tuple, values, varying: tuple, facts=None) -> "BoundLaunch | None":
         """This launch with these dynamic ``values`` (a call that has just gone through ``__call__``)
         as a :class:`BoundLaunch`: the kept compiled kernel and every argument in place, but the
@@ -348,6 +347,16 @@ def descriptor_over(cls, fields: dict, t: torch.Tensor):
     desc = object.__new__(cls)
     desc.__dict__.update(fields)
     desc.base, desc.shape, desc.strides = t, list(t.shape), list(t.stride())
+    return desc
+
+
+def descriptor_on(cls, fields: dict, base: torch.Tensor):
+    """A TMA descriptor of class ``cls`` over ``base`` whose other fields, shape and strides included,
+    are ``fields``: :func:`descriptor_over` for a caller that knows the layout already (a bound launch:
+    its key holds the shape and strides), so only the base is new per call."""
+    desc = object.__new__(cls)
+    desc.__dict__.update(fields)
+    desc.base = base
     return desc
 
 

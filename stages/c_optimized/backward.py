@@ -208,7 +208,7 @@ class WsConfig:
 
     def fits_head_dim(self, D: int, kernel: str = "dkdv") -> bool:
         """Whether the kernel takes these tiles at (padded) head dim ``D``: a dK/dV kernel that splits
-        the head dim needs that many consumers."""
+        the head dim needs that many consumers, and only such a kernel shares the scores ("-x")."""
         if kernel != "dkdv":
             return not self.share
         split = hopper_ws.split_head_dim(D)

@@ -56,7 +56,7 @@ import triton.language as tl
 
 from .. import contract, ops
 from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_output, padded_head_dim, validate_inputs
-from ..launch import FastLaunch, Launch, compiles_without_interpreter, descriptor_over
+from ..launch import FastLaunch, Launch, compiles_without_interpreter, descriptor_on, descriptor_over
 from . import decode, hopper_ws
 from .configs import (BASELINE, WS_SHAPES, Config, choose_config, device_arch, shape_aware_config, shared_memory_bytes,
                       sm_count, ws_rung_config)
@@ -408,7 +408,7 @@ class _LaunchRecipe:
         after = 1 if self.scale_factor is not None else 0
         return self.launcher._integer_facts([None] * before + list(ints) + [0.0] * after)
 
-    def bound(self, grid: tuple, tensors: dict, ints: tuple, scale: float, facts=None):
+    def bound_launch(self, grid: tuple, tensors: dict, ints: tuple, scale: float, facts=None):
         """This launch as it just ran with these tensors, sizes and scale, bound for the next calls of
         the layout (``launch.BoundLaunch``: per call the pointers' addresses in ``self.tensors``' order,
         then the descriptors and the scale), or None where it cannot be bound."""
@@ -805,7 +805,7 @@ class _BoundLayout:
         """The layout's launches bound after a call that ran them with ``tensors``, or False."""
         launches = []
         for recipe, (grid, ints), facts in zip(planned.recipe.launches, planned.runs, planned.facts):
-            bound = recipe.bound(grid, tensors, ints, scale, facts)
+            bound = recipe.bound_launch(grid, tensors, ints, scale, facts)
             if bound is None:
                 return False
             # A descriptor's shape and strides are the layout's (its key holds them; o is contiguous,
@@ -837,20 +837,12 @@ class _BoundLayout:
             addresses[role] = self.unused if offset is None else flat.data_ptr() + 4 * offset
         tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse} if self.descriptors else None
         for bound, roles, descs, factor in self.launches:
-            varying = [_descriptor(cls, fields, tensors[role]) for role, cls, fields in descs]
+            varying = [descriptor_on(cls, fields, tensors[role]) for role, cls, fields in descs]
             if factor is not None:
                 varying.append(scale * factor)
             bound.launch([addresses[role] for role in roles], varying)
         del flat
 
-
-def _descriptor(cls, fields: dict, base: torch.Tensor):
-    """A TMA descriptor of class ``cls`` with ``fields`` (all but its base: block, shape, strides,
-    layout; lists shared between calls, which the launcher only reads) over ``base``."""
-    desc = object.__new__(cls)
-    desc.__dict__.update(fields)
-    desc.base = base
-    return desc
 
 
 def _prepare_merge(recipe: _Recipe, runs: tuple, tensors: dict, scale: float) -> None:
