@@ -356,7 +356,8 @@ def test_gpu_extended_shapes(D):
 def test_ws_padded_head_dims_compile_for_sm90(ws_padded_head_dims):
     """With PADDED_HEAD_DIMS, a head dim between the powers of two takes the warp-specialized kernel
     at its padded width (TMA tiles of 64, 128 or 256 columns, no L2 prefetch of lines past the row);
-    D 32 keeps the tl kernel, and the Hopper backward stops at 128 columns."""
+    D 32 keeps the tl kernel; the Hopper backward takes the same head dims (above 128 columns with the
+    head dim split between its consumers) and, without the padding, 64, 128 and 256 only."""
     for D, width in ((40, 64), (96, 128), (120, 128), (136, 256), (200, 256), (256, 256)):
         assert hopper_ws.supported(torch.bfloat16, D, 90)
         kernels = c_kernels.compile(Problem(2, 8, 1000, D, "bf16", True), 90)
@@ -367,9 +368,10 @@ def test_ws_padded_head_dims_compile_for_sm90(ws_padded_head_dims):
         choice = c_kernels.select(2, 8, 8, 1000, 1000, D, torch.bfloat16, True, 90, 132)
         assert choice.path == "ws" and choice.config in configs.WS_SHAPES[width]
     assert not hopper_ws.supported(torch.bfloat16, 32, 90)
-    for D in (136, 256):
-        assert not hopper_ws.supported(torch.bfloat16, D, 90, "backward")
-    assert hopper_ws.supported(torch.bfloat16, 120, 90, "backward")
+    for D in (120, 136, 256):
+        assert hopper_ws.supported(torch.bfloat16, D, 90, "backward")
+    assert not hopper_ws.supported(torch.bfloat16, 32, 90, "backward")
+    assert not hopper_ws.supported(torch.bfloat16, 264, 90, "backward")
     assert not hopper_ws.supported(torch.float32, 96, 90) and not hopper_ws.supported(torch.bfloat16, 96, 80)
 
 
