@@ -321,7 +321,7 @@ def test_hopper_dkdv_kernel_matches_float64(shape, causal, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("atomics", ["mma", "rows", "tma"])
+@pytest.mark.parametrize("atomics", ["mma", "rows", "tma", "pair"])
 @pytest.mark.parametrize("shape", WS_SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}-D{}".format(*s))
 def test_fused_dq_matches_float64_every_way_of_adding(shape, atomics, monkeypatch, device):
     """Fused dQ by each way of adding its tiles (``hopper_bwd.FUSED_DQ_ATOMICS``), causal and not."""
@@ -370,7 +370,8 @@ def test_hopper_dkdv_kernel_compiles_for_sm90():
 
 @pytest.mark.parametrize("atomics,instruction", [("mma", "atom.global.gpu.relaxed.add.v2.f32"),
                                                   ("rows", "atom.global.gpu.relaxed.add.v4.f32"),
-                                                  ("tma", "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add")])
+                                                  ("tma", "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add"),
+                                                  ("pair", "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add")])
 def test_fused_dq_compiles_for_sm90(atomics, instruction, monkeypatch):
     """Fused dQ: two launches (the pre-pass, which zeroes the accumulator, and the dK/dV kernel), the
     kernel adding dQ after a wgmma whose A operand (dS) is read from shared memory, by each way of
@@ -386,7 +387,7 @@ def test_fused_dq_compiles_for_sm90(atomics, instruction, monkeypatch):
     assert [k.name for k in kernels] == ["attention_bwd_delta_kernel", "ws_bwd_dkdv_kernel"]
     ptx = kernels[1].asm["ptx"]
     assert instruction in ptx and "wgmma.mma_async" in ptx
-    assert ("atom.global" in ptx) == (atomics != "tma")
+    assert ("atom.global" in ptx) == (atomics not in ("tma", "pair"))
     assert "ld.local" not in ptx and "st.local" not in ptx
     padded = bwd.compile_backward(Problem(1, 4, 200, 48, "bf16", True), 90, ws_config="ws-M64-c1-s2",
                                   ws_dq_config="fused")

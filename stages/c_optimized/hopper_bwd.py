@@ -77,9 +77,12 @@ FUSED_DQ_BLOCK_M = 64
 #: threads' atomics straight from the accumulator's registers (a warp's instruction touches 8 rows, 32
 #: bytes of each); "rows", the same after a conversion, through shared memory, to a layout whose warp
 #: instruction covers 2 whole rows of 64 columns; "tma", staged in shared memory and added by the copy
-#: engine's bulk reduce, one instruction per 64 × 64 tile (FlashAttention-3's way).
+#: engine's bulk reduce, one instruction per 64 × 64 tile per consumer; "pair", the bulk reduce once per
+#: pair of consumers: both consumers' dSᵀ tiles meet in shared memory and each multiplies both by its
+#: columns of K, so a Q tile's dQ share from the program's 128 K/V rows is added once, half the bytes
+#: (FlashAttention-3's way; with one consumer it is "tma").
 FUSED_DQ_ATOMICS = os.environ.get("LAB_FUSED_DQ_ATOMICS", "mma")
-FUSED_DQ_ATOMICS_CHOICES = ("mma", "rows", "tma")
+FUSED_DQ_ATOMICS_CHOICES = ("mma", "rows", "tma", "pair")
 if FUSED_DQ_ATOMICS not in FUSED_DQ_ATOMICS_CHOICES:
     raise ValueError(f"LAB_FUSED_DQ_ATOMICS must be one of {', '.join(FUSED_DQ_ATOMICS_CHOICES)}, "
                      f"got {FUSED_DQ_ATOMICS!r}")
@@ -179,6 +182,28 @@ def _fused_dq(ds, k_t, dq_acc, dq_stages, first_stage: gl.constexpr, b, h, row0,
 
 
 @gluon.jit
+def _pair_dq(ds_bufs, x, k_bufs, dq_desc, stage, b, h, row0, sm_scale, COL0: gl.constexpr,
+             dq_layout: gl.constexpr):
+    """dQ[row0 : row0 + BLOCK_M, COL0 : COL0 + COLS] += sm_scale · (dS₀·K₀ + dS₁·K₁)[:, those columns]:
+    a Q tile's dQ share from both consumers' K/V rows (their dSᵀ tiles in exchange buffer ``x``, read
+    back transposed), one product 128 keys deep, added by one bulk reduce from this consumer's fp32
+    ``stage`` buffer."""
+    BLOCK_M: gl.constexpr = ds_bufs.shape[2]
+    ROWS: gl.constexpr = k_bufs.shape[3]
+    D: gl.constexpr = k_bufs.shape[4]
+    COLS: gl.constexpr = stage.shape[3]
+    acc = gl.zeros([BLOCK_M, COLS], gl.float32, dq_layout)
+    for c in gl.static_range(2):
+        k_c = k_bufs.index(c).reshape([ROWS, D]).slice(COL0, COLS, dim=1)
+        acc = warpgroup_mma(ds_bufs.index(2 * x + c).permute((1, 0)), k_c, acc, use_acc=c > 0, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    tma.store_wait(0)  # the reduce issued from this buffer last time has read it
+    stage.reshape([BLOCK_M, COLS]).store(acc * sm_scale)
+    fence_async_shared()
+    _tma_reduce_add(dq_desc, [b, h, row0, COL0], stage)  # (rows past Nq, columns past D clipped)
+
+
+@gluon.jit
 def _probabilities_t(st, lse, keys, queries, qk_scale, need_mask, Nk, offset, CAUSAL: gl.constexpr):
     """Pᵀ = 2^(Sᵀ · scale − lse) of a (K/V rows × queries) tile, with keys past Nk and (causal,
     bottom-right) keys after a query zeroed where ``need_mask`` says the tile has any (a runtime branch)."""
@@ -246,6 +271,9 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
     DQ_COLS: gl.constexpr = 64 if D > 64 else D
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLS, 16])
+    # "pair": the Q tile's dQ share has D / DQ_COLS column slices; with two (D 128) each consumer
+    # takes one, with one (D 64) the consumers take turns by Q tile.
+    SLICES: gl.constexpr = D // DQ_COLS
 
     first, n_tiles, unmasked = _q_range(start_n, Nq, Nk, BLOCK_M, ROWS * KV_TILES, CAUSAL)
     keys = start_n + TILE * ROWS + gl.arange(0, ROWS, layout=key_layout)
@@ -293,11 +321,30 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
             if DQ_ACC is not None:
                 # dQ's product wants dS (queries × keys) as its A operand, the registers hold dSᵀ:
                 # through shared memory, read back transposed; B is this consumer's K tile.
-                ds_t = ds_bufs.index(WG)
+                if ATOMICS == "pair":
+                    # Exchange buffer x was last read two Q tiles ago: both consumers must be done
+                    # with it (out_bar 4 + x; a fresh mbarrier counts as "phase 1 completed").
+                    x = it % 2
+                    mbarrier.wait(out_bar.index(4 + x), ((it // 2) & 1) ^ 1)
+                    ds_t = ds_bufs.index(2 * x + WG)
+                else:
+                    ds_t = ds_bufs.index(WG)
                 ds_t.store(dst.to(dtype))
                 fence_async_shared()
+                if ATOMICS == "pair":
+                    mbarrier.arrive(out_bar.index(2 + x))  # my dSᵀ is in
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
-            if DQ_ACC is not None:
+            if DQ_ACC is not None and ATOMICS == "pair":
+                if SLICES == 2:
+                    mbarrier.wait(out_bar.index(2 + x), (it // 2) & 1)  # and the other's
+                    _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
+                             sm_scale, WG * DQ_COLS, dq_layout)
+                elif x == WG:
+                    mbarrier.wait(out_bar.index(2 + x), (it // 2) & 1)
+                    _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
+                             sm_scale, 0, dq_layout)
+                mbarrier.arrive(out_bar.index(4 + x))  # done reading buffer x
+            elif DQ_ACC is not None:
                 if ATOMICS == "tma":
                     dq_acc = DQ_ACC
                 else:
@@ -439,15 +486,19 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, D
         mbarrier.init(out_bar.index(i), count=CONSUMERS)
     ring = (q_bufs, do_bufs, ready, empty)
     ds_bufs = k_bufs  # (unused without fused dQ)
-    if DQ_ACC is not None:  # one dSᵀ tile per consumer, the fused dQ product's operand
+    if DQ_ACC is not None:  # one dSᵀ tile per consumer, the fused dQ product's operand ("pair": two sets)
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_M], q_desc.dtype)
-        ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, ROWS, BLOCK_M], ds_layout)
+        ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * (2 if ATOMICS == "pair" else 1), ROWS, BLOCK_M],
+                                            ds_layout)
     dq_stages = k_bufs  # (unused but with the bulk reduce)
     if DQ_ACC is not None and ATOMICS == "tma":  # per consumer, one fp32 buffer per D-slice of the dQ tile
         dq_block: gl.constexpr = DQ_ACC.block_type.shape
         dq_stages = gl.allocate_shared_memory(gl.float32, [CONSUMERS * (k_desc.block_type.shape[3] // dq_block[3])]
                                               + dq_block, DQ_ACC.layout)
+    if DQ_ACC is not None and ATOMICS == "pair":  # per consumer, one fp32 buffer for its slice
+        pair_block: gl.constexpr = DQ_ACC.block_type.shape
+        dq_stages = gl.allocate_shared_memory(gl.float32, [CONSUMERS] + pair_block, DQ_ACC.layout)
     if SHARE_SCORES:  # Pᵀ and dSᵀ halves, [2 · buffer + consumer]: what _consumer_shared_scores exchanges
         BM: gl.constexpr = q_desc.block_type.shape[2]
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BM // 2], q_desc.dtype)
@@ -519,14 +570,16 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
         raise ValueError(f"share_scores: the consumers share scores only where they split the head dim (above "
                          f"{SPLIT_ABOVE} columns); got D {q.shape[-1]}")
     rows = (1, 1, ROWS_PER_CONSUMER, D)
+    # (a pair of one consumer is the per-consumer bulk reduce)
+    atomics = "tma" if FUSED_DQ_ATOMICS == "pair" and consumers == 1 else FUSED_DQ_ATOMICS
     consumer_regs, producer_regs, extra = kernel_options(consumers)
     args = dict(q_desc=descriptor(q, (1, 1, block_m, D)), k_desc=descriptor(k, rows), v_desc=descriptor(v, rows),
                 do_desc=descriptor(do, (1, 1, block_m, D)), dk_desc=descriptor(dk, rows),
                 dv_desc=descriptor(dv, rows), LSE=lse, DELTA=delta,
-                DQ_ACC=_dq_descriptor(dq_acc, D) if dq_acc is not None and FUSED_DQ_ATOMICS == "tma" else dq_acc,
+                DQ_ACC=_dq_descriptor(dq_acc, D) if dq_acc is not None and atomics in ("tma", "pair") else dq_acc,
                 qk_scale=qk_scale,
                 sm_scale=sm_scale, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, STAGES=stages, CONSUMERS=consumers,
-                GROUP=Hq // Hkv, CAUSAL=causal, HEAD_DIM=q.shape[-1], ATOMICS=FUSED_DQ_ATOMICS, SPLIT_D=split,
+                GROUP=Hq // Hkv, CAUSAL=causal, HEAD_DIM=q.shape[-1], ATOMICS=atomics, SPLIT_D=split,
                 SHARE_SCORES=share_scores,
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
     grid = (cdiv(Nk, ROWS_PER_CONSUMER * consumers // split), B * Hkv)
