@@ -81,7 +81,7 @@ FUSED_DQ_BLOCK_M = 64
 #: pair of consumers: both consumers' dSᵀ tiles meet in shared memory and each multiplies both by its
 #: columns of K, so a Q tile's dQ share from the program's 128 K/V rows is added once, half the bytes
 #: (FlashAttention-3's way; with one consumer it is "tma").
-FUSED_DQ_ATOMICS = os.environ.get("LAB_FUSED_DQ_ATOMICS", "mma")
+FUSED_DQ_ATOMICS = os.environ.get("LAB_FUSED_DQ_ATOMICS", "pair")
 FUSED_DQ_ATOMICS_CHOICES = ("mma", "rows", "tma", "pair")
 if FUSED_DQ_ATOMICS not in FUSED_DQ_ATOMICS_CHOICES:
     raise ValueError(f"LAB_FUSED_DQ_ATOMICS must be one of {', '.join(FUSED_DQ_ATOMICS_CHOICES)}, "
@@ -182,27 +182,23 @@ def _fused_dq(ds, k_t, dq_acc, dq_stages, first_stage: gl.constexpr, b, h, row0,
 
 
 @gluon.jit
-def _pair_dq_issue(ds_bufs, x, k_bufs, COL0: gl.constexpr, dq_layout: gl.constexpr):
-    """Start columns ``COL0 :`` (a 64-wide slice) of a Q tile's dQ share from both consumers' K/V rows,
-    dS₀·K₀ + dS₁·K₁: their dSᵀ tiles in exchange buffer ``x``, read back transposed, one product 128
-    keys deep, asynchronously."""
+def _pair_dq(ds_bufs, x, k_bufs, dq_desc, stage, b, h, row0, sm_scale, COL0: gl.constexpr,
+             dq_layout: gl.constexpr):
+    """dQ[row0 : row0 + BLOCK_M, COL0 : COL0 + COLS] += sm_scale · (dS₀·K₀ + dS₁·K₁)[:, those columns]:
+    a Q tile's dQ share from both consumers' K/V rows (their dSᵀ tiles in exchange buffer ``x``, read
+    back transposed), one product 128 keys deep, added by one bulk reduce from this consumer's fp32
+    ``stage`` buffer."""
     BLOCK_M: gl.constexpr = ds_bufs.shape[2]
     ROWS: gl.constexpr = k_bufs.shape[3]
     D: gl.constexpr = k_bufs.shape[4]
-    COLS: gl.constexpr = dq_layout.instr_shape[1]
+    COLS: gl.constexpr = stage.shape[3]
     acc = gl.zeros([BLOCK_M, COLS], gl.float32, dq_layout)
     for c in gl.static_range(2):
         k_c = k_bufs.index(c).reshape([ROWS, D]).slice(COL0, COLS, dim=1)
         acc = warpgroup_mma(ds_bufs.index(2 * x + c).permute((1, 0)), k_c, acc, use_acc=c > 0, is_async=True)
-    return acc
-
-
-@gluon.jit
-def _pair_dq_add(acc, dq_desc, stage, b, h, row0, sm_scale, COL0: gl.constexpr):
-    """dQ[row0 :, COL0 :] += sm_scale · ``acc`` (a finished :func:`_pair_dq_issue`), by one bulk reduce
-    from this consumer's fp32 ``stage`` buffer."""
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
     tma.store_wait(0)  # the reduce issued from this buffer last time has read it
-    stage.reshape([acc.shape[0], acc.shape[1]]).store(acc * sm_scale)
+    stage.reshape([BLOCK_M, COLS]).store(acc * sm_scale)
     fence_async_shared()
     _tma_reduce_add(dq_desc, [b, h, row0, COL0], stage)  # (rows past Nq, columns past D clipped)
 
@@ -275,14 +271,9 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
     DQ_COLS: gl.constexpr = 64 if D > 64 else D
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLS, 16])
-    # "pair": the Q tile's dQ share has D / DQ_COLS column slices. With two (D 128) each consumer
-    # takes one, and issues a tile's product at the start of the next tile's turn, ahead of Sᵀ's, so
-    # the tensor cores have it queued while this warpgroup waits for the other's dSᵀ; it adds the slice
-    # of query head ``pend_h`` from row ``pend_row`` while dPᵀ runs. With one slice (D 64) the
-    # consumers take turns by Q tile, the product waited for at once.
+    # "pair": the Q tile's dQ share has D / DQ_COLS column slices; with two (D 128) each consumer
+    # takes one, with one (D 64) the consumers take turns by Q tile.
     SLICES: gl.constexpr = D // DQ_COLS
-    pend_h = h_kv * GROUP
-    pend_row = start_n * 0
 
     first, n_tiles, unmasked = _q_range(start_n, Nq, Nk, BLOCK_M, ROWS * KV_TILES, CAUSAL)
     keys = start_n + TILE * ROWS + gl.arange(0, ROWS, layout=key_layout)
@@ -312,24 +303,11 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
             else:  # (the B operands of dK's and dV's products: this consumer's columns)
                 q_half = q_t.slice(COL0, DH, dim=1)
                 do_half = do_t.slice(COL0, DH, dim=1)
-            if DQ_ACC is not None and ATOMICS == "pair" and SLICES == 2:
-                # The last tile's dQ slice, first in the queue (the first turn multiplies a buffer
-                # not yet written, and adds nothing).
-                xp = (it + 1) % 2
-                if it > 0:
-                    mbarrier.wait(out_bar.index(2 + xp), ((it - 1) // 2) & 1)  # the other's dSᵀ is in
-                dq = _pair_dq_issue(ds_bufs, xp, k_bufs, WG * DQ_COLS, dq_layout)
             st = warpgroup_mma(k_t, q_t.permute((1, 0)), gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout),
                                use_acc=False, is_async=True)
             dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout),
                                 use_acc=False, is_async=True)
-            if DQ_ACC is not None and ATOMICS == "pair" and SLICES == 2:
-                dq, st = warpgroup_mma_wait(1, deps=(dq, st))  # dQ's slice and Sᵀ are done
-                if it > 0:
-                    _pair_dq_add(dq, DQ_ACC, dq_stages.index(WG), b, pend_h, pend_row, sm_scale, WG * DQ_COLS)
-                    mbarrier.arrive(out_bar.index(4 + xp))  # done reading the last tile's buffer
-            else:
-                st = warpgroup_mma_wait(1, deps=(st, ))  # Sᵀ is done; dPᵀ may still be running
+            st = warpgroup_mma_wait(1, deps=(st, ))  # Sᵀ is done; dPᵀ may still be running
             need_mask = ragged
             if CAUSAL:
                 need_mask = need_mask | (row0 < unmasked)
@@ -357,15 +335,15 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                     mbarrier.arrive(out_bar.index(2 + x))  # my dSᵀ is in
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             if DQ_ACC is not None and ATOMICS == "pair":
-                if SLICES == 1:
-                    if x == WG:
-                        mbarrier.wait(out_bar.index(2 + x), (it // 2) & 1)  # and the other's
-                        dq = _pair_dq_issue(ds_bufs, x, k_bufs, 0, dq_layout)
-                        dq = warpgroup_mma_wait(0, deps=(dq, ))
-                        _pair_dq_add(dq, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0, sm_scale, 0)
-                    mbarrier.arrive(out_bar.index(4 + x))  # done reading buffer x
-                pend_h = h_kv * GROUP + g
-                pend_row = row0
+                if SLICES == 2:
+                    mbarrier.wait(out_bar.index(2 + x), (it // 2) & 1)  # and the other's
+                    _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
+                             sm_scale, WG * DQ_COLS, dq_layout)
+                elif x == WG:
+                    mbarrier.wait(out_bar.index(2 + x), (it // 2) & 1)
+                    _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
+                             sm_scale, 0, dq_layout)
+                mbarrier.arrive(out_bar.index(4 + x))  # done reading buffer x
             elif DQ_ACC is not None:
                 if ATOMICS == "tma":
                     dq_acc = DQ_ACC
@@ -376,13 +354,6 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
             _signal(empty.index(s))  # this consumer is done with the slot's Q and dO
             it += 1
     if DQ_ACC is not None and ATOMICS == "pair":
-        if SLICES == 2:
-            if it > 0:  # the last tile's slice
-                xp = (it + 1) % 2
-                mbarrier.wait(out_bar.index(2 + xp), ((it - 1) // 2) & 1)
-                dq = _pair_dq_issue(ds_bufs, xp, k_bufs, WG * DQ_COLS, dq_layout)
-                dq = warpgroup_mma_wait(0, deps=(dq, ))
-                _pair_dq_add(dq, DQ_ACC, dq_stages.index(WG), b, pend_h, pend_row, sm_scale, WG * DQ_COLS)
         # Both consumers' dQ products read both K tiles up to their last Q tile: neither writes its dK
         # over its K tile before the other is done with them (out_bar 0, one arrival per consumer).
         mbarrier.arrive(out_bar.index(0))
