@@ -172,7 +172,7 @@ def test_models():
     skip = bwd.bwd_hbm_bytes(p)
     # Skipping reads fewer Q/dO rows; it writes fewer bytes only where dQ is atomic (fewer adds).
     assert skip.read < full.read and skip.write <= full.write
-    atomic = not bwd.backward_plan(p.D, torch.float16, bwd.device_arch(None), p.causal).separate_dq
+    atomic = bwd.backward_plan(p.D, torch.float16, bwd.device_arch(None), p.causal).atomic_dq
     assert (skip.write < full.write) == atomic
     rows = p.heads * p.N
     assert bwd.train_workspace_bytes(p) == 2 * rows * 4 + (rows * p.D * 4 if atomic else 0)

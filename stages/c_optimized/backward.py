@@ -241,6 +241,12 @@ class BwdPlan:
     ws: WsConfig | None = None
     ws_dq: WsConfig | str | None = None
 
+    @property
+    def atomic_dq(self) -> bool:
+        """Whether dQ is added into an fp32 accumulator (the tl plan's atomic dQ, or fused into the
+        Hopper dK/dV kernel) rather than written once by a dQ kernel of its own."""
+        return self.ws_dq == FUSED_DQ or not self.separate_dq
+
     def __str__(self) -> str:
         dkdv = str(self.ws) if self.ws is not None else str(self.dkdv)
         if self.ws_dq == FUSED_DQ:
@@ -948,8 +954,7 @@ def train_workspace_bytes(p: Problem, deterministic: bool = False) -> int:
     dtype, the fp32 dQ accumulator (4·D B per query row; fp32 inputs accumulate in dq itself)."""
     rows = p.heads * p.N
     plan = backward_plan(p.D, DTYPES[p.dtype], device_arch(None), p.causal, deterministic=deterministic)
-    separate = plan.separate_dq and plan.ws_dq != FUSED_DQ
-    extra = 0 if separate or p.dtype == "fp32" else rows * p.D * 4
+    extra = rows * p.D * 4 if plan.atomic_dq and p.dtype != "fp32" else 0
     return 2 * rows * 4 + extra
 
 
