@@ -7,10 +7,10 @@ into one more product, dS·K, whose tile is added to an fp32 accumulator by atom
 For each cell (dtype, D, causal; FlashAttention-paper sizes, B·N = 16384 tokens, H·D = 2048, and a
 grouped-query cell) this times:
 
-* ``dkdv``: the dK/dV kernel alone, each 64-row-Q config, without and with fused dQ (what the
-  fusion costs the kernel);
+* ``dkdv``: the dK/dV kernel alone, each config fused dQ takes (``backward.fused_dq_fits``), without
+  and with fused dQ (what the fusion costs the kernel);
 * ``whole``: whole backwards in interleaved rounds: stage C's default plan, stage C with fused dQ at
-  every 64-row-Q config, cuDNN's and FlashAttention-2's backward (SDPA);
+  every such config, cuDNN's and FlashAttention-2's backward (SDPA);
 
 after checking each fused config's gradients against the default plan's (max |difference| over the
 default's max: dK and dV must agree to rounding, dQ to the atomics' summation order).
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         ref = bwd.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale)
         print(f"{dtype_name} D{D} causal{int(causal)} B{B} Hq{H} Hkv{k.shape[1]} N{N}: default plan {plan}", flush=True)
         fused_ok = []
-        for ws in (c for c in ws_candidates(D, q.element_size()) if c.block_m == 64):
+        for ws in (c for c in ws_candidates(D, q.element_size()) if bwd.fused_dq_fits(c)):
             for fused in (False, True):
                 status, ms, diffs = "ok", None, None
                 try:

@@ -272,16 +272,16 @@ def test_a_tuned_fused_dq_plan_is_atomic_and_not_deterministic(monkeypatch):
 
 
 def test_fused_dq_needs_64_row_q_tiles_and_atomics(device):
-    """plan_backward refuses fused dQ with another Q tile, without the accumulator or deterministic,
-    and says which argument and what it needs."""
+    """plan_backward refuses fused dQ with another Q tile (32 rows only with two consumers adding once
+    per pair), without the accumulator or deterministic, and says which argument and what it needs."""
     q, k, v = make_qkv(1, 2, 8, 64, torch.bfloat16, device)
     o, lse = saved_forward(q, k, v, False, 0.125)
     t = bwd._allocate(q, k, v, separate=False)
     common = dict(causal=False, scale=0.125, arch=90)
     args = (o, q, k, v, o, lse, t["delta"], t["dq"], t["dk"], t["dv"])
-    for ws, acc, deterministic in ((bwd.WsConfig(32, 2, 2), t["dq_acc"], False), (bwd.WsConfig(64, 2, 2), None, False),
-                                   (bwd.WsConfig(64, 2, 2), t["dq_acc"], True)):
-        with pytest.raises(ValueError, match="ws_dq_config='fused'.*64-row"):
+    for ws, acc, deterministic in ((bwd.WsConfig(32, 1, 2), t["dq_acc"], False), (bwd.WsConfig(128, 1, 2), t["dq_acc"], False),
+                                   (bwd.WsConfig(64, 2, 2), None, False), (bwd.WsConfig(64, 2, 2), t["dq_acc"], True)):
+        with pytest.raises(ValueError, match="ws_dq_config='fused'.*64-row Q tiles, or 32-row ones with two"):
             bwd.plan_backward(*args, acc, ws=ws, ws_dq=bwd.FUSED_DQ, deterministic=deterministic, **common)
     with pytest.raises(ValueError, match="ws_dq_config"):  # (on a CPU: no Hopper kernel; on sm_90: atomics)
         bwd.attention_backward(o, q, k, v, o, lse, causal=False, scale=0.125, ws_dq_config="fused",
@@ -335,6 +335,25 @@ def test_fused_dq_matches_float64_every_way_of_adding(shape, atomics, monkeypatc
     for causal in (False, True):
         q, k, v = make_qkv(B, Hq, Nq, D, torch.bfloat16, device, Hkv=Hkv, Nk=Nk, seed=13)
         check_gradients(attention, q, k, v, causal=causal, dtype_name="bf16", ws_config="ws-M64-c2-s2",
+                        ws_dq_config="fused")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["ws-M32-c2-s2", "ws-M32-c2-s3"])
+@pytest.mark.parametrize("shape", WS_SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}-D{}".format(*s))
+def test_fused_dq_pair_with_32_row_q_tiles_matches_float64(shape, config, monkeypatch, device):
+    """Fused dQ added once per pair of consumers with 32-row Q tiles, where its product runs transposed
+    (dQᵀ = Kᵀ·dSᵀ: the head dim as wgmma's M), causal and not, fp16 and bf16."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper dK/dV kernel needs sm_90")
+    from stages.c_optimized import hopper_bwd
+
+    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_ATOMICS", "pair")
+    monkeypatch.setattr(bwd, "_KEPT", {})
+    B, Hq, Hkv, Nq, Nk, D = shape
+    for causal, dtype_name in ((False, "bf16"), (True, "fp16")):
+        q, k, v = make_qkv(B, Hq, Nq, D, DTYPES[dtype_name], device, Hkv=Hkv, Nk=Nk, seed=14)
+        check_gradients(attention, q, k, v, causal=causal, dtype_name=dtype_name, ws_config=config,
                         ws_dq_config="fused")
 
 
@@ -398,6 +417,24 @@ def test_fused_dq_compiles_for_sm90(atomics, instruction, monkeypatch):
                                    ws_config="ws-M64-c2-s2")
     assert [k.name for k in unfused][1] == "ws_bwd_dkdv_kernel"
     assert "cp.reduce.async.bulk" not in unfused[1].asm["ptx"] and "atom.global" not in unfused[1].asm["ptx"]
+
+
+def test_fused_dq_pair_with_32_row_q_tiles_compiles_without_spills(monkeypatch):
+    """At D 128 fused dQ's 32-row Q tiles (the pair's transposed product) compile for sm_90a with no
+    spills, where 64-row ones spill hundreds of bytes per thread (performance-log entry 54)."""
+    from harness.inspect_code import run_ptxas
+    from stages.c_optimized import hopper_bwd
+
+    monkeypatch.setenv("LAB_FUSED_DQ_ATOMICS", "pair")  # (a compile in a child process reads it at import)
+    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_ATOMICS", "pair")
+    kernels = bwd.compile_backward(Problem(1, 4, 200, 128, "bf16", True, Hkv=2, Nk=300), 90,
+                                   ws_config="ws-M32-c2-s3", ws_dq_config="fused")
+    assert [k.name for k in kernels] == ["attention_bwd_delta_kernel", "ws_bwd_dkdv_kernel"]
+    ptx = kernels[1].asm["ptx"]
+    assert ptx.count("cp.reduce.async.bulk.tensor") == 2  # one reduce site per consumer: its column slice
+    facts = run_ptxas(ptx, "sm_90a")
+    assert "ptxas_error" not in facts, facts
+    assert (facts["spill_stores"], facts["spill_loads"]) == (0, 0), facts
 
 
 def test_hopper_dkdv_config_errors_name_the_argument(device):

@@ -639,9 +639,12 @@ def attention_bwd_dq_kernel(
 
 # ------------------------------------------------------------------------------------------ host side
 
-def hopper_bwd_block_m() -> int:
-    """The Q tile rows fused dQ takes (``hopper_bwd.FUSED_DQ_BLOCK_M``, without importing Gluon)."""
-    return 64
+def fused_dq_fits(ws: WsConfig) -> bool:
+    """Whether fused dQ runs with these Hopper dK/dV tiles (``hopper_bwd.fused_dq_block_ms``: 64-row Q
+    tiles, or 32-row ones with two consumers that add once per pair)."""
+    from . import hopper_bwd  # (Gluon: imported only where it runs)
+
+    return ws.block_m in hopper_bwd.fused_dq_block_ms(ws.consumers)
 
 
 def _new_gradient(t: torch.Tensor) -> torch.Tensor:
@@ -697,11 +700,11 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
         config, dq_config = plan.dkdv, dq_config or plan.dq
     dq_config = dq_config or config
     fused = ws_dq == FUSED_DQ
-    if fused and (ws is None or deterministic or dq_acc is None or ws.block_m != hopper_bwd_block_m()):
+    if fused and (ws is None or deterministic or dq_acc is None or not fused_dq_fits(ws)):
         raise ValueError(f"ws_dq_config={FUSED_DQ!r} (dQ by atomics inside the Hopper dK/dV kernel) needs a Hopper "
-                         f"dK/dV config with {hopper_bwd_block_m()}-row Q tiles (ws_config, e.g. 'ws-M64-c2-s2'), "
-                         f"deterministic off and the fp32 accumulator; got ws_config={ws}, "
-                         f"deterministic={deterministic}")
+                         f"dK/dV config with 64-row Q tiles, or 32-row ones with two consumers (ws_config, e.g. "
+                         f"'ws-M64-c2-s2' or 'ws-M32-c2-s3'), deterministic off and the fp32 accumulator; got "
+                         f"ws_config={ws}, deterministic={deterministic}")
     if (ws is not None or ws_dq is not None) and not deterministic and not fused:
         raise ValueError("the Hopper kernels form dQ in a kernel of its own: plan_backward needs deterministic=True "
                          "with ws or ws_dq")
@@ -845,8 +848,7 @@ def _plan_layout(do, q, k, v, o, lse, *, causal, scale, deterministic, tuned_til
     ws = choose_ws(plan.ws if auto else None, ws_config, q, k, v, do, arch, switches_on=switches_on)
     ws_dq = choose_ws(plan.ws_dq if auto else None, ws_dq_config, q, k, v, do, arch, switches_on=switches_on,
                       name="ws_dq_config")
-    if ws_dq == FUSED_DQ and ws_dq_config is None and (ws is None or ws_config is not None
-                                                       or ws.block_m != hopper_bwd_block_m()):
+    if ws_dq == FUSED_DQ and ws_dq_config is None and (ws is None or ws_config is not None or not fused_dq_fits(ws)):
         ws_dq = None  # a planned fused dQ goes with the planned dK/dV kernel only (else the tl kernels' dQ)
     if ws_dq == FUSED_DQ and deterministic:
         raise ValueError(f"ws_dq_config={FUSED_DQ!r} adds dQ by atomics: it cannot be deterministic")

@@ -71,8 +71,6 @@ from .hopper_ws import SPLIT_ABOVE, GluonTensorDescriptor, _signal, descriptor, 
 
 #: K/V rows per consumer warpgroup: wgmma's M is 64 per warpgroup.
 ROWS_PER_CONSUMER = 64
-#: Fused dQ's product has the Q tile's rows as its M: one warpgroup's 64.
-FUSED_DQ_BLOCK_M = 64
 #: How fused dQ adds its tiles into the fp32 accumulator (``LAB_FUSED_DQ_ATOMICS``): "mma", by the
 #: threads' atomics straight from the accumulator's registers (a warp's instruction touches 8 rows, 32
 #: bytes of each); "rows", the same after a conversion, through shared memory, to a layout whose warp
@@ -86,6 +84,14 @@ FUSED_DQ_ATOMICS_CHOICES = ("mma", "rows", "tma", "pair")
 if FUSED_DQ_ATOMICS not in FUSED_DQ_ATOMICS_CHOICES:
     raise ValueError(f"LAB_FUSED_DQ_ATOMICS must be one of {', '.join(FUSED_DQ_ATOMICS_CHOICES)}, "
                      f"got {FUSED_DQ_ATOMICS!r}")
+
+
+def fused_dq_block_ms(consumers: int) -> tuple[int, ...]:
+    """The Q tile rows fused dQ takes with ``consumers`` warpgroups, adding as :data:`FUSED_DQ_ATOMICS`
+    says: 64, the dQ product's M being the tile's queries (one warpgroup's 64); adding once per pair of
+    consumers, 32 too: the product then runs transposed, dQᵀ = Kᵀ·dSᵀ, 64 head-dim columns as its M and
+    the 32 queries as its N, so its accumulator (and the scores') take half the registers."""
+    return (32, 64) if FUSED_DQ_ATOMICS == "pair" and consumers == 2 else (64, )
 
 
 @gluon.jit
@@ -185,18 +191,29 @@ def _fused_dq(ds, k_t, dq_acc, dq_stages, first_stage: gl.constexpr, b, h, row0,
 def _pair_dq(ds_bufs, x, k_bufs, dq_desc, stage, b, h, row0, sm_scale, COL0: gl.constexpr,
              dq_layout: gl.constexpr):
     """dQ[row0 : row0 + BLOCK_M, COL0 : COL0 + COLS] += sm_scale · (dS₀·K₀ + dS₁·K₁)[:, those columns]:
-    a Q tile's dQ share from both consumers' K/V rows (their dSᵀ tiles in exchange buffer ``x``, read
-    back transposed), one product 128 keys deep, added by one bulk reduce from this consumer's fp32
-    ``stage`` buffer."""
+    a Q tile's dQ share from both consumers' K/V rows (their dSᵀ tiles in exchange buffer ``x``), one
+    product 128 keys deep, added by one bulk reduce from this consumer's fp32 ``stage`` buffer. With
+    64-row Q tiles dS (dSᵀ read back transposed) is the product's A and the queries its M; with 32-row
+    ones (under wgmma's M of 64) it runs transposed, dQᵀ = Kᵀ·dSᵀ, and the result is stored transposed."""
     BLOCK_M: gl.constexpr = ds_bufs.shape[2]
     ROWS: gl.constexpr = k_bufs.shape[3]
     D: gl.constexpr = k_bufs.shape[4]
     COLS: gl.constexpr = stage.shape[3]
-    acc = gl.zeros([BLOCK_M, COLS], gl.float32, dq_layout)
-    for c in gl.static_range(2):
-        k_c = k_bufs.index(c).reshape([ROWS, D]).slice(COL0, COLS, dim=1)
-        acc = warpgroup_mma(ds_bufs.index(2 * x + c).permute((1, 0)), k_c, acc, use_acc=c > 0, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    if BLOCK_M < 64:
+        t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        acc_t = gl.zeros([COLS, BLOCK_M], gl.float32, t_layout)
+        for c in gl.static_range(2):
+            k_ct = k_bufs.index(c).reshape([ROWS, D]).slice(COL0, COLS, dim=1).permute((1, 0))
+            acc_t = warpgroup_mma(k_ct, ds_bufs.index(2 * x + c), acc_t, use_acc=c > 0, is_async=True)
+        acc_t = warpgroup_mma_wait(0, deps=(acc_t, ))
+        acc = gl.permute(acc_t, [1, 0])
+    else:
+        acc = gl.zeros([BLOCK_M, COLS], gl.float32, dq_layout)
+        for c in gl.static_range(2):
+            k_c = k_bufs.index(c).reshape([ROWS, D]).slice(COL0, COLS, dim=1)
+            acc = warpgroup_mma(ds_bufs.index(2 * x + c).permute((1, 0)), k_c, acc, use_acc=c > 0, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
     tma.store_wait(0)  # the reduce issued from this buffer last time has read it
     stage.reshape([BLOCK_M, COLS]).store(acc * sm_scale)
     fence_async_shared()
@@ -544,10 +561,10 @@ def kernel_options(consumers: int) -> tuple[int, int, dict]:
     return consumer_regs, producer_regs, {"maxnreg": maxnreg}
 
 
-def _dq_descriptor(dq_acc, D: int) -> GluonTensorDescriptor:
-    """The fp32 dQ accumulator's TMA descriptor for the bulk reduce: boxes of one consumer's 64 rows by
-    the D-slice the fused dQ product makes (``_consumer``'s ``DQ_COLS``)."""
-    block = [1, 1, FUSED_DQ_BLOCK_M, 64 if D > 64 else D]
+def _dq_descriptor(dq_acc, D: int, block_m: int) -> GluonTensorDescriptor:
+    """The fp32 dQ accumulator's TMA descriptor for the bulk reduce: boxes of a Q tile's ``block_m``
+    rows by the D-slice the fused dQ product makes (``_consumer``'s ``DQ_COLS``)."""
+    block = [1, 1, block_m, 64 if D > 64 else D]
     return GluonTensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), block,
                                  gl.NVMMASharedLayout.get_default_for(block, gl.float32))
 
@@ -557,11 +574,13 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
     """The launch of ``ws_bwd_dkdv_kernel`` for these tensors: K/V tiles of ``consumers × 64`` rows
     (above 128 columns, one tile of 64 rows whose head dim the two consumers split:
     :func:`split_head_dim`), Q/dO tiles of ``block_m`` rows through ``stages`` slots; with ``dq_acc`` (a
-    zeroed fp32 tensor shaped like ``q``) it also adds dQ into it (fused dQ: 64-row Q tiles only,
-    wgmma's M). ``share_scores`` (with the split head dim only): the two consumers compute the scores
-    of a Q tile's halves and exchange them (``_consumer_shared_scores``) instead of both computing all."""
-    if dq_acc is not None and block_m != FUSED_DQ_BLOCK_M:
-        raise ValueError(f"fused dQ takes {FUSED_DQ_BLOCK_M}-row Q tiles (wgmma's M per warpgroup), got {block_m}")
+    zeroed fp32 tensor shaped like ``q``) it also adds dQ into it (fused dQ: 64-row Q tiles,
+    wgmma's M; 32-row ones too where it adds once per pair of consumers: :func:`fused_dq_block_ms`).
+    ``share_scores`` (with the split head dim only): the two consumers compute the scores of a Q tile's
+    halves and exchange them (``_consumer_shared_scores``) instead of both computing all."""
+    if dq_acc is not None and block_m not in fused_dq_block_ms(consumers):
+        raise ValueError(f"fused dQ with {consumers} consumer(s) adding by {FUSED_DQ_ATOMICS!r} takes Q tiles of "
+                         f"{' or '.join(map(str, fused_dq_block_ms(consumers)))} rows, got {block_m}")
     B, Hq, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     D = padded_head_dim(q.shape[-1])  # tiles of the padded width: TMA zero-fills past the head dim
@@ -581,7 +600,8 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
     args = dict(q_desc=descriptor(q, (1, 1, block_m, D)), k_desc=descriptor(k, rows), v_desc=descriptor(v, rows),
                 do_desc=descriptor(do, (1, 1, block_m, D)), dk_desc=descriptor(dk, rows),
                 dv_desc=descriptor(dv, rows), LSE=lse, DELTA=delta,
-                DQ_ACC=_dq_descriptor(dq_acc, D) if dq_acc is not None and atomics in ("tma", "pair") else dq_acc,
+                DQ_ACC=_dq_descriptor(dq_acc, D, block_m) if dq_acc is not None and atomics in ("tma", "pair")
+                else dq_acc,
                 qk_scale=qk_scale,
                 sm_scale=sm_scale, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, STAGES=stages, CONSUMERS=consumers,
                 GROUP=Hq // Hkv, CAUSAL=causal, HEAD_DIM=q.shape[-1], ATOMICS=atomics, SPLIT_D=split,

@@ -229,7 +229,7 @@ def tune_hopper_cell(dtype_name: str, D: int, causal: bool, N: int, entry: dict,
     backward measured faster with them (and removed where not)."""
     from ..contract import padded_head_dim
     from . import hopper_ws
-    from .backward import FUSED_DQ, BwdConfig, attention_backward
+    from .backward import FUSED_DQ, BwdConfig, attention_backward, fused_dq_fits
 
     tensors = _inputs(dtype_name, D, causal, N)
     q, k, v, o, lse, do = tensors
@@ -264,8 +264,8 @@ def tune_hopper_cell(dtype_name: str, D: int, causal: bool, N: int, entry: dict,
             kw = {"ws_config" if kind == "ws" else "ws_dq_config": ws}
             race(kind, ws, kw, lambda: _bench(_ws_launches(tensors, causal, tl_kw, kw)[index].run))
     # Fused dQ (the dK/dV kernel adding dQ itself): only whole backwards compare, since it does the
-    # work of two kernels; 64-row Q tiles only.
-    for ws in (c for c in ws_candidates(padded_head_dim(D), q.element_size()) if c.block_m == 64
+    # work of two kernels; the Q tiles it takes (backward.fused_dq_fits).
+    for ws in (c for c in ws_candidates(padded_head_dim(D), q.element_size()) if fused_dq_fits(c)
                and hopper_ws.split_head_dim(padded_head_dim(D)) == 1):
         kw = {"ws_config": ws, "ws_dq_config": FUSED_DQ}
         race("fused", ws, kw, lambda: _bench(lambda: attention_backward(do, q, k, v, o, lse, causal=causal,
