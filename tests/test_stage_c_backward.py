@@ -431,7 +431,7 @@ def test_fused_dq_pair_with_32_row_q_tiles_compiles_without_spills(monkeypatch):
                                    ws_config="ws-M32-c2-s3", ws_dq_config="fused")
     assert [k.name for k in kernels] == ["attention_bwd_delta_kernel", "ws_bwd_dkdv_kernel"]
     ptx = kernels[1].asm["ptx"]
-    assert "cp.reduce.async.bulk.tensor" in ptx
+    assert ptx.count("cp.reduce.async.bulk.tensor") == 2  # one reduce site per consumer: its column slice
     facts = run_ptxas(ptx, "sm_90a")
     assert "ptxas_error" not in facts, facts
     assert (facts["spill_stores"], facts["spill_loads"]) == (0, 0), facts

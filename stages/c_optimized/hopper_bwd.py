@@ -288,8 +288,8 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
     DQ_COLS: gl.constexpr = 64 if D > 64 else D
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLS, 16])
-    # "pair": the consumers take turns by Q tile, the one whose turn it is forming the tile's dQ share
-    # (D / DQ_COLS column slices, one product each) while the other goes on to the next tile's scores.
+    # "pair": the Q tile's dQ share has D / DQ_COLS column slices; with two (D 128) each consumer
+    # takes one, with one (D 64) the consumers take turns by Q tile.
     SLICES: gl.constexpr = D // DQ_COLS
 
     first, n_tiles, unmasked = _q_range(start_n, Nq, Nk, BLOCK_M, ROWS * KV_TILES, CAUSAL)
@@ -352,11 +352,14 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                     mbarrier.arrive(out_bar.index(2 + x))  # my dSᵀ is in
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             if DQ_ACC is not None and ATOMICS == "pair":
-                if x == WG:
+                if SLICES == 2:
+                    mbarrier.wait(out_bar.index(2 + x), (it // 2) & 1)  # and the other's
+                    _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
+                             sm_scale, WG * DQ_COLS, dq_layout)
+                elif x == WG:
                     mbarrier.wait(out_bar.index(2 + x), (it // 2) & 1)
-                    for c in gl.static_range(SLICES):
-                        _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
-                                 sm_scale, c * DQ_COLS, dq_layout)
+                    _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
+                             sm_scale, 0, dq_layout)
                 mbarrier.arrive(out_bar.index(4 + x))  # done reading buffer x
             elif DQ_ACC is not None:
                 if ATOMICS == "tma":
