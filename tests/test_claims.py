@@ -359,7 +359,7 @@ CLAIMS = [
     Claim(C_README, "Stage B's rows come from an earlier run than C's walk ({}-{}-{} against {}-{}-{}",
           lambda d: (*run_date(d, "b", None), *run_date(d, "c", "+none")), rel=0),
     # ---------------------------------------------------------------- stage C, the details page
-    Claim(C_DETAILS, "the model table's `tiny` cell: {} µs of GPU time, {} µs eager",
+    Claim(C_DETAILS, "The model table's `tiny` cell now takes\n{} µs of GPU time, {} µs eager",
           lambda d: (d.suite_row("tiny", "c")["ms_gpu"] * 1e3, d.suite_row("tiny", "c")["ms_median"] * 1e3)),
     Claim(C_DETAILS, "builds TMA descriptors from templates: {} → {} µs per call",
           lambda d: (host_path_us(d, "stage C default  ordinary launch"),
@@ -367,6 +367,12 @@ CLAIMS = [
     Claim(C_DETAILS, "At D 256 the backward went from {} ms with the `tl` kernels to {}, level with cuDNN",
           lambda d: (tuning_ms(d, "2026-12-04_hopper_bwd_tuning_d256_shared.csv", 256, 0, "whole_tl"),
                      tuning_ms(d, "2026-12-04_hopper_bwd_tuning_d256_shared.csv", 256, 0, "whole_ws+ws_dq"))),
+    Claim(C_DETAILS, "at D 64 it is what the tuner keeps ({} ms against {})",
+          lambda d: (tuning_ms(d, "2026-12-04_hopper_bwd_tuning_d64_pair.csv", 64, 0, "whole_ws+fused"),
+                     tuning_ms(d, "2026-12-04_hopper_bwd_tuning_d64_pair.csv", 64, 0, "whole_ws"))),
+    Claim(C_DETAILS, "stage C runs at {}–{} of it at D 48 and 64, where it fuses dQ too, and at {}–{} at D 80–128",
+          lambda d: tuple(f(bwd_ratios(d, "bf16", dims) + bwd_ratios(d, "fp16", dims))
+                          for dims in ((48, 64), (80, 96, 112, 128)) for f in (min, max))),
     Claim(C_DETAILS, "ahead of cuDNN at D 32 and level with it at D 200 and 256",
           lambda d: min(bwd_ratios(d, "bf16", (32,))) > 1 and min(bwd_ratios(d, "bf16", (200, 256))) >= 0.95,
           why="the bf16 backward grid rows: C / cuDNN above 1 at D 32, at least 0.95 at D 200 and 256"),
