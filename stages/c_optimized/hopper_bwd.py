@@ -22,11 +22,15 @@ down, as FlashAttention-3's backward does on Hopper:
 dQ comes from a kernel of its own, the ``tl`` one (``attention_bwd_dq_kernel``) or the Hopper one
 below (``ws_bwd_dq_kernel``): Q resident, K/V streamed, dQ in registers, a fixed summation order, so
 this path is deterministic too; it recomputes Sᵀ and dPᵀ, seven products per tile pair in all.
-**Fused dQ** (``ws_dq_config="fused"``), a rung that can be switched on, does five: each consumer
-stores its dSᵀ to shared memory, multiplies it (read back transposed) by its K tile, 64 columns of
-dQ at a time, and adds the tile into an fp32 accumulator shaped like Q, which a cast turns into dQ
-after the kernel. The additions race between programs, so the last bits of dQ vary from run to run.
-How it adds (:data:`FUSED_DQ_ATOMICS`) is what decides its speed: performance-log entry 48. Row statistics: the
+**Fused dQ** (``ws_dq_config="fused"``), a rung that can be switched on, does five: the consumers
+store their dSᵀ tiles to shared memory, multiply them (read back transposed) by the K tiles, 64
+columns of dQ at a time, and add the result into an fp32 accumulator shaped like Q, which a cast
+turns into dQ after the kernel. The additions race between programs, so the last bits of dQ vary
+from run to run. How it adds (:data:`FUSED_DQ_ATOMICS`) is what decides its speed: by default
+("pair") the two consumers' dSᵀ tiles meet in double-buffered shared memory, so a Q tile's share from
+the program's 128 keys is one product 128 keys deep and one bulk reduce by the copy engine
+(:func:`_pair_dq`; at D 64 the consumers take turns by Q tile, at D 128 each adds its 64 columns);
+the tuner keeps it at D 64 (performance-log entries 48 and 54). Row statistics: the
 forward's base-2 log-sum-exp and the pre-pass's Δ = rowsum(dO ∘ O), loaded per Q tile by the
 consumers (64 floats, from L2). Masks: keys past Nk and (causal, bottom-right) keys after a query are
 zeroed in Pᵀ after the exponential, only on the tiles that need it (a runtime branch); query rows
