@@ -271,6 +271,19 @@ def test_a_tuned_fused_dq_plan_is_atomic_and_not_deterministic(monkeypatch):
         bwd.backward_plan.cache_clear()
 
 
+def test_fused_dq_takes_32_row_q_tiles_only_when_a_pair_adds(monkeypatch):
+    """Which Hopper dK/dV tiles fused dQ runs with, as the tuner races them: 64-row Q tiles always; 32-row
+    ones only with two consumers adding once per pair (the transposed product); never 128-row ones."""
+    from stages.c_optimized import hopper_bwd
+    from stages.c_optimized.tune_backward import ws_candidates
+
+    fused = lambda: {str(c) for c in ws_candidates(128, 2) if bwd.fused_dq_fits(c)}  # noqa: E731
+    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_ATOMICS", "pair")
+    assert {"ws-M32-c2-s2", "ws-M64-c2-s2", "ws-M64-c1-s2"} <= fused() and "ws-M128-c1-s2" not in fused()
+    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_ATOMICS", "tma")
+    assert "ws-M64-c2-s2" in fused() and not any(c.startswith("ws-M32") for c in fused())
+
+
 def test_fused_dq_needs_64_row_q_tiles_and_atomics(device):
     """plan_backward refuses fused dQ with another Q tile (32 rows only with two consumers adding once
     per pair), without the accumulator or deterministic, and says which argument and what it needs."""
