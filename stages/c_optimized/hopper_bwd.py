@@ -340,8 +340,9 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
             dst_op = gl.convert_layout(dst.to(dtype), op_layout)
             dk = warpgroup_mma(dst_op, q_half, dk, is_async=True)
             if DQ_ACC is not None:
-                # dQ's product wants dS (queries × keys) as its A operand, the registers hold dSᵀ:
-                # through shared memory, read back transposed; B is this consumer's K tile.
+                # dQ's product wants dS (queries × keys), the registers hold dSᵀ: through shared
+                # memory, read back transposed (the pair's, with 32-row Q tiles: as stored, into the
+                # transposed product); its other operand is this consumer's K tile (the pair's: both).
                 if ATOMICS == "pair":
                     # Exchange buffer x was last read two Q tiles ago: both consumers must be done
                     # with it (out_bar 4 + x; a fresh mbarrier counts as "phase 1 completed").
