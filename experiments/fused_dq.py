@@ -15,8 +15,10 @@ grouped-query cell) this times:
 after checking each fused config's gradients against the default plan's (max |difference| over the
 default's max: dK and dV must agree to rounding, dQ to the atomics' summation order).
 
-    python experiments/fused_dq.py --csv results/h200/experiments/<date>_fused_dq_mma.csv
+    python experiments/fused_dq.py --csv results/h200/experiments/<date>_fused_dq_pair.csv   # the default way: pair
+    LAB_FUSED_DQ_ATOMICS=mma python experiments/fused_dq.py --csv results/h200/experiments/<date>_fused_dq_mma.csv
     LAB_FUSED_DQ_ATOMICS=tma python experiments/fused_dq.py --csv results/h200/experiments/<date>_fused_dq_tma.csv
+    LAB_FUSED_DQ_AHEAD=1 python experiments/fused_dq.py --D 128 --gqa no   # each tile's dQ product issued a tile ahead
     python experiments/fused_dq.py --D 128 --causal no --gqa no
 """
 
@@ -94,7 +96,8 @@ def main(argv=None) -> int:
         B, H, N = q.shape[0], q.shape[1], q.shape[2]
         flops = 2.5 * 4.0 * B * H * N * N * D / (2 if causal else 1)
         cell = dict(dtype=dtype_name, D=D, causal=int(causal), N=N, B=B, Hq=H, Hkv=k.shape[1],
-                    atomics=hopper_bwd.FUSED_DQ_ATOMICS)  # (how fused dQ adds: LAB_FUSED_DQ_ATOMICS)
+                    atomics=hopper_bwd.FUSED_DQ_ATOMICS + ("+ahead" if hopper_bwd.FUSED_DQ_AHEAD else ""))
+        # (how fused dQ adds: LAB_FUSED_DQ_ATOMICS, and LAB_FUSED_DQ_AHEAD)
         scale = D ** -0.5
         plan = bwd.backward_plan(D, q.dtype, 90, causal)
         ref = bwd.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale)

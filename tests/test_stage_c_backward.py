@@ -371,6 +371,28 @@ def test_fused_dq_pair_with_32_row_q_tiles_matches_float64(shape, config, monkey
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", ["ws-M32-c2-s3", "ws-M64-c2-s2"])
+@pytest.mark.parametrize("shape", WS_SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}-D{}".format(*s))
+def test_fused_dq_issued_ahead_matches_float64(shape, config, monkeypatch, device):
+    """The pair's dQ product issued at the start of the next Q tile's turn (``LAB_FUSED_DQ_AHEAD``; at
+    D 128, where each consumer forms its column slice every tile; at D 64 the switch changes nothing),
+    causal and not: the first turn's product, over a buffer not yet written, must add nothing, and the
+    last tile's must still be added after the loop."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper dK/dV kernel needs sm_90")
+    from stages.c_optimized import hopper_bwd
+
+    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_ATOMICS", "pair")
+    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_AHEAD", True)
+    monkeypatch.setattr(bwd, "_KEPT", {})
+    B, Hq, Hkv, Nq, Nk, D = shape
+    for causal in (False, True):
+        q, k, v = make_qkv(B, Hq, Nq, D, torch.bfloat16, device, Hkv=Hkv, Nk=Nk, seed=15)
+        check_gradients(attention, q, k, v, causal=causal, dtype_name="bf16", ws_config=config,
+                        ws_dq_config="fused")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", WS_CONFIGS)
 def test_every_hopper_dkdv_config_is_correct(config, device):
     if torch.cuda.get_device_capability()[0] != 9:
@@ -448,6 +470,25 @@ def test_fused_dq_pair_with_32_row_q_tiles_compiles_without_spills(monkeypatch):
     facts = run_ptxas(ptx, "sm_90a")
     assert "ptxas_error" not in facts, facts
     assert (facts["spill_stores"], facts["spill_loads"]) == (0, 0), facts
+
+
+def test_fused_dq_issued_ahead_compiles_for_sm90(monkeypatch):
+    """``LAB_FUSED_DQ_AHEAD`` at D 128: each consumer's dQ slice is issued ahead of the next tile's Sᵀ,
+    so the kernel has one more product site (the last tile's, after the loop) and still adds by the
+    bulk reduce; off, the kernel is the pair's own."""
+    from stages.c_optimized import hopper_bwd
+
+    monkeypatch.setenv("LAB_FUSED_DQ_ATOMICS", "pair")  # (a compile in a child process reads them at import)
+    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_ATOMICS", "pair")
+    problem = Problem(1, 4, 200, 128, "bf16", False, Hkv=2, Nk=300)
+    sites = {}
+    for ahead in (False, True):
+        monkeypatch.setenv("LAB_FUSED_DQ_AHEAD", "1" if ahead else "0")
+        monkeypatch.setattr(hopper_bwd, "FUSED_DQ_AHEAD", ahead)
+        ptx = bwd.compile_backward(problem, 90, ws_config="ws-M32-c2-s2", ws_dq_config="fused")[1].asm["ptx"]
+        assert "cp.reduce.async.bulk.tensor" in ptx
+        sites[ahead] = ptx.count("cp.reduce.async.bulk.tensor")
+    assert sites[True] > sites[False]
 
 
 def test_hopper_dkdv_config_errors_name_the_argument(device):

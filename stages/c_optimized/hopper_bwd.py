@@ -85,6 +85,9 @@ ROWS_PER_CONSUMER = 64
 #: (FlashAttention-3's way; with one consumer it is "tma").
 FUSED_DQ_ATOMICS = os.environ.get("LAB_FUSED_DQ_ATOMICS", "pair")
 FUSED_DQ_ATOMICS_CHOICES = ("mma", "rows", "tma", "pair")
+#: "pair" at D 128 (each consumer its column slice every Q tile): issue a tile's dQ product at the start
+#: of the next tile's turn, ahead of its Sᵀ, and add it while dPᵀ runs (``LAB_FUSED_DQ_AHEAD=1``).
+FUSED_DQ_AHEAD = os.environ.get("LAB_FUSED_DQ_AHEAD", "0") == "1"
 if FUSED_DQ_ATOMICS not in FUSED_DQ_ATOMICS_CHOICES:
     raise ValueError(f"LAB_FUSED_DQ_ATOMICS must be one of {', '.join(FUSED_DQ_ATOMICS_CHOICES)}, "
                      f"got {FUSED_DQ_ATOMICS!r}")
@@ -192,36 +195,51 @@ def _fused_dq(ds, k_t, dq_acc, dq_stages, first_stage: gl.constexpr, b, h, row0,
 
 
 @gluon.jit
-def _pair_dq(ds_bufs, x, k_bufs, dq_desc, stage, b, h, row0, sm_scale, COL0: gl.constexpr,
-             dq_layout: gl.constexpr):
-    """dQ[row0 : row0 + BLOCK_M, COL0 : COL0 + COLS] += sm_scale · (dS₀·K₀ + dS₁·K₁)[:, those columns]:
-    a Q tile's dQ share from both consumers' K/V rows (their dSᵀ tiles in exchange buffer ``x``), one
-    product 128 keys deep, added by one bulk reduce from this consumer's fp32 ``stage`` buffer. With
+def _pair_dq_issue(ds_bufs, x, k_bufs, COL0: gl.constexpr, COLS: gl.constexpr, dq_layout: gl.constexpr):
+    """Start (asynchronously) columns ``COL0 : COL0 + COLS`` of a Q tile's dQ share from both consumers'
+    K/V rows, dS₀·K₀ + dS₁·K₁: their dSᵀ tiles in exchange buffer ``x``, one product 128 keys deep. With
     64-row Q tiles dS (dSᵀ read back transposed) is the product's A and the queries its M; with 32-row
-    ones (under wgmma's M of 64) it runs transposed, dQᵀ = Kᵀ·dSᵀ, and the result is stored transposed."""
+    ones (under wgmma's M of 64) it runs transposed, dQᵀ = Kᵀ·dSᵀ (:func:`_pair_dq_add` turns it back)."""
     BLOCK_M: gl.constexpr = ds_bufs.shape[2]
     ROWS: gl.constexpr = k_bufs.shape[3]
     D: gl.constexpr = k_bufs.shape[4]
-    COLS: gl.constexpr = stage.shape[3]
     if BLOCK_M < 64:
         t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
-        acc_t = gl.zeros([COLS, BLOCK_M], gl.float32, t_layout)
+        acc = gl.zeros([COLS, BLOCK_M], gl.float32, t_layout)
         for c in gl.static_range(2):
             k_ct = k_bufs.index(c).reshape([ROWS, D]).slice(COL0, COLS, dim=1).permute((1, 0))
-            acc_t = warpgroup_mma(k_ct, ds_bufs.index(2 * x + c), acc_t, use_acc=c > 0, is_async=True)
-        acc_t = warpgroup_mma_wait(0, deps=(acc_t, ))
-        acc = gl.permute(acc_t, [1, 0])
+            acc = warpgroup_mma(k_ct, ds_bufs.index(2 * x + c), acc, use_acc=c > 0, is_async=True)
     else:
         acc = gl.zeros([BLOCK_M, COLS], gl.float32, dq_layout)
         for c in gl.static_range(2):
             k_c = k_bufs.index(c).reshape([ROWS, D]).slice(COL0, COLS, dim=1)
             acc = warpgroup_mma(ds_bufs.index(2 * x + c).permute((1, 0)), k_c, acc, use_acc=c > 0, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
+    return acc
+
+
+@gluon.jit
+def _pair_dq_add(acc, dq_desc, stage, b, h, row0, sm_scale, COL0: gl.constexpr):
+    """dQ[row0 : row0 + BLOCK_M, COL0 :] += sm_scale · ``acc`` (a finished :func:`_pair_dq_issue`, transposed
+    with 32-row Q tiles), by one bulk reduce from this consumer's fp32 ``stage`` buffer."""
+    BLOCK_M: gl.constexpr = stage.shape[2]
+    COLS: gl.constexpr = stage.shape[3]
+    if BLOCK_M < 64:
+        acc = gl.permute(acc, [1, 0])
     tma.store_wait(0)  # the reduce issued from this buffer last time has read it
     stage.reshape([BLOCK_M, COLS]).store(acc * sm_scale)
     fence_async_shared()
     _tma_reduce_add(dq_desc, [b, h, row0, COL0], stage)  # (rows past Nq, columns past D clipped)
+
+
+@gluon.jit
+def _pair_dq(ds_bufs, x, k_bufs, dq_desc, stage, b, h, row0, sm_scale, COL0: gl.constexpr,
+             dq_layout: gl.constexpr):
+    """dQ[row0 : row0 + BLOCK_M, COL0 : COL0 + COLS] += sm_scale · (dS₀·K₀ + dS₁·K₁)[:, those columns]:
+    :func:`_pair_dq_issue`, waited for, then :func:`_pair_dq_add`."""
+    acc = _pair_dq_issue(ds_bufs, x, k_bufs, COL0, stage.shape[3], dq_layout)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    _pair_dq_add(acc, dq_desc, stage, b, h, row0, sm_scale, COL0)
 
 
 @gluon.jit
@@ -262,7 +280,7 @@ def _store_halves(dk, dv, k_bufs, v_bufs, bars, dk_desc, dv_desc, b, h_kv, start
 
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-              ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr):
+              ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr, AHEAD: gl.constexpr):
     """One warpgroup: dK and dV of its 64 K/V rows, over every Q tile of the group's query heads; with
     a dQ accumulator (``DQ_ACC``, fused dQ), also each Q tile's share of dQ from these rows. With
     ``SPLIT_D`` = 2 two consumers share one 64-row K/V tile and each keeps the dK and dV columns of
@@ -295,6 +313,9 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
     # "pair": the Q tile's dQ share has D / DQ_COLS column slices; with two (D 128) each consumer
     # takes one, with one (D 64) the consumers take turns by Q tile.
     SLICES: gl.constexpr = D // DQ_COLS
+    AHEAD_ON: gl.constexpr = AHEAD and SLICES == 2
+    pend_h = h_kv * GROUP
+    pend_row = start_n * 0
 
     first, n_tiles, unmasked = _q_range(start_n, Nq, Nk, BLOCK_M, ROWS * KV_TILES, CAUSAL)
     keys = start_n + TILE * ROWS + gl.arange(0, ROWS, layout=key_layout)
@@ -324,11 +345,22 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
             else:  # (the B operands of dK's and dV's products: this consumer's columns)
                 q_half = q_t.slice(COL0, DH, dim=1)
                 do_half = do_t.slice(COL0, DH, dim=1)
+            if DQ_ACC is not None and ATOMICS == "pair" and AHEAD_ON:
+                xp = (it + 1) % 2
+                if it > 0:
+                    mbarrier.wait(out_bar.index(2 + xp), ((it - 1) // 2) & 1)
+                dq = _pair_dq_issue(ds_bufs, xp, k_bufs, WG * DQ_COLS, DQ_COLS, dq_layout)
             st = warpgroup_mma(k_t, q_t.permute((1, 0)), gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout),
                                use_acc=False, is_async=True)
             dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout),
                                 use_acc=False, is_async=True)
-            st = warpgroup_mma_wait(1, deps=(st, ))  # Sᵀ is done; dPᵀ may still be running
+            if DQ_ACC is not None and ATOMICS == "pair" and AHEAD_ON:
+                dq, st = warpgroup_mma_wait(1, deps=(dq, st))
+                if it > 0:
+                    _pair_dq_add(dq, DQ_ACC, dq_stages.index(WG), b, pend_h, pend_row, sm_scale, WG * DQ_COLS)
+                    mbarrier.arrive(out_bar.index(4 + xp))
+            else:
+                st = warpgroup_mma_wait(1, deps=(st, ))  # Sᵀ is done; dPᵀ may still be running
             need_mask = ragged
             if CAUSAL:
                 need_mask = need_mask | (row0 < unmasked)
@@ -357,7 +389,10 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                     mbarrier.arrive(out_bar.index(2 + x))  # my dSᵀ is in
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             if DQ_ACC is not None and ATOMICS == "pair":
-                if SLICES == 2:
+                if AHEAD_ON:
+                    pend_h = h_kv * GROUP + g
+                    pend_row = row0
+                elif SLICES == 2:
                     mbarrier.wait(out_bar.index(2 + x), (it // 2) & 1)  # and the other's
                     _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
                              sm_scale, WG * DQ_COLS, dq_layout)
@@ -365,7 +400,8 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                     mbarrier.wait(out_bar.index(2 + x), (it // 2) & 1)
                     _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
                              sm_scale, 0, dq_layout)
-                mbarrier.arrive(out_bar.index(4 + x))  # done reading buffer x
+                if not AHEAD_ON:
+                    mbarrier.arrive(out_bar.index(4 + x))  # done reading buffer x
             elif DQ_ACC is not None:
                 if ATOMICS == "tma":
                     dq_acc = DQ_ACC
@@ -376,6 +412,13 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
             _signal(empty.index(s))  # this consumer is done with the slot's Q and dO
             it += 1
     if DQ_ACC is not None and ATOMICS == "pair":
+        if AHEAD_ON:
+            if it > 0:
+                xp = (it + 1) % 2
+                mbarrier.wait(out_bar.index(2 + xp), ((it - 1) // 2) & 1)
+                dq = _pair_dq_issue(ds_bufs, xp, k_bufs, WG * DQ_COLS, DQ_COLS, dq_layout)
+                dq = warpgroup_mma_wait(0, deps=(dq, ))
+                _pair_dq_add(dq, DQ_ACC, dq_stages.index(WG), b, pend_h, pend_row, sm_scale, WG * DQ_COLS)
         # Both consumers' dQ products read both K tiles up to their last Q tile: neither writes its dK
         # over its K tile before the other is done with them (out_bar 0, one arrival per consumer).
         mbarrier.arrive(out_bar.index(0))
@@ -487,7 +530,8 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, D
                        Hq, Hkv, Nq, Nk,
                        STAGES: gl.constexpr, CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                        HEAD_DIM: gl.constexpr, ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr,
-                       SHARE_SCORES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                       SHARE_SCORES: gl.constexpr, AHEAD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       PRODUCER_REGS: gl.constexpr):
     """Grid (K/V tiles of ``CONSUMERS / SPLIT_D × 64`` rows, B · Hkv). See the module docstring."""
     ROWS: gl.constexpr = k_desc.block_type.shape[2]
     KV_TILES: gl.constexpr = CONSUMERS // SPLIT_D
@@ -543,13 +587,13 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, D
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif CONSUMERS == 1:
         gl.warp_specialize([
-            (_consumer, (args, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D)),
+            (_consumer, (args, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD)),
             (_producer, producer_args),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (args, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D)),
-            (_consumer, (args, 1, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D)),
+            (_consumer, (args, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD)),
+            (_consumer, (args, 1, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD)),
             (_producer, producer_args),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -610,7 +654,7 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 qk_scale=qk_scale,
                 sm_scale=sm_scale, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, STAGES=stages, CONSUMERS=consumers,
                 GROUP=Hq // Hkv, CAUSAL=causal, HEAD_DIM=q.shape[-1], ATOMICS=atomics, SPLIT_D=split,
-                SHARE_SCORES=share_scores,
+                SHARE_SCORES=share_scores, AHEAD=FUSED_DQ_AHEAD,
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
     grid = (cdiv(Nk, ROWS_PER_CONSUMER * consumers // split), B * Hkv)
     return Launch(ws_bwd_dkdv_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)
