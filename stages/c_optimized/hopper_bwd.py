@@ -311,7 +311,9 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLS, 16])
     # "pair": the Q tile's dQ share has D / DQ_COLS column slices; with two (D 128) each consumer
-    # takes one, with one (D 64) the consumers take turns by Q tile.
+    # takes one, with one (D 64) the consumers take turns by Q tile. AHEAD (two slices only): a tile's
+    # product is issued at the start of the next tile's turn, ahead of its Sᵀ, and added while its dPᵀ
+    # runs; ``pend_h`` and ``pend_row`` say whose rows it holds.
     SLICES: gl.constexpr = D // DQ_COLS
     AHEAD_ON: gl.constexpr = AHEAD and SLICES == 2
     pend_h = h_kv * GROUP
@@ -346,19 +348,21 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                 q_half = q_t.slice(COL0, DH, dim=1)
                 do_half = do_t.slice(COL0, DH, dim=1)
             if DQ_ACC is not None and ATOMICS == "pair" and AHEAD_ON:
+                # The last tile's slice, first in the queue (the first turn multiplies a buffer not
+                # yet written, and adds nothing).
                 xp = (it + 1) % 2
                 if it > 0:
-                    mbarrier.wait(out_bar.index(2 + xp), ((it - 1) // 2) & 1)
+                    mbarrier.wait(out_bar.index(2 + xp), ((it - 1) // 2) & 1)  # the other's dSᵀ is in
                 dq = _pair_dq_issue(ds_bufs, xp, k_bufs, WG * DQ_COLS, DQ_COLS, dq_layout)
             st = warpgroup_mma(k_t, q_t.permute((1, 0)), gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout),
                                use_acc=False, is_async=True)
             dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout),
                                 use_acc=False, is_async=True)
             if DQ_ACC is not None and ATOMICS == "pair" and AHEAD_ON:
-                dq, st = warpgroup_mma_wait(1, deps=(dq, st))
+                dq, st = warpgroup_mma_wait(1, deps=(dq, st))  # the slice and Sᵀ are done
                 if it > 0:
                     _pair_dq_add(dq, DQ_ACC, dq_stages.index(WG), b, pend_h, pend_row, sm_scale, WG * DQ_COLS)
-                    mbarrier.arrive(out_bar.index(4 + xp))
+                    mbarrier.arrive(out_bar.index(4 + xp))  # done reading the last tile's buffer
             else:
                 st = warpgroup_mma_wait(1, deps=(st, ))  # Sᵀ is done; dPᵀ may still be running
             need_mask = ragged
@@ -413,12 +417,11 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
             it += 1
     if DQ_ACC is not None and ATOMICS == "pair":
         if AHEAD_ON:
-            if it > 0:
+            if it > 0:  # the last Q tile's slice, not issued ahead of anything
                 xp = (it + 1) % 2
                 mbarrier.wait(out_bar.index(2 + xp), ((it - 1) // 2) & 1)
-                dq = _pair_dq_issue(ds_bufs, xp, k_bufs, WG * DQ_COLS, DQ_COLS, dq_layout)
-                dq = warpgroup_mma_wait(0, deps=(dq, ))
-                _pair_dq_add(dq, DQ_ACC, dq_stages.index(WG), b, pend_h, pend_row, sm_scale, WG * DQ_COLS)
+                _pair_dq(ds_bufs, xp, k_bufs, DQ_ACC, dq_stages.index(WG), b, pend_h, pend_row, sm_scale,
+                         WG * DQ_COLS, dq_layout)
         # Both consumers' dQ products read both K tiles up to their last Q tile: neither writes its dK
         # over its K tile before the other is done with them (out_bar 0, one arrival per consumer).
         mbarrier.arrive(out_bar.index(0))
