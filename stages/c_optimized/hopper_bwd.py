@@ -550,7 +550,8 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, D
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # SPLIT_D's epilogue (0, 1) and, with SHARE_SCORES, the exchange's "ready" (2, 3) and "free" (4, 5)
+    # SPLIT_D's epilogue (0, 1; fused dQ's "pair" meets on 0 before its epilogue) and the exchange's
+    # "ready" (2, 3) and "free" (4, 5) per buffer, of SHARE_SCORES' scores or the pair's dSᵀ tiles
     out_bar = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
