@@ -170,6 +170,21 @@ def test_stage_c_sm90_runs_items_into_each_other(compiled):
             assert op in body, op
 
 
+def test_deep_q_kernel_has_three_q_buffers_per_consumer_and_no_spills():
+    """With ``deep_q`` (``-Q3``) each consumer of the persistent kernel has three Q buffers, at D 64
+    and at D 128 (where it leaves a 2-slot K/V ring), and the kernel still spills nothing."""
+    for D, name in ((64, "WS-M128-N128-s3-P-Q3"), (128, "WS-M128-N128-s2-P-Q3")):
+        config = configs.Config.parse(name)
+        (kernel,) = STAGES["c"].compile(Problem(2, 4, 300, D, "fp16", True), 90, config=config)
+        q_bufs = re.search(rf"%q_bufs = ttg.local_alloc : \(\) -> !ttg.memdesc<(\d+)x1x1x64x{D}xf16",
+                           kernel.asm["ttgir"])
+        assert q_bufs and int(q_bufs.group(1)) == 3 * config.consumers, name
+        assert kernel.shared_bytes == pytest.approx(configs.shared_memory_bytes(config, D, 2), abs=1024), name
+        usage = run_ptxas(kernel.asm["ptx"], "sm_90a")
+        assert "ptxas_error" not in usage, usage
+        assert usage["spill_stores"] == 0 and usage["spill_loads"] == 0, (name, usage)
+
+
 def _region(text: str, start: int) -> str:
     """The MLIR region opened on the line holding ``start``: up to the closing brace at that line's
     indentation (MLIR prints nested regions indented)."""

@@ -257,6 +257,33 @@ def test_shape_aware_config_prefers_smaller_tiles_when_the_gpu_is_not_full():
         assert configs.shape_aware_config(ws, B, 32, N, 64, torch.float16, 90, 132) == ws
 
 
+def test_items_of_one_or_two_kv_tiles_fetch_q_two_items_ahead():
+    """A persistent warp-specialized program whose items average under two K/V tiles takes a third Q
+    buffer (``configs.with_deep_q``); longer items, one program per item and a config the third
+    buffer would not fit keep theirs. The choice goes through ``select`` (what a call runs)."""
+    def chosen(B, H, N, D, causal, dtype=torch.float16):
+        return c_kernels.select(B, H, H, N, N, D, dtype, causal, 90, 132).config
+
+    short = chosen(128, 16, 128, 64, False)  # one 128-key tile per item
+    assert short.ws and short.persistent and short.deep_q and str(short).endswith("-Q3")
+    assert chosen(64, 16, 256, 128, True, torch.bfloat16).deep_q  # causal items of one or two tiles
+    for B, H, N, causal in ((64, 12, 197, False), (48, 16, 384, False), (16, 32, 1024, True), (4, 32, 4096, False)):
+        assert not chosen(B, H, N, 64, causal).deep_q, (B, H, N, causal)
+    # the counting behind it
+    assert configs.mean_kv_tiles(256, 128, 128, True) == 1.5
+    assert configs.mean_kv_tiles(256, 128, 128, False) == 2
+    assert configs.mean_kv_tiles(100, 192, 128, True) == 1
+    # a config without a persistent grid has no next item to fetch for
+    one_per_item = configs.ws_config(128, 128, 3, persistent=False)
+    assert configs.with_deep_q(one_per_item, 128, False, 64, 2, 90) == one_per_item
+    with pytest.raises(ValueError, match="persistent"):
+        configs.ws_config(128, 128, 3, persistent=False, deep_q=True)
+    # at D 128 a 3-slot ring and three Q buffers would not fit the 227 KB of an sm_90 block
+    big_ring = configs.ws_config(128, 128, 3, persistent=True)
+    assert configs.with_deep_q(big_ring, 128, False, 128, 2, 90) == big_ring
+    assert configs.Config.parse(str(short)) == short
+
+
 def test_d256_has_a_sm90_config_of_its_own():
     config = configs.candidate_configs(256, torch.float16, 90)[0]
     assert configs.fits(config, 256, 2, 90) and config != configs.Config(32, 32, 4, 1)

@@ -226,8 +226,8 @@ def test_gpu_strided_large(stage, layout):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_gpu_warp_specialized_persistent_programs(dtype, D):
     """Every warp-specialized config, its persistent grid shrunk to three programs: each program
-    walks several (batch, head, row block) items, so the K/V ring, the ping-pong turns, the two Q
-    buffers and the item-to-item pipeline (one item's O stored while the next one runs) carry over
+    walks several (batch, head, row block) items, so the K/V ring, the ping-pong turns, the two (or
+    three) Q buffers and the item-to-item pipeline (one item's O stored while the next one runs) carry over
     between items. A persistent config also runs with one program per item."""
     if c_kernels.device_arch(torch.device("cuda")) != 90:
         pytest.skip("the warp-specialized kernel is for sm_90")
@@ -237,10 +237,16 @@ def test_gpu_warp_specialized_persistent_programs(dtype, D):
         for N, causal in ((1, True), (100, False), (257, True), (1000, False), (1000, True)):
             q, k, v = make_qkv(3, 3, N, D, DTYPES[dtype], "cuda")
             o = contract.new_output(q)
-            # A config made for one program per item may not fit the persistent kernel's second Q buffer.
-            for persistent in ((True, False) if config.persistent else (False,)):
+            # A config made for one program per item may not fit the persistent kernel's second Q buffer;
+            # a persistent one also runs with a third (each Q fetched two items ahead) where that fits.
+            variants = [replace(config, persistent=False, deep_q=False)]
+            if config.persistent:
+                variants += [replace(config, deep_q=deep) for deep in (False, True)
+                             if c_configs.fits(replace(config, deep_q=deep), D, q.element_size(), 90)]
+            for variant in variants:
+                persistent = variant.persistent
                 launch = hopper_ws.plan(q, k, v, o, causal=causal, qk_scale=D ** -0.5 * c_kernels.LOG2E,
-                                        **replace(config, persistent=persistent).ws_options(), num_sms=3)
+                                        **variant.ws_options(), num_sms=3)
                 assert launch.grid[0] == (3 if persistent else launch.args["total"])
                 o.fill_(float("nan"))
                 launch.run()

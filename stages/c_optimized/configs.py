@@ -33,7 +33,8 @@ class Config:
     warp-specialized kernel (``hopper_ws.py``): ``WS-M128-N128-s3-P`` has 128/64 = 2 consumer
     warpgroups, 128-row K/V tiles, a 3-slot K/V ring and (``-P``) a persistent grid; ``-E`` marks
     the eager rescale of O on every tile (else lazy: only when a row's maximum grew past 2^8,
-    ``hopper_ws._rescale_if_needed``)."""
+    ``hopper_ws._rescale_if_needed``); ``-Q3`` marks three Q buffers per consumer (a persistent
+    program fetches each item's Q two items ahead, ``hopper_ws.q_buffers``)."""
 
     block_m: int
     block_n: int
@@ -42,6 +43,7 @@ class Config:
     ws: bool = False
     persistent: bool = False
     lazy_rescale: bool = True
+    deep_q: bool = False
 
     def with_stages(self, num_stages: int) -> "Config":
         return replace(self, num_stages=num_stages)
@@ -54,7 +56,7 @@ class Config:
         """``hopper_ws.plan``'s keyword arguments for this warp-specialized config; with ``ws_rung``,
         those of that rung of the ladder built on it (``hopper_ws.rung_options``)."""
         options = dict(block_n=self.block_n, stages=self.num_stages, consumers=self.consumers,
-                       persistent=self.persistent, lazy_rescale=self.lazy_rescale)
+                       persistent=self.persistent, lazy_rescale=self.lazy_rescale, deep_q=self.deep_q)
         if ws_rung is not None:
             options.update(hopper_ws.rung_options(ws_rung, self.consumers, self.persistent, self.lazy_rescale))
         return options
@@ -62,7 +64,7 @@ class Config:
     def __str__(self) -> str:
         if self.ws:
             return (f"WS-M{self.block_m}-N{self.block_n}-s{self.num_stages}" + ("-P" if self.persistent else "")
-                    + ("" if self.lazy_rescale else "-E"))
+                    + ("" if self.lazy_rescale else "-E") + ("-Q3" if self.deep_q else ""))
         return f"M{self.block_m}-N{self.block_n}-w{self.num_warps}-s{self.num_stages}"
 
     @classmethod
@@ -70,17 +72,21 @@ class Config:
         m = re.fullmatch(r"M(\d+)-N(\d+)-w(\d+)-s(\d+)", text)
         if m:
             return cls(*(int(g) for g in m.groups()))
-        m = re.fullmatch(r"WS-M(\d+)-N(\d+)-s(\d+)(-P)?(-E)?", text)
+        m = re.fullmatch(r"WS-M(\d+)-N(\d+)-s(\d+)(-P)?(-E)?(-Q3)?", text)
         if m:
             bm, bn, st = (int(g) for g in m.groups()[:3])
-            return ws_config(bm, bn, st, persistent=bool(m.group(4)), lazy_rescale=not m.group(5))
+            return ws_config(bm, bn, st, persistent=bool(m.group(4)), lazy_rescale=not m.group(5),
+                             deep_q=bool(m.group(6)))
         raise ValueError(f"config must look like 'M128-N64-w4-s3' or 'WS-M128-N128-s3-P(-E)', got {text!r}")
 
 
-def ws_config(block_m: int, block_n: int, num_stages: int, persistent: bool, lazy_rescale: bool = True) -> Config:
+def ws_config(block_m: int, block_n: int, num_stages: int, persistent: bool, lazy_rescale: bool = True,
+              deep_q: bool = False) -> Config:
     """A warp-specialized config: ``block_m // 64`` consumer warpgroups of 4 warps each."""
+    if deep_q and not persistent:
+        raise ValueError("deep_q (three Q buffers) needs a persistent config: one item per program has no next Q")
     return Config(block_m, block_n, 4 * (block_m // 64), num_stages, ws=True, persistent=persistent,
-                  lazy_rescale=lazy_rescale)
+                  lazy_rescale=lazy_rescale, deep_q=deep_q)
 
 
 def ws_rung_config(config: Config, ws_rung: int) -> Config:
@@ -90,7 +96,7 @@ def ws_rung_config(config: Config, ws_rung: int) -> Config:
     rung's other switches)."""
     o = config.ws_options(ws_rung)
     return ws_config(hopper_ws.ROWS_PER_CONSUMER * o["consumers"], config.block_n, config.num_stages,
-                     o["persistent"], o["lazy_rescale"])
+                     o["persistent"], o["lazy_rescale"], deep_q=o["deep_q"] and o["persistent"])
 
 
 #: Stage B's configuration. With every switch off, stage C runs exactly this.
@@ -103,10 +109,11 @@ SHARED_MEMORY_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1
 def shared_memory_bytes(config: Config, D: int, element_bytes: int) -> int:
     """Estimated shared memory of one program: the Q tile (staged through shared memory by TMA and
     by wgmma operand loads) plus ``num_stages`` buffers of one K and one V tile; the persistent
-    warp-specialized kernel keeps two Q tiles (the next item's lands while this one runs). Triton 3.6
+    warp-specialized kernel keeps two Q tiles (the next item's lands while this one runs), three
+    with ``deep_q``. Triton 3.6
     on sm_90 allocates exactly this plus a few bytes of mbarriers (compared for every candidate:
     e.g. 229 400 B compiled vs 229 376 B estimated for 128×128 tiles, 3 stages, D = 128)."""
-    q_tiles = hopper_ws.q_buffers(config.persistent) if config.ws else 1
+    q_tiles = hopper_ws.q_buffers(config.persistent, config.deep_q) if config.ws else 1
     q_tile = config.block_m * D * element_bytes
     kv_stage = 2 * config.block_n * D * element_bytes
     return q_tiles * q_tile + max(config.num_stages, 1) * kv_stage
@@ -337,3 +344,32 @@ def shape_aware_config(config: Config, B: int, Hq: int, Nq: int, D: int, dtype: 
     # Half the rows: half the accumulator per warp as well, so half the warps (not below 4).
     smaller = replace(config, block_m=block_m, num_warps=max(4, config.num_warps * block_m // config.block_m))
     return smaller if fits(smaller, D, e, arch) else config
+
+
+#: A persistent program's items average fewer K/V tiles than this: its Q is fetched two items ahead
+#: (``deep_q``, three Q buffers per consumer). Measured on the H200 (``experiments/deep_q.py``, GPU
+#: time, in turns): items of one tile (B 128, H 16, N 128, D 64) 46.5 -> 40.5 us; causal items of
+#: one or two (N 256, D 128) 85.2 -> 81.3 us; two tiles each (N 197) and longer items 0-3 % slower
+#: (the extra buffer for nothing: the next Q already arrives in time).
+DEEP_Q_BELOW_TILES = 2
+
+
+def mean_kv_tiles(N: int, block_m: int, block_n: int, causal: bool) -> float:
+    """K/V tiles a work item of a square problem visits, on average over its ``block_m``-row blocks:
+    all ⌈N/block_n⌉ of them, or under the causal mask those up to the block's last row."""
+    tiles = cdiv(N, block_n)
+    n_m = cdiv(N, block_m)
+    if not causal or tiles >= 4:  # (causal items of 4+ tiles average well above DEEP_Q_BELOW_TILES)
+        return tiles
+    return sum(min(tiles, cdiv((r + 1) * block_m, block_n)) for r in range(n_m)) / n_m
+
+
+def with_deep_q(config: Config, N: int, causal: bool, D: int, element_bytes: int, arch: int) -> Config:
+    """``config`` with three Q buffers where its items are too short for the next Q to arrive in time
+    (:data:`DEEP_Q_BELOW_TILES`) and the third buffer fits; else ``config`` unchanged."""
+    if not (config.ws and config.persistent) or config.deep_q:
+        return config
+    if mean_kv_tiles(N, config.block_m, config.block_n, causal) >= DEEP_Q_BELOW_TILES:
+        return config
+    deep = replace(config, deep_q=True)
+    return deep if fits(deep, D, element_bytes, arch) else config

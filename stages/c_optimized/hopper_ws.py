@@ -497,7 +497,9 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURN
     as soon as that ``P·V`` is done, before the next item's first softmax. A persistent program
     therefore has two Q buffers per consumer: the next item's Q lands in one while this item reads
     the other, and this item's O leaves through its own buffer once its last ``Q·Kᵀ`` is done. Ring
-    slot and ping-pong batch ``cur`` count the K/V tiles this consumer has started, over all its items."""
+    slot and ping-pong batch ``cur`` count the K/V tiles this consumer has started, over all its items.
+    With three Q buffers (``deep_q``) the buffer an O leaves through takes the Q of the item after
+    next, so each Q has a whole item's time to arrive."""
     q_desc, o_desc, Q, LSE, stride_qb, stride_qh, stride_qn, q_bufs, q_bars, ring, H, N, n_m, total, qk_scale = args
     k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
     my_turn, next_turn = turns
@@ -527,10 +529,15 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURN
         if WG == CONSUMERS - 1:  # consumer 0 takes the first turn at the exponentials
             l_i = _exp_turn(l_i, EXP_TURN_BARRIER, True)
 
-    # The program's first item (the grid gives every program at least one).
+    # The program's first item (the grid gives every program at least one), and with three Q
+    # buffers its second one too: from then on each item fetches the Q of the item Q_BUFS - 1 ahead.
     t = _first_item(ZIGZAG)
     b0, h0, start0 = _tile_coords(t, n_m, H, ROWS_PER_PROGRAM, CAUSAL, ZIGZAG)
     _fetch_q(q_desc, q_bufs, q_bars, Q0, b0, h0, start0 + WG * ROWS, True)
+    if Q_BUFS == 3:
+        t1 = _next_item(t, total, ZIGZAG)
+        b1, h1, start1 = _tile_coords(t1, n_m, H, ROWS_PER_PROGRAM, CAUSAL, ZIGZAG)
+        _fetch_q(q_desc, q_bufs, q_bars, Q0 + 1, b1, h1, start1 + WG * ROWS, t1 < total)
     # The previous item (none before the first). Not `t_prev = t`: Triton's front end decides which
     # names a loop carries by running the body once on the values from before the loop, and a name
     # that starts out as the same value as `t` and is set to `t` in the body looks unchanged; it
@@ -541,22 +548,27 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURN
     while t < total:
         start_m = _tile_coords(t, n_m, H, ROWS_PER_PROGRAM, CAUSAL, ZIGZAG)[2]
         t_next = _next_item(t, total, ZIGZAG)
-        b_next, h_next, start_next = _tile_coords(t_next, n_m, H, ROWS_PER_PROGRAM, CAUSAL, ZIGZAG)
-        more = t_next < total
+        # The item whose Q this item fetches: the next one, or with three buffers the one after it.
+        t_ahead = t_next
+        if Q_BUFS == 3:
+            t_ahead = _next_item(t_next, total, ZIGZAG)
+        b_ahead, h_ahead, start_ahead = _tile_coords(t_ahead, n_m, H, ROWS_PER_PROGRAM, CAUSAL, ZIGZAG)
+        more = t_ahead < total
         if PREFETCH_L2:
             if more:
-                _prefetch_q_to_l2(Q, stride_qb, stride_qh, stride_qn, b_next, h_next, start_next + WG * ROWS, N,
+                _prefetch_q_to_l2(Q, stride_qb, stride_qh, stride_qn, b_ahead, h_ahead, start_ahead + WG * ROWS, N,
                                   ROWS, D)
         row0 = start_m + WG * ROWS
         n_tiles, n_unmasked = _kv_range(start_m, N, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL)
         rows = row0 + gl.arange(0, ROWS, layout=row_layout)
-        cb = Q0 + item % Q_BUFS       # this item's Q buffer
-        nb = Q0 + (item + 1) % Q_BUFS  # the other one: the previous item's O, then the next item's Q
+        cb = Q0 + item % Q_BUFS  # this item's Q buffer
+        # The previous item's buffer: its O goes out through it, then it takes t_ahead's Q.
+        nb = Q0 + (item + Q_BUFS - 1) % Q_BUFS
         q_tile = q_bufs.index(cb).reshape([ROWS, D])
         mbarrier.wait(q_bars.index(cb), (item // Q_BUFS) & 1)
         for j in range(0, n_tiles):
             if j == 1:  # after tile 0's softmax; a one-tile item does this after the loop
-                _fetch_next_q(q_desc, q_bufs, q_bars, nb, b_next, h_next, start_next + WG * ROWS, more)
+                _fetch_next_q(q_desc, q_bufs, q_bars, nb, b_ahead, h_ahead, start_ahead + WG * ROWS, more)
             S, acc = _issue_tile(it + j, acc, p_prev, q_tile, ring, turns, s_layout, WG, ISSUE_TURNS)
             if Q_BUFS > 1:  # (one item per program: nothing before it to store)
                 if j == 0:
@@ -570,7 +582,7 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURN
                                                   o_layout, p_layout, NEED_MASK, CAUSAL, WG, CONSUMERS, EXP_TURNS,
                                                   LAZY_RESCALE, LANE_ROW_SUMS)
         if n_tiles == 1:
-            _fetch_next_q(q_desc, q_bufs, q_bars, nb, b_next, h_next, start_next + WG * ROWS, more)
+            _fetch_next_q(q_desc, q_bufs, q_bars, nb, b_ahead, h_ahead, start_ahead + WG * ROWS, more)
         it += n_tiles
         item += 1
         t_prev = t
@@ -690,10 +702,13 @@ def descriptors(q, k, v, o, block_n: int):
             descriptor(v, (1, 1, block_n, D)), descriptor(o, (1, 1, ROWS_PER_CONSUMER, D)))
 
 
-def q_buffers(persistent: bool) -> int:
+def q_buffers(persistent: bool, deep_q: bool = False) -> int:
     """Q buffers per consumer: two when a program walks several items (the next item's Q lands
-    while this one runs), one when it has a single item."""
-    return 2 if persistent else 1
+    while this one runs), three with ``deep_q`` (the Q of the item after next is asked for while
+    this one runs: a whole item's time to arrive, where with two it has from this item's first
+    softmax to the next item's first product, which for an item of one K/V tile is almost nothing),
+    one when a program has a single item."""
+    return (3 if deep_q else 2) if persistent else 1
 
 
 #: The warp-specialized kernel at the head dims between the powers of two (40-56 as 64, 72-120 as
@@ -777,14 +792,15 @@ PRODUCER_REGS = 24
 def static_plan(B: int, H: int, N: int, D: int, q_stride: tuple, *, causal: bool, block_n: int, stages: int,
                 consumers: int = 2, pingpong: bool = True, persistent: bool = True, num_sms: int = 132,
                 prefetch_l2: bool = True, lazy_rescale: bool = True, group: int = 1, lane_row_sums: bool = True,
-                register_realloc: bool = True) -> tuple[tuple, dict, dict]:
+                register_realloc: bool = True, deep_q: bool = False) -> tuple[tuple, dict, dict]:
     """The launch but its tensors and descriptors: (grid, every other argument, launch options), the
     union of :func:`kernel_constants` (what the compiled kernel is keyed on) and
     :func:`runtime_args` (what each call computes from its shapes)."""
     constants, extra = kernel_constants(causal=causal, block_n=block_n, stages=stages, consumers=consumers,
                                         pingpong=pingpong, persistent=persistent, prefetch_l2=prefetch_l2,
                                         lazy_rescale=lazy_rescale, group=group, lane_row_sums=lane_row_sums,
-                                        register_realloc=register_realloc, even_n=N % block_n == 0)
+                                        register_realloc=register_realloc, even_n=N % block_n == 0,
+                                        deep_q=deep_q)
     grid, ints = runtime_args(B, H, N, q_stride, causal=causal, consumers=consumers, persistent=persistent,
                               num_sms=num_sms)
     return grid, {**dict(zip(RUNTIME_ARGS, ints)), **constants}, extra
@@ -798,7 +814,7 @@ RUNTIME_ARGS = ("stride_qb", "stride_qh", "stride_qn", "H", "N", "n_m", "total")
 def kernel_constants(*, causal: bool, block_n: int, stages: int, consumers: int = 2, pingpong: bool = True,
                      persistent: bool = True, prefetch_l2: bool = True, lazy_rescale: bool = True, group: int = 1,
                      lane_row_sums: bool = True, register_realloc: bool = True,
-                     even_n: bool = True) -> tuple[dict, dict]:
+                     even_n: bool = True, deep_q: bool = False) -> tuple[dict, dict]:
     """(constexpr arguments, launch options): everything about the launch that no size changes, but
     ``even_n`` (N a multiple of ``block_n``: the consumers' K/V loop then runs without the ragged-N
     mask, the one length fact this kernel is compiled for; two variants at most).
@@ -812,7 +828,7 @@ def kernel_constants(*, causal: bool, block_n: int, stages: int, consumers: int 
     zigzag = causal and persistent
     consumer_regs, producer_regs, maxnreg = register_budget(consumers, register_realloc)
     constants = dict(BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, CAUSAL=causal,
-                     EVEN_N=even_n, ZIGZAG=zigzag, Q_BUFS=q_buffers(persistent),
+                     EVEN_N=even_n, ZIGZAG=zigzag, Q_BUFS=q_buffers(persistent, deep_q),
                      CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
                      ISSUE_TURNS=pingpong and consumers == 3,
                      EXP_TURNS=pingpong and consumers == 2, PREFETCH_L2=prefetch_l2, LAZY_RESCALE=lazy_rescale,
@@ -850,7 +866,8 @@ def runtime_args(B: int, H: int, N: int, q_stride: tuple, *, causal: bool, consu
 
 def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int, lse=None, consumers: int = 2,
          pingpong: bool = True, persistent: bool = True, num_sms: int = 132, prefetch_l2: bool = True,
-         lazy_rescale: bool = True, lane_row_sums: bool = True, register_realloc: bool = True) -> Launch:
+         lazy_rescale: bool = True, lane_row_sums: bool = True, register_realloc: bool = True,
+         deep_q: bool = False) -> Launch:
     """The launch of ``ws_attention_kernel`` for these tensors: grid, arguments and options.
 
     This runs on every call, on the host, before the GPU sees the kernel, so it is kept short: when
@@ -873,6 +890,10 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
     ``lane_row_sums``: each thread keeps its part of its rows' sums (``_thread_row_sums``); else
     ``gl.sum`` over each row on every tile. ``register_realloc``: see ``static_plan``.
 
+    ``deep_q`` (persistent only): three Q buffers per consumer, each Q fetched two items ahead
+    (``q_buffers``); for items of one or two K/V tiles, where the next item's Q otherwise arrives
+    late.
+
     ``lse``: an fp32 [B, H, N] tensor for the rows' log-sum-exps (the training forward), or None.
 
     Grouped-query attention (k, v with fewer heads than q) works; Nq must equal Nk."""
@@ -882,7 +903,8 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
     grid, args, extra = static_plan(B, H, N, D, q.stride(), causal=causal, block_n=block_n, stages=stages,
                                     consumers=consumers, pingpong=pingpong, persistent=persistent, num_sms=num_sms,
                                     prefetch_l2=prefetch_l2, lazy_rescale=lazy_rescale, group=H // k.shape[1],
-                                    lane_row_sums=lane_row_sums, register_realloc=register_realloc)
+                                    lane_row_sums=lane_row_sums, register_realloc=register_realloc,
+                                    deep_q=deep_q)
     q_desc, k_desc, v_desc, o_desc = descriptors(q, k, v, o, block_n)
     args.update(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=o_desc, Q=q, LSE=lse, qk_scale=qk_scale)
     return Launch(ws_attention_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)

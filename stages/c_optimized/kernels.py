@@ -59,7 +59,7 @@ from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_ou
 from ..launch import FastLaunch, Launch, compiles_without_interpreter, descriptor_on, descriptor_over
 from . import decode, hopper_ws
 from .configs import (BASELINE, WS_SHAPES, Config, choose_config, device_arch, shape_aware_config, shared_memory_bytes,
-                      sm_count, ws_rung_config)
+                      sm_count, with_deep_q, ws_rung_config)
 
 LOG2E = 1.4426950408889634
 
@@ -281,7 +281,8 @@ def select(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: torch.dty
        uses) and no forced ``config``, split when ``decode.choose_splits`` finds too few programs
        for the SMs and keys enough to share out.
     2. Otherwise the tuned config for (dtype, D, causal, Nq), adjusted to the work
-       (``configs.shape_aware_config``). The warp-specialized kernel is eligible when every switch
+       (``configs.shape_aware_config``; a persistent warp-specialized one whose items are one or
+       two K/V tiles long also takes a third Q buffer, ``configs.with_deep_q``). The warp-specialized kernel is eligible when every switch
        is on, on sm_90, fp16/bf16, D 40-256 (``hopper_ws.supported``), TMA-able strides and Nq = Nk
        (its causal mask assumes the square); the training forward's log-sum-exp comes from it too.
     3. ``ws_rung`` k forces the warp-specialized kernel with rungs 1..k of its ladder on
@@ -316,6 +317,7 @@ def select(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: torch.dty
         if tuned_tiles:
             config = choose_config(D, dtype, causal, arch, Nq, ws_allowed)
             config = shape_aware_config(config, B, Hq, Nq, D, dtype, arch, sms)
+            config = with_deep_q(config, Nq, causal, D, torch.empty((), dtype=dtype).element_size(), arch)
         else:
             config = BASELINE
     if config.ws:
