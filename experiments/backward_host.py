@@ -8,10 +8,13 @@ Each line is the mean wall time per call over ``--calls`` calls, the GPU synchro
 (so a line is host-bound when the host is slower than the kernels it queues, which is the point):
 
 * ``autograd.grad`` through each impl's attention (what training pays), and through SDPA's backends;
-* stage C's ``attention_backward`` called directly (no autograd);
+* stage C's ``attention_backward`` called directly (no autograd); then what separates the two:
+  autograd.grad with stage C's backward stubbed out, the backward formula called from the main
+  thread, a thread handoff alone and the direct call on another thread;
 * its parts: the checks, ``plan_backward`` (building the launches as data), each launch run alone
   through Triton's ``kernel[grid]``, then what the direct call does instead: allocating the
-  gradients and each kept launch (planned at the layout's first call, ``launch.KeptLaunch``).
+  gradients and each kept launch (planned at the layout's first call, ``launch.KeptLaunch``), then
+  each bound one (``launch.BoundKeptLaunch``, what the direct call runs from its second call on).
 
 The kernels' own GPU time comes from a CUDA graph of the direct call, replayed.
 """
@@ -94,6 +97,31 @@ def main() -> None:
     o, lse = attention_with_lse(qd, kd, vd, causal=causal)
     direct = lambda: bwd.attention_backward(do, qd, kd, vd, o, lse, causal=causal, scale=scale)  # noqa: E731
     print(f"  stage C attention_backward, direct: {per_call_us(direct, args.calls):8.1f}")
+    # Where autograd.grad's extra time goes: autograd's own cost (the backward replaced by three empty
+    # tensors), stage C's backward formula called from this thread with a saved context, and the
+    # direct call run on another thread (autograd runs a CUDA backward on a device thread of its own).
+    from concurrent.futures import ThreadPoolExecutor
+    from stages.c_optimized import kernels as ck
+
+    real_backward = ck._backward
+    ck._backward = lambda do_, q_, k_, v_, *rest: (torch.empty_like(q_), torch.empty_like(k_), torch.empty_like(v_))
+    try:
+        fn = grad_of(lambda: stages.STAGES["c"].attention(q, k, v, causal=causal))
+        print(f"  autograd.grad, stage C with the backward stubbed out: {per_call_us(fn, args.calls):8.1f}")
+    finally:
+        ck._backward = real_backward
+
+    class SavedContext:
+        saved_tensors = (qd, kd, vd, o, lse)
+        args = (causal, scale, False, True, True, True, True, True)
+
+    print(f"  stage C's backward formula (_grad) from this thread: "
+          f"{per_call_us(lambda: ck._grad(SavedContext, do, None), args.calls):8.1f}")
+    with ThreadPoolExecutor(1) as pool:
+        print(f"  a no-op handed to another thread and waited for: "
+              f"{per_call_us(lambda: pool.submit(lambda: None).result(), args.calls):8.1f}")
+        print(f"  stage C attention_backward, direct, on another thread: "
+              f"{per_call_us(lambda: pool.submit(direct).result(), args.calls):8.1f}")
     print(f"  stage C attention_backward, GPU only (graph replay): {graph_us(direct, args.calls):8.1f}")
     print(f"    checks: {per_call_us(lambda: validate_backward_inputs(do, qd, kd, vd, o, lse, scale), args.calls):8.1f}")
     B, Hq, Nq, D = qd.shape
@@ -110,11 +138,13 @@ def main() -> None:
     for launch in planned():
         print(f"    run {launch.kernel.fn.__name__} through kernel[grid]: {per_call_us(launch.run, args.calls):8.1f}")
     # What the direct call runs: the launches it planned at its first call and kept (launch.KeptLaunch).
-    separate, kept = list(bwd._KEPT.values())[-1]
-    tensors = {**bwd._allocate(qd, kd, vd, separate), "do": do, "q": qd, "k": kd, "v": vd, "o": o, "lse": lse}
-    print(f"    allocating the gradients: {per_call_us(lambda: bwd._allocate(qd, kd, vd, separate), args.calls):8.1f}")
-    for launch in kept:
+    layout = list(bwd._KEPT.values())[-1]
+    tensors = {**bwd._allocate(qd, kd, vd, layout.separate), "do": do, "q": qd, "k": kd, "v": vd, "o": o, "lse": lse}
+    print(f"    allocating the gradients: {per_call_us(lambda: bwd._allocate(qd, kd, vd, layout.separate), args.calls):8.1f}")
+    for launch in layout.launches:
         print(f"    run {launch.kernel.fn.__name__} kept: {per_call_us(lambda: launch(tensors), args.calls):8.1f}")
+    for launch, bound in zip(layout.launches, layout.bound or ()):
+        print(f"    run {launch.kernel.fn.__name__} bound: {per_call_us(lambda: bound(tensors), args.calls):8.1f}")
 
 
 if __name__ == "__main__":

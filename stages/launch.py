@@ -399,6 +399,39 @@ class KeptLaunch:
     def __call__(self, tensors: dict) -> None:
         self.fast(self.grid, *self.values(tensors))
 
+    def bind(self, tensors: dict) -> "BoundKeptLaunch | None":
+        """This launch bound after a call with ``tensors`` ran it (:meth:`FastLaunch.bound`): a later
+        call of the same layout hands over its tensors' addresses and descriptors over them, nothing
+        else. None where calls must go through ``__call__``. The caller's key must hold what the
+        binding assumes: the layout (shapes, strides: the descriptors keep this call's) and each
+        pointer's 16-byte alignment."""
+        values = self.values(tensors)
+        n = len(self.tensors)
+        bound = self.fast.bound(self.grid, values, tuple(range(n, len(values))))
+        if bound is None:
+            return None
+        descs = tuple((role, cls, {**fields, "shape": list(tensors[role].shape),
+                                   "strides": list(tensors[role].stride())})
+                      for _, role, cls, fields in self.descs)
+        return BoundKeptLaunch(bound, tuple(role for _, role in self.tensors), descs)
+
+
+class BoundKeptLaunch:
+    """A :class:`KeptLaunch` bound to its compiled kernel (:meth:`KeptLaunch.bind`): per call, the
+    tensors' addresses by role and a descriptor over each descriptor's tensor; ``open()`` first."""
+
+    __slots__ = ("bound", "roles", "descs")
+
+    def __init__(self, bound: BoundLaunch, roles: tuple, descs: tuple):
+        self.bound, self.roles, self.descs = bound, roles, descs
+
+    def open(self) -> bool:
+        return self.bound.open()
+
+    def __call__(self, tensors: dict) -> None:
+        self.bound.launch([tensors[role].data_ptr() for role in self.roles],
+                          [descriptor_on(cls, fields, tensors[role]) for role, cls, fields in self.descs])
+
 
 def meta_inputs(B: int, H: int, N: int, D: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """Storage-free stand-ins for q, k, v (``device="meta"``): shapes, strides and dtype, no memory,

@@ -76,6 +76,9 @@ def autograd_function(name: str, forward, setup_context, backward) -> type[torch
     def forward_with_ctx(ctx, *inputs):
         outputs = forward(*inputs)
         setup_context(ctx, inputs, outputs)
+        # The second output (the row log-sum-exp, or stage A's P) is marked non-differentiable, and
+        # autograd would hand the backward a zero tensor for it, made on every call: None instead.
+        ctx.set_materialize_grads(False)
         return outputs
 
     return type(name, (torch.autograd.Function,), {

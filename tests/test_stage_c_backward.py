@@ -508,14 +508,36 @@ def test_a_layout_is_planned_once_and_its_launches_take_new_tensors(monkeypatch,
     plan = bwd.plan_backward
     monkeypatch.setattr(bwd, "plan_backward", lambda *a, **kw: calls.append(1) or plan(*a, **kw))
     bwd._KEPT.clear()
-    for seed in (21, 22):
+    for seed in (21, 22, 24):
         q, k, v = make_qkv(1, 4, 70, 32, torch.float16, device, Hkv=2, Nk=90, seed=seed)
         check_gradients(attention, q, k, v, causal=True, dtype_name="fp16", sm_scale=0.2)
     assert len(calls) == 1
+    # On a GPU the first call also binds the launches (launch.BoundKeptLaunch), and the later calls
+    # ran bound; the interpreter has no compiled kernel to bind.
+    (layout,) = bwd._KEPT.values()
+    assert bool(layout.bound) == (device == "cuda")
     check_gradients(attention, q, k, v, causal=True, dtype_name="fp16", sm_scale=0.3)
     q, k, v = make_qkv(1, 4, 70, 32, torch.float16, device, Hkv=2, Nk=90, seed=23, layout="bnhd")
     check_gradients(attention, q, k, v, causal=True, dtype_name="fp16", sm_scale=0.3)
     assert len(calls) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_bound_hopper_backward_takes_new_tensors(D, device):
+    """The Hopper backward's launches bound at a layout's first call (TMA descriptors among their
+    arguments) run the next calls on new tensors: right gradients for new data every time, the
+    outputs poisoned before each call (``new_output``), causal and not."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper backward kernels need sm_90")
+    for causal in (False, True):
+        bwd._KEPT.clear()
+        for seed in (41, 42, 43):
+            q, k, v = make_qkv(2, 4, 300, D, torch.bfloat16, device, Hkv=2, Nk=300, seed=seed + causal)
+            check_gradients(attention, q, k, v, causal=causal, dtype_name="bf16")
+        (layout,) = bwd._KEPT.values()
+        assert layout.bound, "the layout's launches were not bound"
+        assert any(b.descs for b in layout.bound), "no launch with TMA descriptors was bound"
 
 
 def test_hopper_backward_at_padded_head_dims_compiles_for_sm90(ws_padded_head_dims):

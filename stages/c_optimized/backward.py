@@ -800,20 +800,41 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         if len(_KEPT) >= _KEPT_MAX:
             _KEPT.clear()  # a model's layouts come back every step; a cleared table refills
         _KEPT[key] = kept
-    separate, launches = kept
-    tensors = _allocate(q, k, v, separate)
+    tensors = _allocate(q, k, v, kept.separate)
     tensors.update(do=do, q=q, k=k, v=v, o=o, lse=lse)
-    for launch in launches:
-        launch(tensors)
+    bound = kept.bound
+    if bound and all(b.open() for b in bound):
+        # The leanest path: launches bound at this layout's first call (launch.BoundKeptLaunch): per call
+        # only addresses and descriptors. It matters most here: autograd runs a CUDA backward on a
+        # thread of its own, where the same Python takes longer than on the caller's.
+        for launch in bound:
+            launch(tensors)
+    else:
+        for launch in kept.launches:
+            launch(tensors)
+        if bound is None:
+            bound = tuple(launch.bind(tensors) for launch in kept.launches)
+            kept.bound = bound if all(bound) else False  # (False: some launch cannot be bound; not tried again)
     dq = tensors["dq"]
     if dq is None:
         dq = tensors["dq_acc"].to(q.dtype)
     return dq, tensors["dk"], tensors["dv"]
 
 
-#: layout key -> (separate dQ, the KeptLaunches): ``attention_backward``'s memo of the layouts seen
+#: layout key -> its :class:`KeptLayout`: ``attention_backward``'s memo of the layouts seen
 _KEPT: dict = {}
 _KEPT_MAX = 256
+
+
+@dataclass
+class KeptLayout:
+    """What ``attention_backward`` keeps of one layout: whether dQ has its own kernel (``separate``),
+    the launches planned at its first call (``launch.KeptLaunch``) and, once a call has run them, the
+    same launches bound (``launch.BoundKeptLaunch``; False where one cannot be)."""
+
+    separate: bool
+    launches: tuple
+    bound: object = None
 
 #: Which call tensor each tensor or descriptor argument of the backward kernels takes.
 _ROLES = {"Q": "q", "K": "k", "V": "v", "O": "o", "DO": "do", "DQ": "dq", "DK": "dk", "DV": "dv", "LSE": "lse",
@@ -838,7 +859,7 @@ def _allocate(q, k, v, separate: bool) -> dict:
 
 def _plan_layout(do, q, k, v, o, lse, *, causal, scale, deterministic, tuned_tiles, pipelining, exp2, causal_skip,
                  tma, warp_specialization, config, dq_config, ws_config, ws_dq_config) -> tuple:
-    """(separate dQ, the KeptLaunches) of a layout: the plan, the Hopper kernels' choice, the launches."""
+    """The :class:`KeptLayout` of a layout: the plan, the Hopper kernels' choice, the launches."""
     D = q.shape[-1]
     arch = device_arch(q.device)
     plan = backward_plan(D, q.dtype, arch, causal, deterministic=deterministic, tuned_tiles=tuned_tiles,
@@ -860,7 +881,7 @@ def _plan_layout(do, q, k, v, o, lse, *, causal, scale, deterministic, tuned_til
                              scale=scale, arch=arch, deterministic=separate, tuned_tiles=tuned_tiles,
                              pipelining=pipelining, exp2=exp2, causal_skip=causal_skip, tma=tma, config=config,
                              dq_config=dq_config, ws=ws, ws_dq=ws_dq)
-    return separate, tuple(KeptLaunch(launch, _ROLES) for launch in launches)
+    return KeptLayout(separate, tuple(KeptLaunch(launch, _ROLES) for launch in launches))
 
 
 @compiles_without_interpreter
