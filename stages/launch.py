@@ -284,6 +284,12 @@ class BoundLaunch:
     def __init__(self, entry, grid, args, pointer_slots, varying_slots, device, get_device, get_stream):
         self._entry = entry
         self._grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        # The binding call's tensors and descriptors leave the kept list (every call writes its own
+        # into those slots): kept, they would hold that call's memory for as long as the layout is
+        # known, and inside a CUDA-graph pool PyTorch refuses memory that outlives the graph's outputs.
+        args = list(args)
+        for slot in (*pointer_slots, *varying_slots):
+            args[slot] = None
         self._args = args
         self._pointer_slots = tuple(pointer_slots)
         self._varying_slots = tuple(varying_slots)

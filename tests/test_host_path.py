@@ -205,6 +205,28 @@ def test_a_layout_s_bound_launches_pass_what_the_lean_launch_would(monkeypatch, 
             assert 0.3 * r.scale_factor in got
 
 
+def test_a_bound_launch_keeps_none_of_the_binding_call_s_tensors():
+    """A bound launch keeps every argument of the call that bound it but its pointers and per-call
+    values: those slots are written by each call, and the binding call's tensors (its output, its
+    gradients, a descriptor's tensor) must not be held for as long as the layout is known (inside a
+    CUDA-graph pool PyTorch refuses memory that outlives the graph's outputs). Each launch still
+    passes its own addresses and values with the kept ones."""
+    import gc
+    import types
+    import weakref
+
+    t, desc = torch.empty(4), types.SimpleNamespace(base=torch.empty(2))
+    refs = [weakref.ref(t), weakref.ref(desc.base)]
+    launched = []
+    entry = (lambda *args: launched.append(args), "function", ("before",))
+    bound = launch.BoundLaunch(entry, (3,), [t, 5, desc, 0.5], (0,), (2, 3), 0, lambda: 0, lambda device: 7)
+    del t, desc
+    gc.collect()
+    assert all(r() is None for r in refs), "the bound launch still holds the binding call's tensors"
+    bound.launch([1234], ["this call's descriptor", 0.25])
+    assert launched == [(3, 1, 1, 7, "function", "before", 1234, 5, "this call's descriptor", 0.25)]
+
+
 @pytest.mark.parametrize("how", ["enter hook", "switched off", "other device"])
 def test_bound_launches_step_aside_for_hooks_the_switch_and_another_device(monkeypatch, how):
     """A bound layout launches only while the lean path would: with a launch hook, the switch off or
