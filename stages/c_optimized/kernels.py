@@ -636,7 +636,7 @@ def _call_tensors(workspace: tuple, q, k, v, o, lse) -> dict:
     offset = 0
     for role, shape in workspace:
         if shape is None:
-            tensors[role] = _unused_fp32(q.device)
+            tensors[role] = _stand_in_fp32(o)
             continue
         n = math.prod(shape)
         tensors[role] = flat[offset:offset + n].view(shape)
@@ -644,16 +644,14 @@ def _call_tensors(workspace: tuple, q, k, v, o, lse) -> dict:
     return tensors
 
 
-#: device -> a one-element fp32 tensor: what a kernel's unused fp32 pointer argument gets (a fresh
-#: allocation, so 16-byte aligned like the buffers it stands in for: the same compiled kernel)
-_UNUSED_FP32: dict = {}
-
-
-def _unused_fp32(device: torch.device) -> torch.Tensor:
-    t = _UNUSED_FP32.get(device)
-    if t is None:
-        t = _UNUSED_FP32[device] = torch.empty(1, dtype=torch.float32, device=device)
-    return t
+def _stand_in_fp32(o: torch.Tensor) -> torch.Tensor:
+    """What a kernel's unused fp32 pointer argument gets (the split kernel's partials when one chunk
+    writes O itself): the call's output seen as fp32. The kernel never touches it; the output is a
+    fresh allocation, so 16-byte aligned like the buffers it stands in for (the same compiled
+    kernel). Not an allocation of its own, kept between calls: made inside a CUDA-graph pool (a
+    ``torch.compile(mode="reduce-overhead")`` warm-up), that would outlive the graph's outputs,
+    which PyTorch refuses."""
+    return o if o.dtype == torch.float32 else o.view(torch.float32)
 
 
 def plan(q, k, v, o, *, causal: bool, scale: float, arch: int, config: Config | None = None, lse=None,
@@ -797,9 +795,8 @@ class _BoundLayout:
 
     launches: tuple    # per launch: (BoundLaunch, its pointers' roles, its descriptors (role, class, fields),
                        # the scale factor or None)
-    workspace: tuple   # (role, offset in fp32 elements into the workspace, or None: the unused fp32 tensor)
+    workspace: tuple   # (role, offset in fp32 elements into the workspace, or None: unused, _stand_in_fp32)
     floats: int        # fp32 elements of the workspace (0: none)
-    unused: int        # the unused fp32 tensor's address
     descriptors: bool  # whether a launch takes TMA descriptors (built over the call's tensors)
 
     @classmethod
@@ -822,8 +819,7 @@ class _BoundLayout:
                 return False  # (an empty buffer has no address to hand over: such calls take the full path)
             workspace.append((role, None if shape is None else offset))
             offset += 0 if shape is None else math.prod(shape)
-        unused = _unused_fp32(tensors["q"].device).data_ptr()
-        return cls(tuple(launches), tuple(workspace), offset, unused, any(descs for _, _, descs, _ in launches))
+        return cls(tuple(launches), tuple(workspace), offset, any(descs for _, _, descs, _ in launches))
 
     def open(self) -> bool:
         """Whether the bound launches may run now (one check for all: they were bound on one device)."""
@@ -836,7 +832,8 @@ class _BoundLayout:
         # (held until the launches are queued: freed before them, its memory could go to another tensor)
         flat = torch.empty(self.floats, dtype=torch.float32, device=q.device) if self.floats else None
         for role, offset in self.workspace:
-            addresses[role] = self.unused if offset is None else flat.data_ptr() + 4 * offset
+            # (an unused fp32 pointer: the output's address, as _stand_in_fp32 hands it over)
+            addresses[role] = addresses["o"] if offset is None else flat.data_ptr() + 4 * offset
         tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse} if self.descriptors else None
         for bound, roles, descs, factor in self.launches:
             varying = [descriptor_on(cls, fields, tensors[role]) for role, cls, fields in descs]
@@ -855,7 +852,7 @@ def _prepare_merge(recipe: _Recipe, runs: tuple, tensors: dict, scale: float) ->
         return
     recipe.done.add("merge prepared")
     rows_total = runs[0][1][-1]
-    unused = _unused_fp32(tensors["q"].device)
+    unused = _stand_in_fp32(tensors["o"])
     recipe.launches[1].prepare((1,), {**tensors, "o_part": unused, "lse_part": unused}, (rows_total, 2), scale)
 
 
