@@ -356,6 +356,12 @@ def descriptor_over(cls, fields: dict, t: torch.Tensor):
     return desc
 
 
+def layout_fields(fields: dict, t: torch.Tensor) -> dict:
+    """A descriptor's fields with ``t``'s shape and strides: what :func:`descriptor_on` needs for a
+    layout whose shape and strides are fixed (a bound launch's key holds them)."""
+    return {**fields, "shape": list(t.shape), "strides": list(t.stride())}
+
+
 def descriptor_on(cls, fields: dict, base: torch.Tensor):
     """A TMA descriptor of class ``cls`` over ``base`` whose other fields, shape and strides included,
     are ``fields``: :func:`descriptor_over` for a caller that knows the layout already (a bound launch:
@@ -416,9 +422,7 @@ class KeptLaunch:
         bound = self.fast.bound(self.grid, values, tuple(range(n, len(values))))
         if bound is None:
             return None
-        descs = tuple((role, cls, {**fields, "shape": list(tensors[role].shape),
-                                   "strides": list(tensors[role].stride())})
-                      for _, role, cls, fields in self.descs)
+        descs = tuple((role, cls, layout_fields(fields, tensors[role])) for _, role, cls, fields in self.descs)
         return BoundKeptLaunch(bound, tuple(role for _, role in self.tensors), descs)
 
 

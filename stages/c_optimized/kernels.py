@@ -56,7 +56,8 @@ import triton.language as tl
 
 from .. import contract, ops
 from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_output, padded_head_dim, validate_inputs
-from ..launch import FastLaunch, Launch, compiles_without_interpreter, descriptor_on, descriptor_over
+from ..launch import (FastLaunch, Launch, compiles_without_interpreter, descriptor_on, descriptor_over,
+                      layout_fields)
 from . import decode, hopper_ws
 from .configs import (BASELINE, WS_SHAPES, Config, choose_config, device_arch, shape_aware_config, shared_memory_bytes,
                       sm_count, with_deep_q, ws_rung_config)
@@ -809,8 +810,7 @@ class _BoundLayout:
                 return False
             # A descriptor's shape and strides are the layout's (its key holds them; o is contiguous,
             # shaped like q): per call only its base, the tensor, is new.
-            descs = tuple((role, cls, {**fields, "shape": list(tensors[role].shape),
-                                       "strides": list(tensors[role].stride())})
+            descs = tuple((role, cls, layout_fields(fields, tensors[role]))
                           for (_, role, _, _), (cls, fields) in zip(recipe.descs, recipe.desc_templates))
             launches.append((bound, tuple(role for _, role in recipe.tensors), descs, recipe.scale_factor))
         workspace, offset = [], 0
