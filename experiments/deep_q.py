@@ -34,6 +34,7 @@ from harness.suites import SUITES  # noqa: E402
 from stages.c_optimized import kernels as ck  # noqa: E402
 from stages.c_optimized.configs import fits, num_sms  # noqa: E402
 from stages.contract import DTYPES, Problem  # noqa: E402
+from suite_configs import keep_named  # noqa: E402
 
 #: (name, B, Hq, Hkv, N, D, causal, dtype): the FA-paper grid (B·N = 16k, H·D = 2048) and lengths
 #: between the suite's (197: ViT-B; 384 and 512: BERT-style batches)
@@ -55,11 +56,8 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--cells", default="", help="comma-separated cell names (default: all)")
     args = ap.parse_args(argv)
-    cells = [(c.name, c.B, c.Hq, c.Hkv, c.Nq, c.D, c.causal, c.dtype) for c in SUITES["models"]
-             if c.Nq == c.Nk and c.D <= 128 and c.B * c.Hq * c.Nq < 2 ** 22] + EXTRA
-    if args.cells:
-        keep = set(args.cells.split(","))
-        cells = [c for c in cells if c[0] in keep]
+    cells = keep_named([(c.name, c.B, c.Hq, c.Hkv, c.Nq, c.D, c.causal, c.dtype) for c in SUITES["models"]
+                        if c.Nq == c.Nk and c.D <= 128 and c.B * c.Hq * c.Nq < 2 ** 22] + EXTRA, args.cells)
     sms = num_sms(torch.device("cuda"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", newline="") as f:

@@ -44,6 +44,14 @@ EXTRA = [
 ]
 
 
+def keep_named(cells: list, names: str) -> list:
+    """The cells (tuples, the name first) named in the comma-separated ``names``; all when it is empty."""
+    if not names:
+        return cells
+    keep = set(names.split(","))
+    return [c for c in cells if c[0] in keep]
+
+
 def graph_ms(fn) -> float | None:
     try:
         return timing.summarize(timing.samples_graph(lambda: fn, 50, 60), True).ms_median
@@ -56,10 +64,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--cells", default="", help="comma-separated cell names (default: all)")
     args = ap.parse_args(argv)
-    cells = [(c.name, c.B, c.Hq, c.Hkv, c.Nq, c.Nk, c.D, c.causal, c.dtype) for c in SUITES["models"]] + EXTRA
-    if args.cells:
-        keep = set(args.cells.split(","))
-        cells = [c for c in cells if c[0] in keep]
+    cells = keep_named([(c.name, c.B, c.Hq, c.Hkv, c.Nq, c.Nk, c.D, c.causal, c.dtype) for c in SUITES["models"]]
+                       + EXTRA, args.cells)
     sms = num_sms(torch.device("cuda"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", newline="") as f:
