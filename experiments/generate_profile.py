@@ -113,8 +113,6 @@ def python_profile(model, prompt, new_tokens: int, top: int) -> str:
     """cProfile of one generate(): the Python functions with the most time of their own (the host
     path's share of a host-bound decode step, function by function)."""
     import cProfile
-    import io
-    import pstats
 
     ones = torch.ones_like(prompt)
     prof = cProfile.Profile()
@@ -123,11 +121,25 @@ def python_profile(model, prompt, new_tokens: int, top: int) -> str:
         model.generate(prompt, attention_mask=ones, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                        do_sample=False, num_beams=1, pad_token_id=model.config.eos_token_id)
         prof.disable()
+    return python_top(prof, top)
+
+
+def python_top(prof, top: int, sort: str = "tottime", only: str | None = None, width: int | None = None) -> str:
+    """A cProfile's table, indented: the ``top`` Python functions with the most time of their own
+    (``sort="cumulative"``: with their callees); ``only``: a regular expression the file names must
+    match; ``width``: lines cut to that many characters."""
+    import io
+    import pstats
+
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    stats = pstats.Stats(prof, stream=out).sort_stats(sort)
+    if only:
+        stats.print_stats(only, top)
+    else:
+        stats.print_stats(top)
     body = out.getvalue().strip().splitlines()
     start = next((i for i, line in enumerate(body) if line.lstrip().startswith("ncalls")), 0)
-    return "\n".join("    " + line for line in body[start:])
+    return "\n".join("    " + line[:width] for line in body[start:])
 
 
 class GcClock:

@@ -26,24 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import stages  # noqa: E402,F401
 import torch  # noqa: E402
 
+from generate_profile import python_top  # noqa: E402
 from harness import train as T  # noqa: E402
-
-
-def python_top(prof, top: int, sort: str = "tottime", only: str | None = None) -> str:
-    """The Python functions with the most time of their own (``sort="cumulative"``: with their callees)
-    in a cProfile of some steps; ``only``: a regular expression the file names must match."""
-    import io
-    import pstats
-
-    out = io.StringIO()
-    stats = pstats.Stats(prof, stream=out).sort_stats(sort)
-    if only:
-        stats.print_stats(only, top)
-    else:
-        stats.print_stats(top)
-    body = out.getvalue().strip().splitlines()
-    start = next((i for i, line in enumerate(body) if line.lstrip().startswith("ncalls")), 0)
-    return "\n".join("    " + line[:150] for line in body[start:])
 
 
 def main(argv=None) -> int:
@@ -117,9 +101,9 @@ def main(argv=None) -> int:
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60)
         print("\n".join("    " + line for line in table.splitlines()))
         print(f"  Python, {args.profiled} steps in turns with the others, by own time:")
-        print(python_top(pyprof[name], args.top))
+        print(python_top(pyprof[name], args.top, width=150))
         print("  Python, the same steps, the lab's and the model's functions by cumulative time:")
-        print(python_top(pyprof[name], args.top, sort="cumulative", only=r"stages/|harness/train"))
+        print(python_top(pyprof[name], args.top, sort="cumulative", only=r"stages/|harness/train", width=150))
     return 0
 
 
