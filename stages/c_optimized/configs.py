@@ -77,7 +77,7 @@ class Config:
             bm, bn, st = (int(g) for g in m.groups()[:3])
             return ws_config(bm, bn, st, persistent=bool(m.group(4)), lazy_rescale=not m.group(5),
                              deep_q=bool(m.group(6)))
-        raise ValueError(f"config must look like 'M128-N64-w4-s3' or 'WS-M128-N128-s3-P(-E)', got {text!r}")
+        raise ValueError(f"config must look like 'M128-N64-w4-s3' or 'WS-M128-N128-s3-P(-E)(-Q3)', got {text!r}")
 
 
 def ws_config(block_m: int, block_n: int, num_stages: int, persistent: bool, lazy_rescale: bool = True,

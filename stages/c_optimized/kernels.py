@@ -283,7 +283,8 @@ def select(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: torch.dty
        for the SMs and keys enough to share out.
     2. Otherwise the tuned config for (dtype, D, causal, Nq), adjusted to the work
        (``configs.shape_aware_config``; a persistent warp-specialized one whose items are one or
-       two K/V tiles long also takes a third Q buffer, ``configs.with_deep_q``). The warp-specialized kernel is eligible when every switch
+       two K/V tiles long also takes a third Q buffer, ``configs.with_deep_q``). The
+       warp-specialized kernel is eligible when every switch
        is on, on sm_90, fp16/bf16, D 40-256 (``hopper_ws.supported``), TMA-able strides and Nq = Nk
        (its causal mask assumes the square); the training forward's log-sum-exp comes from it too.
     3. ``ws_rung`` k forces the warp-specialized kernel with rungs 1..k of its ladder on
