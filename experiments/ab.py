@@ -73,10 +73,17 @@ def run_ab(out_csv: Path, make_variants, *, baseline: str, dtypes=("fp16",), Ds=
                     for N in Ns:
                         q, k, v = fa_paper_inputs(N, D, dtype)
                         variants = {"cudnn": lambda: cudnn(q, k, v, causal), **make_variants(q, k, v, causal)}
-                        ref = variants["cudnn"]().float()
-                        ms = time_in_turns(variants, turns)
-                        for name, t in ms.items():
-                            err = ((variants[name]().float() - ref).norm() / ref.norm()).item()
-                            w.writerow([run, dtype, D, int(causal), N, name, f"{t:.5f}", f"{ms['cudnn'] / t:.4f}",
-                                        f"{ms.get(baseline, float('nan')) / t:.4f}", f"{err:.3e}"])
+                        try:
+                            ref = variants["cudnn"]().float()
+                            ms = time_in_turns(variants, turns)
+                            for name, t in ms.items():
+                                err = ((variants[name]().float() - ref).norm() / ref.norm()).item()
+                                w.writerow([run, dtype, D, int(causal), N, name, f"{t:.5f}",
+                                            f"{ms['cudnn'] / t:.4f}", f"{ms.get(baseline, float('nan')) / t:.4f}",
+                                            f"{err:.3e}"])
+                            print(dtype, D, causal, N, {n: round(t, 4) for n, t in ms.items()}, flush=True)
+                        except Exception as e:  # noqa: BLE001 - recorded, the other cells go on
+                            w.writerow([run, dtype, D, int(causal), N, "error", "", "", "",
+                                        f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"])
+                            torch.cuda.empty_cache()
                         f.flush()

@@ -13,7 +13,7 @@ import torch
 from stages import STAGES, contract
 from stages.c_optimized import configs, decode, hopper_ws
 from stages.c_optimized import kernels as c_kernels
-from stages.contract import Problem, padded_head_dim
+from stages.contract import Problem
 
 from .helpers import DTYPES, check_against_reference, make_qkv
 
@@ -382,18 +382,25 @@ def test_gpu_extended_shapes(D):
 
 def test_ws_padded_head_dims_compile_for_sm90(ws_padded_head_dims):
     """With PADDED_HEAD_DIMS, a head dim between the powers of two takes the warp-specialized kernel
-    at its padded width (TMA tiles of 64, 128 or 256 columns, no L2 prefetch of lines past the row);
-    D 32 keeps the tl kernel; the Hopper backward takes the same head dims (above 128 columns with the
-    head dim split between its consumers) and, without the padding, 64, 128 and 256 only."""
-    for D, width in ((40, 64), (96, 128), (120, 128), (136, 256), (200, 256), (256, 256)):
+    in tiles of its padded width (64, 128 or 256 columns), or of half that and a narrow tail where
+    that is narrower (hopper_ws.tile_widths: 16, 32 or 64 more columns, as their own TMA tiles and
+    wgmma), with no L2 prefetch of lines past the row; D 32 keeps the tl kernel; the Hopper backward
+    takes the same head dims (above 128 columns with the head dim split between its consumers) and,
+    without the padding, 64, 128 and 256 only."""
+    for D, widths in ((40, (64, 0)), (96, (64, 32)), (120, (128, 0)), (136, (128, 16)), (168, (128, 64)),
+                      (200, (256, 0)), (256, (256, 0))):
         assert hopper_ws.supported(torch.bfloat16, D, 90)
+        assert hopper_ws.tile_widths(D) == widths
         kernels = c_kernels.compile(Problem(2, 8, 1000, D, "bf16", True), 90)
         assert [k.name for k in kernels] == ["ws_attention_kernel"], (D, kernels)
         ptx = kernels[0].asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
-        assert D == width or "prefetch.global.L2" not in ptx
+        assert D == sum(widths) or "prefetch.global.L2" not in ptx
+        # the tail's products: wgmma with its width as N (P·V_tail) and as K (Q_tail·K_tailᵀ, in steps of 16)
+        tail = widths[1]
+        assert (f"wgmma.mma_async.sync.aligned.m64n{tail}k16" in ptx) == (tail > 0), D
         choice = c_kernels.select(2, 8, 8, 1000, 1000, D, torch.bfloat16, True, 90, 132)
-        assert choice.path == "ws" and choice.config in configs.WS_SHAPES[width]
+        assert choice.path == "ws" and choice.config in configs.ws_shapes(D)
     assert not hopper_ws.supported(torch.bfloat16, 32, 90)
     for D in (120, 136, 256):
         assert hopper_ws.supported(torch.bfloat16, D, 90, "backward")
@@ -403,7 +410,7 @@ def test_ws_padded_head_dims_compile_for_sm90(ws_padded_head_dims):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D", [40, 56, 72, 96, 120, 136, 200, 256])
+@pytest.mark.parametrize("D", [40, 56, 72, 80, 96, 120, 136, 152, 168, 192, 200, 256])
 def test_gpu_ws_padded_head_dims(D, ws_padded_head_dims):
     """The warp-specialized kernel at a padded head dim: GQA, ragged N, causal both, fp16 and bf16,
     strided inputs, against float64 (the GPU check that PADDED_HEAD_DIMS waits for)."""
@@ -414,9 +421,9 @@ def test_gpu_ws_padded_head_dims(D, ws_padded_head_dims):
             q, k, v = make_qkv(2, 8, N, D, DTYPES[dtype_name], "cuda", Hkv=2, layout=layout)
             choice = c_kernels.select(2, 8, 2, N, N, D, q.dtype, causal, 90, 132)
             # a problem this small may take the tl kernel's 64-row tiles (configs.shape_aware_config):
-            # each of the padded width's warp-specialized configs is checked by forcing it
+            # each of the head dim's warp-specialized configs is checked by forcing it
             assert choice.path == "ws" or choice.config.block_m == 64, choice
-            for config in configs.WS_SHAPES[padded_head_dim(D)]:
+            for config in configs.ws_shapes(D):
                 o = attention(q, k, v, causal=causal, config=config)
                 check_against_reference(o, q, k, v, causal=causal, dtype_name=dtype_name)
 
@@ -436,7 +443,7 @@ def test_training_forward_takes_the_warp_specialized_kernel_on_hopper():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D", [64, 96, 128, 256])
+@pytest.mark.parametrize("D", [64, 96, 128, 152, 192, 256])
 def test_gpu_ws_training_forward_lse(D):
     """The warp-specialized kernel's row log-sum-exps (every config of the head dim, forced): GQA,
     ragged N, causal both, and logits large enough that the lazy rescale keeps a maximum below the
@@ -446,7 +453,7 @@ def test_gpu_ws_training_forward_lse(D):
     for N, scale in ((1000, 1.0), (333, 12.0)):
         for causal in (False, True):
             q, k, v = make_qkv(2, 8, N, D, torch.bfloat16, "cuda", Hkv=2, scale=scale)
-            for config in configs.WS_SHAPES[padded_head_dim(D)]:
+            for config in configs.ws_shapes(D):
                 o = contract.new_output(q)
                 lse = torch.full(q.shape[:3], float("nan"), device="cuda")
                 launches = c_kernels.plan(q, k, v, o, causal=causal, scale=D ** -0.5, arch=90, lse=lse, config=config)

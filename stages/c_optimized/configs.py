@@ -34,7 +34,9 @@ class Config:
     warpgroups, 128-row K/V tiles, a 3-slot K/V ring and (``-P``) a persistent grid; ``-E`` marks
     the eager rescale of O on every tile (else lazy: only when a row's maximum grew past 2^8,
     ``hopper_ws._rescale_if_needed``); ``-Q3`` marks three Q buffers per consumer (a persistent
-    program fetches each item's Q two items ahead, ``hopper_ws.q_buffers``)."""
+    program fetches each item's Q two items ahead, ``hopper_ws.q_buffers``); ``-pad`` runs a head
+    dim that would take a main part and a narrow tail (``hopper_ws.tile_widths``) in tiles of the
+    next power of two instead (the ablation of the tail)."""
 
     block_m: int
     block_n: int
@@ -44,6 +46,7 @@ class Config:
     persistent: bool = False
     lazy_rescale: bool = True
     deep_q: bool = False
+    pad_head_dim: bool = False
 
     def with_stages(self, num_stages: int) -> "Config":
         return replace(self, num_stages=num_stages)
@@ -64,7 +67,8 @@ class Config:
     def __str__(self) -> str:
         if self.ws:
             return (f"WS-M{self.block_m}-N{self.block_n}-s{self.num_stages}" + ("-P" if self.persistent else "")
-                    + ("" if self.lazy_rescale else "-E") + ("-Q3" if self.deep_q else ""))
+                    + ("" if self.lazy_rescale else "-E") + ("-Q3" if self.deep_q else "")
+                    + ("-pad" if self.pad_head_dim else ""))
         return f"M{self.block_m}-N{self.block_n}-w{self.num_warps}-s{self.num_stages}"
 
     @classmethod
@@ -72,21 +76,22 @@ class Config:
         m = re.fullmatch(r"M(\d+)-N(\d+)-w(\d+)-s(\d+)", text)
         if m:
             return cls(*(int(g) for g in m.groups()))
-        m = re.fullmatch(r"WS-M(\d+)-N(\d+)-s(\d+)(-P)?(-E)?(-Q3)?", text)
+        m = re.fullmatch(r"WS-M(\d+)-N(\d+)-s(\d+)(-P)?(-E)?(-Q3)?(-pad)?", text)
         if m:
             bm, bn, st = (int(g) for g in m.groups()[:3])
             return ws_config(bm, bn, st, persistent=bool(m.group(4)), lazy_rescale=not m.group(5),
-                             deep_q=bool(m.group(6)))
-        raise ValueError(f"config must look like 'M128-N64-w4-s3' or 'WS-M128-N128-s3-P(-E)(-Q3)', got {text!r}")
+                             deep_q=bool(m.group(6)), pad_head_dim=bool(m.group(7)))
+        raise ValueError(f"config must look like 'M128-N64-w4-s3' or 'WS-M128-N128-s3-P(-E)(-Q3)(-pad)', "
+                         f"got {text!r}")
 
 
 def ws_config(block_m: int, block_n: int, num_stages: int, persistent: bool, lazy_rescale: bool = True,
-              deep_q: bool = False) -> Config:
+              deep_q: bool = False, pad_head_dim: bool = False) -> Config:
     """A warp-specialized config: ``block_m // 64`` consumer warpgroups of 4 warps each."""
     if deep_q and not persistent:
         raise ValueError("deep_q (three Q buffers) needs a persistent config: one item per program has no next Q")
     return Config(block_m, block_n, 4 * (block_m // 64), num_stages, ws=True, persistent=persistent,
-                  lazy_rescale=lazy_rescale, deep_q=deep_q)
+                  lazy_rescale=lazy_rescale, deep_q=deep_q, pad_head_dim=pad_head_dim)
 
 
 def ws_rung_config(config: Config, ws_rung: int) -> Config:
@@ -96,7 +101,8 @@ def ws_rung_config(config: Config, ws_rung: int) -> Config:
     rung's other switches)."""
     o = config.ws_options(ws_rung)
     return ws_config(hopper_ws.ROWS_PER_CONSUMER * o["consumers"], config.block_n, config.num_stages,
-                     o["persistent"], o["lazy_rescale"], deep_q=o["deep_q"] and o["persistent"])
+                     o["persistent"], o["lazy_rescale"], deep_q=o["deep_q"] and o["persistent"],
+                     pad_head_dim=config.pad_head_dim)
 
 
 #: Stage B's configuration. With every switch off, stage C runs exactly this.
@@ -120,19 +126,21 @@ def shared_memory_bytes(config: Config, D: int, element_bytes: int) -> int:
 
 
 def fits(config: Config, D: int, element_bytes: int, arch: int) -> bool:
-    """Whether ``config`` fits the shared memory of an sm_``arch`` block at head dim ``D`` (padded to
-    the kernel's power-of-two tile width first: the tiles hold the padded columns)."""
+    """Whether ``config`` fits the shared memory of an sm_``arch`` block at head dim ``D`` (as wide as
+    the kernel's tiles first: the ``tl`` kernel's are the next power of two, the warp-specialized
+    kernel's that or a main part and a narrow tail, ``hopper_ws.tile_widths``)."""
     limit = SHARED_MEMORY_LIMIT.get(arch, 99 * 1024)
-    return shared_memory_bytes(config, padded_head_dim(D), element_bytes) + 1024 <= limit  # 1 KB for barriers
+    width = hopper_ws.tile_width(D, config.pad_head_dim) if config.ws else padded_head_dim(D)
+    return shared_memory_bytes(config, width, element_bytes) + 1024 <= limit  # 1 KB for barriers
 
 
 def candidate_configs(D: int, dtype: torch.dtype, arch: int, warp_specialization: bool = True) -> list[Config]:
     """The configurations worth trying for this head dim and GPU, best guess first; only those that
     fit. On Hopper (fp16/bf16, D 40-256) the warp-specialized kernel's configs come first. A head dim
     that is not a power of two (72, 200, ...) takes the configs of its padded tile width."""
-    # The warp-specialized kernel runs a head dim between the powers of two at its padded width
-    # (hopper_ws.PADDED_HEAD_DIMS): its configs are the padded width's.
-    ws_D = padded_head_dim(D) if hopper_ws.supported(dtype, D, arch) else D
+    # The warp-specialized kernel runs a head dim between the powers of two at its tiles' width
+    # (hopper_ws.PADDED_HEAD_DIMS, hopper_ws.tile_widths): ws_shapes gives that width's configs.
+    head_dim = D
     D = padded_head_dim(D)
     if dtype == torch.float32:
         # fp32 products run on the FMA units ("ieee"), where each thread holds its slice of both
@@ -152,8 +160,8 @@ def candidate_configs(D: int, dtype: torch.dtype, arch: int, warp_specialization
             128: [Config(128, 128, 8, 3), Config(128, 64, 8, 3), Config(128, 64, 4, 3), Config(64, 64, 4, 3)],
             256: [Config(64, 64, 4, 2), Config(64, 32, 4, 2), Config(128, 32, 8, 2)],
         }[D]
-        if warp_specialization and arch == 90 and ws_D in WS_SHAPES:
-            shapes = WS_SHAPES[ws_D] + shapes
+        if warp_specialization and arch == 90 and hopper_ws.supported(dtype, head_dim, arch):
+            shapes = ws_shapes(head_dim) + shapes
     else:
         shapes = {
             16: [Config(128, 64, 4, 3), Config(64, 64, 4, 3)],
@@ -163,7 +171,7 @@ def candidate_configs(D: int, dtype: torch.dtype, arch: int, warp_specialization
             256: [Config(64, 32, 4, 2), Config(32, 32, 4, 2)],
         }[D]
     e = torch.tensor([], dtype=dtype).element_size()
-    fitting = [c for c in shapes if fits(c, D, e, arch)]
+    fitting = [c for c in shapes if fits(c, head_dim, e, arch)]
     return fitting or [Config(32, 32, 4, 1)]
 
 
@@ -186,6 +194,31 @@ WS_SHAPES = {
     128: [ws_config(128, 128, 2, True), ws_config(128, 128, 3, False)],
     256: [ws_config(128, 64, 2, False), ws_config(128, 32, 4, False), ws_config(128, 64, 2, False, lazy_rescale=False)],
 }
+
+#: Registers per consumer thread a warp-specialized config's tiles may take: the 64 × width fp32
+#: accumulator (width / 2), the 64 × BLOCK_N fp32 scores (BLOCK_N / 2) and P in 16 bits (BLOCK_N / 4).
+#: The tuned configs take 160 (D 128, 128-key tiles) and 176 (D 256, 64-key tiles) of the 240, and
+#: compile without spills; the rest holds addresses, row statistics and loop state.
+TILE_REGISTERS = 176
+
+
+def ws_shapes(D: int) -> list[Config]:
+    """The warp-specialized kernel's configs for head dim ``D``, by the width of its tiles
+    (``hopper_ws.tile_width``): :data:`WS_SHAPES` at a power of two; a main part with a tail (80,
+    96, 144, 160, 192 columns) takes two consumers, as D 128 does (three would spill), the widest
+    key tile whose registers fit :data:`TILE_REGISTERS`, and up to 128 columns a persistent grid
+    first, as D 128 does; wider, one program per item, as D 256 does: compiled for sm_90a, the
+    persistent kernel (more state live across an item's boundary) spilled 32-424 bytes per thread at
+    144-192 columns, one program per item none. Not tuned on a GPU: the tuner's winners, where it
+    ran, come first (``choose_config``)."""
+    width = hopper_ws.tile_width(D)
+    if width in WS_SHAPES:
+        return WS_SHAPES[width]
+    block_n = 128 if width // 2 + 3 * 128 // 4 <= TILE_REGISTERS else 64
+    shapes = [ws_config(128, block_n, 2, False), ws_config(128, block_n, 3, False)]
+    if width <= 128:
+        shapes.insert(0, ws_config(128, block_n, 2, True))
+    return [c for c in shapes if fits(c, D, 2, 90)]
 
 
 def device_arch(device: torch.device | None) -> int:
@@ -327,7 +360,7 @@ def shape_aware_config(config: Config, B: int, Hq: int, Nq: int, D: int, dtype: 
     e = torch.tensor([], dtype=dtype).element_size()
     if config.ws:
         options = [(config, grid_cost(B, Hq, Nq, config.block_m, sms, ROW_COST[f"ws{config.block_m}"]))]
-        for c in WS_SHAPES.get(padded_head_dim(D), []):
+        for c in ws_shapes(D):
             if c.block_m != config.block_m and c.persistent:
                 options.append((c, grid_cost(B, Hq, Nq, c.block_m, sms, ROW_COST[f"ws{c.block_m}"])))
         tl64 = next((c for c in candidate_configs(D, dtype, arch, False) if c.block_m == 64), None)

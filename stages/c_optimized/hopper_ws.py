@@ -68,8 +68,14 @@ Choices that hold on every rung, each for a reason the compiled code showed:
   item's Q buffer, which no ``Q·Kᵀ`` reads any more, and stored by one TMA copy, which also clips
   the rows past N; stored from registers it cost about twice the cycles per item.
 
-Head dims. The kernel is written once for any tile width D (64, 128 or 256; the dims between run at
-the next of them, :data:`PADDED_HEAD_DIMS`); what changes with D is what fits. A consumer's 64 × D
+Head dims. The kernel is written once for any tile width D (64, 128 or 256); what changes with D is
+what fits. A head dim between them (:data:`PADDED_HEAD_DIMS`) runs at the next power of two, or, where
+that is narrower, as a main part of half that power of two and a **tail** of its own
+(:func:`tile_widths`: D 136 = 128 + 16, D 80 = 64 + 16): the tail's columns get their own TMA tiles,
+shared-memory buffers and fp32 accumulator, ``Q·Kᵀ`` adds the tail's product to the same scores and
+``P·V`` runs once more into the tail's accumulator, so the multiply-adds follow D in steps of 16 to
+64 columns instead of jumping to the next power of two (Triton's tensors have power-of-two shapes,
+so one tile cannot be 144 wide; two can). A consumer's 64 × D
 fp32 accumulator takes D / 2 of its registers per thread: at D = 256 that is 128 of its 240, so the
 score tile shrinks to 64 keys (32 registers; 128 keys would spill), and two consumers' Q tiles plus a
 2-slot ring of 64-key K and V tiles take 192 KB of the 227 KB of shared memory, which leaves no room
@@ -162,15 +168,19 @@ def _kv_range(start_m, N, ROWS_PER_PROGRAM: gl.constexpr, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM: gl.constexpr, BLOCK_N: gl.constexpr,
+def _producer(k_desc, v_desc, ring, tail, H, N, n_m, total, ROWS_PER_PROGRAM: gl.constexpr, BLOCK_N: gl.constexpr,
               CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, GROUP: gl.constexpr):
     """One warp: keep the K/V ring full. Waits until every consumer released a buffer, then asks the
     copy engine for the next K or V tile; each copy signals its ``ready`` barrier on arrival. K and V
     slots are released separately (K once its ``Q·Kᵀ`` is done, V a tile later, once its ``P·V`` is
     done), so the next K tile can start on its way half a tile earlier. The producer runs ahead into
     the next work item while the consumers finish the current one. Grouped-query attention: query
-    head h reads K/V head h // GROUP (the descriptors span K and V's own Hkv heads)."""
+    head h reads K/V head h // GROUP (the descriptors span K and V's own Hkv heads). With a head-dim
+    tail (``tail``, :func:`tile_widths`) each K and V tile comes as two copies, the main columns and
+    the tail's, counted on one ``ready`` barrier."""
     k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
+    _, k_tail_desc, v_tail_desc, _, _, k_tail_bufs, v_tail_bufs = tail
+    DM: gl.constexpr = k_desc.block_type.shape[3]  # the tail's first column
     STAGES: gl.constexpr = k_bufs.shape[0]
     it = 0
     t = _first_item(ZIGZAG)
@@ -183,10 +193,20 @@ def _producer(k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM: gl.const
             # A fresh mbarrier counts as "phase 1 completed", so the first lap does not wait.
             lap = ((it // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(s), lap)
-            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            if k_tail_desc is not None:
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes + k_tail_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_tail_desc, [b, kv_h, j * BLOCK_N, DM], k_ready.index(s),
+                                                k_tail_bufs.index(s))
+            else:
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [b, kv_h, j * BLOCK_N, 0], k_ready.index(s), k_bufs.index(s))
             mbarrier.wait(v_empty.index(s), lap)
-            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            if v_tail_desc is not None:
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes + v_tail_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_tail_desc, [b, kv_h, j * BLOCK_N, DM], v_ready.index(s),
+                                                v_tail_bufs.index(s))
+            else:
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [b, kv_h, j * BLOCK_N, 0], v_ready.index(s), v_bufs.index(s))
             it += 1
         t = _next_item(t, total, ZIGZAG)
@@ -322,13 +342,17 @@ def _pass_turn(next_turn, ISSUE_TURNS: gl.constexpr):
 
 
 @gluon.jit
-def _issue_tile(cur, acc, p_prev, q_tile, ring, turns, s_layout: gl.constexpr, WG: gl.constexpr,
+def _issue_tile(cur, acc, acc_t, p_prev, q_tile, q_tail, ring, tail, turns, s_layout: gl.constexpr, WG: gl.constexpr,
                 ISSUE_TURNS: gl.constexpr):
     """K/V tile ``cur`` (ring slot / ping-pong batch): ``S = Q·K_jᵀ`` and ``acc += P_prev·V`` (the
     previous tile's, which at an item boundary is the previous item's last) issued together (with
     three consumers, as one ping-pong turn); returns both, done. Each slot is released as soon as
-    its product is done."""
+    its product is done. With a head-dim tail (``tail``), ``S`` adds the tail columns' product
+    ``Q_tail·K_tailᵀ`` and the tail's accumulator ``acc_t`` its own ``P_prev·V_tail``: four
+    products, the same two turns."""
     k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
+    k_tail_desc = tail[1]
+    k_tail_bufs, v_tail_bufs = tail[5], tail[6]
     my_turn, next_turn = turns
     STAGES: gl.constexpr = k_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
@@ -343,22 +367,34 @@ def _issue_tile(cur, acc, p_prev, q_tile, ring, turns, s_layout: gl.constexpr, W
     _my_turn(my_turn, cur, WG, ISSUE_TURNS)
     S = warpgroup_mma(q_tile, k_bufs.index(s).reshape([BLOCK_N, D]).permute((1, 0)),
                       gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+    if k_tail_desc is not None:
+        DT: gl.constexpr = k_tail_bufs.shape[4]
+        S = warpgroup_mma(q_tail, k_tail_bufs.index(s).reshape([BLOCK_N, DT]).permute((1, 0)), S, is_async=True)
     mbarrier.wait(v_ready.index(sp), (vp // STAGES) & 1)
     acc = warpgroup_mma(p_prev, v_bufs.index(sp).reshape([BLOCK_N, D]), acc, is_async=True)
-    _pass_turn(next_turn, ISSUE_TURNS)
-    # wgmma groups retire in order: "at most one outstanding" means S is done, P·V may not be.
-    S = warpgroup_mma_wait(1, deps=(S, ))
-    _signal(k_empty.index(s))  # this consumer is done with K in slot cur
-    acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+    if k_tail_desc is not None:
+        DT2: gl.constexpr = v_tail_bufs.shape[4]
+        p_tail = gl.convert_layout(p_prev, gl.DotOperandLayout(operand_index=0, parent=acc_t.type.layout, k_width=2))
+        acc_t = warpgroup_mma(p_tail, v_tail_bufs.index(sp).reshape([BLOCK_N, DT2]), acc_t, is_async=True)
+        _pass_turn(next_turn, ISSUE_TURNS)
+        S = warpgroup_mma_wait(2, deps=(S, ))  # both of S's products are done, the P·V may not be
+        _signal(k_empty.index(s))
+        acc, acc_t, p_prev, p_tail = warpgroup_mma_wait(0, deps=(acc, acc_t, p_prev, p_tail))
+    else:
+        _pass_turn(next_turn, ISSUE_TURNS)
+        # wgmma groups retire in order: "at most one outstanding" means S is done, P·V may not be.
+        S = warpgroup_mma_wait(1, deps=(S, ))
+        _signal(k_empty.index(s))  # this consumer is done with K in slot cur
+        acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
     _signal(v_empty.index(sp), cur > 0)  # ... and with V in slot cur-1 (predicated: no branch)
-    return S, acc
+    return S, acc, acc_t
 
 
 @gluon.jit
-def _softmax_tile(S, j, n_unmasked, acc, m_i, l_i, rows, N, qk_scale, dtype: gl.constexpr, o_layout: gl.constexpr,
-                  p_layout: gl.constexpr, NEED_MASK: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
-                  CONSUMERS: gl.constexpr, EXP_TURNS: gl.constexpr, LAZY_RESCALE: gl.constexpr,
-                  LANE_ROW_SUMS: gl.constexpr):
+def _softmax_tile(S, j, n_unmasked, acc, acc_t, m_i, l_i, rows, N, qk_scale, dtype: gl.constexpr,
+                  o_layout: gl.constexpr, p_layout: gl.constexpr, NEED_MASK: gl.constexpr, CAUSAL: gl.constexpr,
+                  WG: gl.constexpr, CONSUMERS: gl.constexpr, EXP_TURNS: gl.constexpr, LAZY_RESCALE: gl.constexpr,
+                  LANE_ROW_SUMS: gl.constexpr, TAIL: gl.constexpr):
     """The softmax of score tile j, P converted for the next turn's ``P·V``, and the accumulator
     rescaled: one stretch of code with no branch in it after the mask, so ptxas can slot the
     conversions (and the eager rescale) in between the exponentials, whose unit is the bottleneck at
@@ -371,11 +407,16 @@ def _softmax_tile(S, j, n_unmasked, acc, m_i, l_i, rows, N, qk_scale, dtype: gl.
     p, alpha, m_i, l_i = _softmax_step(S, m_i, l_i, qk_scale, WG, CONSUMERS, EXP_TURNS, LAZY_RESCALE,
                                        LANE_ROW_SUMS)
     p_next = gl.convert_layout(p.to(dtype), p_layout)
+    t_layout: gl.constexpr = acc_t.type.layout
     if LAZY_RESCALE:
         acc = _rescale_if_needed(acc, alpha, o_layout)
+        if TAIL:
+            acc_t = _rescale_if_needed(acc_t, alpha, t_layout)
     else:
         acc = _rescale(acc, alpha, o_layout)
-    return acc, p_next, m_i, l_i
+        if TAIL:
+            acc_t = _rescale(acc_t, alpha, t_layout)
+    return acc, acc_t, p_next, m_i, l_i
 
 
 @gluon.jit
@@ -426,23 +467,31 @@ def _rescale_if_needed(acc, alpha, o_layout: gl.constexpr):
 
 
 @gluon.jit
-def _fetch_q(q_desc, q_bufs, q_bars, buf, b, h, row, pred):
-    """Ask the copy engine for one consumer's 64 Q rows into its Q buffer ``buf``."""
-    mbarrier.expect(q_bars.index(buf), q_desc.block_type.nbytes, pred=pred)
+def _fetch_q(q_desc, q_bufs, q_bars, buf, b, h, row, pred, tail):
+    """Ask the copy engine for one consumer's 64 Q rows into its Q buffer ``buf`` (with a head-dim
+    tail, its columns too, into the same buffer index of the tail's Q buffers)."""
+    q_tail_desc, q_tail_bufs = tail[0], tail[4]
+    if q_tail_desc is not None:
+        DM: gl.constexpr = q_desc.block_type.shape[3]
+        mbarrier.expect(q_bars.index(buf), q_desc.block_type.nbytes + q_tail_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(q_tail_desc, [b, h, row, DM], q_bars.index(buf), q_tail_bufs.index(buf),
+                                        pred=pred)
+    else:
+        mbarrier.expect(q_bars.index(buf), q_desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], q_bars.index(buf), q_bufs.index(buf), pred=pred)
 
 
 @gluon.jit
-def _fetch_next_q(q_desc, q_bufs, q_bars, buf, b, h, row, more):
+def _fetch_next_q(q_desc, q_bufs, q_bars, buf, b, h, row, more, tail):
     """Once the copy engine has read the previous item's O out of ``buf`` (stored at this item's
     tile 0), the buffer takes the next item's Q, an item ahead of its use. (With one Q buffer, one
     item per program, ``more`` is false and nothing is fetched.)"""
     tma.store_wait(0)
-    _fetch_q(q_desc, q_bufs, q_bars, buf, b, h, row, more)
+    _fetch_q(q_desc, q_bufs, q_bars, buf, b, h, row, more, tail)
 
 
 @gluon.jit
-def _store_o(acc, m_i, l_i, o_desc, LSE, buf, t, n_m, H, N, o_layout: gl.constexpr, WG: gl.constexpr,
+def _store_o(acc, acc_t, m_i, l_i, o_desc, LSE, buf, tail, nb, t, n_m, H, N, o_layout: gl.constexpr, WG: gl.constexpr,
              CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, LANE_ROW_SUMS: gl.constexpr):
     """Normalize O of work item t and send it out through shared buffer ``buf``: ``stmatrix`` from the accumulator
     layout, then one TMA copy, which also clips rows past N. Stored from registers straight to
@@ -462,6 +511,13 @@ def _store_o(acc, m_i, l_i, o_desc, LSE, buf, t, n_m, H, N, o_layout: gl.constex
     else:
         l_row = l_i
     out = acc / gl.expand_dims(gl.convert_layout(l_row, gl.SliceLayout(1, o_layout)), 1)
+    o_tail_desc = tail[3]
+    if o_tail_desc is not None:  # the head-dim tail's columns, out through the tail's Q buffer nb
+        DT: gl.constexpr = acc_t.shape[1]
+        t_layout: gl.constexpr = acc_t.type.layout
+        out_t = acc_t / gl.expand_dims(gl.convert_layout(l_row, gl.SliceLayout(1, t_layout)), 1)
+        tail_buf = tail[4].index(nb)
+        tail_buf.reshape([ROWS, DT]).store(out_t.to(o_tail_desc.dtype))
     if LSE is not None:
         lse = m_i + gl.log2(gl.convert_layout(l_row, m_i.type.layout))
         rows = start_m + WG * ROWS + gl.arange(0, ROWS, layout=m_i.type.layout)
@@ -469,6 +525,8 @@ def _store_o(acc, m_i, l_i, o_desc, LSE, buf, t, n_m, H, N, o_layout: gl.constex
     buf.reshape([ROWS, D]).store(out.to(o_desc.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [b, h, start_m + WG * ROWS, 0], buf)
+    if o_tail_desc is not None:
+        tma.async_copy_shared_to_global(o_tail_desc, [b, h, start_m + WG * ROWS, D], tail_buf)
 
 
 @gluon.jit
@@ -485,7 +543,7 @@ def _prefetch_q_to_l2(Q, stride_qb, stride_qh, stride_qn, b, h, row0, N, ROWS: g
 
 
 @gluon.jit
-def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURNS: gl.constexpr,
+def _consumer(args, tail, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURNS: gl.constexpr,
               EXP_TURNS: gl.constexpr, CAUSAL: gl.constexpr, EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr,
               PREFETCH_L2: gl.constexpr, LAZY_RESCALE: gl.constexpr, LANE_ROW_SUMS: gl.constexpr):
     """One warpgroup: for each work item of this program, the whole flash loop for its 64 rows.
@@ -517,6 +575,12 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURN
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    # A head-dim tail (tile_widths): its columns' Q buffers and accumulator beside the main ones.
+    TAIL: gl.constexpr = tail[0] is not None
+    q_tail_bufs = tail[4]
+    DT: gl.constexpr = q_tail_bufs.shape[4]
+    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DT, 16])
 
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     if LANE_ROW_SUMS:
@@ -525,6 +589,7 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURN
         l_i = gl.zeros([ROWS], gl.float32, row_layout)
     p_prev = gl.zeros([ROWS, BLOCK_N], q_desc.dtype, p_layout)
     acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+    acc_t = gl.zeros([ROWS, DT], gl.float32, t_layout)  # (without a tail, never read: compiled away)
     if EXP_TURNS:
         if WG == CONSUMERS - 1:  # consumer 0 takes the first turn at the exponentials
             l_i = _exp_turn(l_i, EXP_TURN_BARRIER, True)
@@ -533,11 +598,11 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURN
     # buffers its second one too: from then on each item fetches the Q of the item Q_BUFS - 1 ahead.
     t = _first_item(ZIGZAG)
     b0, h0, start0 = _tile_coords(t, n_m, H, ROWS_PER_PROGRAM, CAUSAL, ZIGZAG)
-    _fetch_q(q_desc, q_bufs, q_bars, Q0, b0, h0, start0 + WG * ROWS, True)
+    _fetch_q(q_desc, q_bufs, q_bars, Q0, b0, h0, start0 + WG * ROWS, True, tail)
     if Q_BUFS == 3:
         t1 = _next_item(t, total, ZIGZAG)
         b1, h1, start1 = _tile_coords(t1, n_m, H, ROWS_PER_PROGRAM, CAUSAL, ZIGZAG)
-        _fetch_q(q_desc, q_bufs, q_bars, Q0 + 1, b1, h1, start1 + WG * ROWS, t1 < total)
+        _fetch_q(q_desc, q_bufs, q_bars, Q0 + 1, b1, h1, start1 + WG * ROWS, t1 < total, tail)
     # The previous item (none before the first). Not `t_prev = t`: Triton's front end decides which
     # names a loop carries by running the body once on the values from before the loop, and a name
     # that starts out as the same value as `t` and is set to `t` in the body looks unchanged; it
@@ -565,24 +630,26 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURN
         # The previous item's buffer: its O goes out through it, then it takes t_ahead's Q.
         nb = Q0 + (item + Q_BUFS - 1) % Q_BUFS
         q_tile = q_bufs.index(cb).reshape([ROWS, D])
+        q_tail = q_tail_bufs.index(cb).reshape([ROWS, DT])
         mbarrier.wait(q_bars.index(cb), (item // Q_BUFS) & 1)
         for j in range(0, n_tiles):
             if j == 1:  # after tile 0's softmax; a one-tile item does this after the loop
-                _fetch_next_q(q_desc, q_bufs, q_bars, nb, b_ahead, h_ahead, start_ahead + WG * ROWS, more)
-            S, acc = _issue_tile(it + j, acc, p_prev, q_tile, ring, turns, s_layout, WG, ISSUE_TURNS)
+                _fetch_next_q(q_desc, q_bufs, q_bars, nb, b_ahead, h_ahead, start_ahead + WG * ROWS, more, tail)
+            S, acc, acc_t = _issue_tile(it + j, acc, acc_t, p_prev, q_tile, q_tail, ring, tail, turns, s_layout, WG,
+                                        ISSUE_TURNS)
             if Q_BUFS > 1:  # (one item per program: nothing before it to store)
                 if j == 0:
                     if it > 0:  # acc is the previous item's finished O: out through its Q buffer
-                        _store_o(acc, m_i, l_i, o_desc, LSE, q_bufs.index(nb), t_prev, n_m, H, N, o_layout, WG,
-                                 CONSUMERS, CAUSAL, ZIGZAG, LANE_ROW_SUMS)
+                        _store_o(acc, acc_t, m_i, l_i, o_desc, LSE, q_bufs.index(nb), tail, nb, t_prev, n_m, H, N,
+                                 o_layout, WG, CONSUMERS, CAUSAL, ZIGZAG, LANE_ROW_SUMS)
             # Tile 0 starts a fresh softmax (alpha = 0: the accumulator starts over).
             m_in = gl.where(j == 0, float("-inf"), m_i)
             l_in = gl.where(j == 0, 0.0, l_i)
-            acc, p_prev, m_i, l_i = _softmax_tile(S, j, n_unmasked, acc, m_in, l_in, rows, N, qk_scale, q_desc.dtype,
-                                                  o_layout, p_layout, NEED_MASK, CAUSAL, WG, CONSUMERS, EXP_TURNS,
-                                                  LAZY_RESCALE, LANE_ROW_SUMS)
+            acc, acc_t, p_prev, m_i, l_i = _softmax_tile(S, j, n_unmasked, acc, acc_t, m_in, l_in, rows, N, qk_scale,
+                                                         q_desc.dtype, o_layout, p_layout, NEED_MASK, CAUSAL, WG,
+                                                         CONSUMERS, EXP_TURNS, LAZY_RESCALE, LANE_ROW_SUMS, TAIL)
         if n_tiles == 1:
-            _fetch_next_q(q_desc, q_bufs, q_bars, nb, b_ahead, h_ahead, start_ahead + WG * ROWS, more)
+            _fetch_next_q(q_desc, q_bufs, q_bars, nb, b_ahead, h_ahead, start_ahead + WG * ROWS, more, tail)
         it += n_tiles
         item += 1
         t_prev = t
@@ -593,17 +660,25 @@ def _consumer(args, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURN
     mbarrier.wait(v_ready.index(sl), ((it - 1) // STAGES) & 1)
     _my_turn(my_turn, it, WG, ISSUE_TURNS)
     acc = warpgroup_mma(p_prev, v_bufs.index(sl).reshape([BLOCK_N, D]), acc, is_async=True)
-    _pass_turn(next_turn, ISSUE_TURNS)
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    if TAIL:
+        v_tail_bufs = tail[6]
+        p_tail = gl.convert_layout(p_prev, gl.DotOperandLayout(operand_index=0, parent=t_layout, k_width=2))
+        acc_t = warpgroup_mma(p_tail, v_tail_bufs.index(sl).reshape([BLOCK_N, DT]), acc_t, is_async=True)
+        _pass_turn(next_turn, ISSUE_TURNS)
+        acc, acc_t = warpgroup_mma_wait(0, deps=(acc, acc_t))
+    else:
+        _pass_turn(next_turn, ISSUE_TURNS)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
     _signal(v_empty.index(sl))
-    _store_o(acc, m_i, l_i, o_desc, LSE, q_bufs.index(Q0 + (item - 1) % Q_BUFS), t_prev, n_m, H, N, o_layout, WG,
+    last = Q0 + (item - 1) % Q_BUFS
+    _store_o(acc, acc_t, m_i, l_i, o_desc, LSE, q_bufs.index(last), tail, last, t_prev, n_m, H, N, o_layout, WG,
              CONSUMERS, CAUSAL, ZIGZAG, LANE_ROW_SUMS)
     tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=["H", "N", "n_m", "total"])
-def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, Q, LSE, stride_qb, stride_qh, stride_qn, qk_scale, H, N, n_m,
-                        total,
+def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, q_tail_desc, k_tail_desc, v_tail_desc, o_tail_desc, Q, LSE,
+                        stride_qb, stride_qh, stride_qn, qk_scale, H, N, n_m, total,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                         ISSUE_TURNS: gl.constexpr, EXP_TURNS: gl.constexpr, CAUSAL: gl.constexpr,
                         EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr, Q_BUFS: gl.constexpr,
@@ -616,7 +691,9 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, Q, LSE, stride_qb, strid
     the square). ``CONSUMER_REGS`` and ``PRODUCER_REGS``: registers per thread each worker
     partition asks for (``setmaxnreg``); the default partition (consumer 0) gets what is left of the
     64K. ``LSE``: None (inference), or fp32 [B, H, N] for the rows' log-sum-exps (the training
-    forward, ``_store_o``). See the module docstring."""
+    forward, ``_store_o``). ``q_tail_desc`` ... ``o_tail_desc``: None, or the head-dim tail's
+    descriptors (:func:`tile_widths`: the columns from the main tiles' width on, in narrower tiles
+    of their own). See the module docstring."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     ROWS_PER_PROGRAM: gl.constexpr = ROWS * CONSUMERS
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
@@ -643,32 +720,44 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, Q, LSE, stride_qb, strid
     mbarrier.init(turn1, count=1)
     mbarrier.init(turn2, count=1)
     ring = (k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty)
+    if q_tail_desc is not None:  # the head-dim tail's tiles, one per main tile
+        q_tail_bufs = gl.allocate_shared_memory(q_tail_desc.dtype, [CONSUMERS * Q_BUFS] + q_tail_desc.block_type.shape,
+                                                q_tail_desc.layout)
+        k_tail_bufs = gl.allocate_shared_memory(k_tail_desc.dtype, [STAGES] + k_tail_desc.block_type.shape,
+                                                k_tail_desc.layout)
+        v_tail_bufs = gl.allocate_shared_memory(v_tail_desc.dtype, [STAGES] + v_tail_desc.block_type.shape,
+                                                v_tail_desc.layout)
+    else:  # (never used: stand-ins of the right kind)
+        q_tail_bufs = q_bufs
+        k_tail_bufs = k_bufs
+        v_tail_bufs = v_bufs
+    tail = (q_tail_desc, k_tail_desc, v_tail_desc, o_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs)
 
     # The same consumer function runs in the default partition (WG 0) and in worker partitions.
     args = (q_desc, o_desc, Q, LSE, stride_qb, stride_qh, stride_qn, q_bufs, q_bars, ring, H, N, n_m, total,
             qk_scale)
-    producer_args = (k_desc, v_desc, ring, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, ZIGZAG, GROUP)
+    producer_args = (k_desc, v_desc, ring, tail, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, ZIGZAG, GROUP)
     if CONSUMERS == 1:  # ladder rung 1: one consumer, nobody to share K/V or take turns with
         gl.warp_specialize([
-            (_consumer, (args, (turn0, turn1), 0, 1, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
+            (_consumer, (args, tail, (turn0, turn1), 0, 1, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
                          LAZY_RESCALE, LANE_ROW_SUMS)),
             (_producer, producer_args),
         ], [1], [PRODUCER_REGS])
     elif CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (args, (turn0, turn1), 0, 2, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
+            (_consumer, (args, tail, (turn0, turn1), 0, 2, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
                          LAZY_RESCALE, LANE_ROW_SUMS)),
-            (_consumer, (args, (turn1, turn0), 1, 2, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
+            (_consumer, (args, tail, (turn1, turn0), 1, 2, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
                          LAZY_RESCALE, LANE_ROW_SUMS)),
             (_producer, producer_args),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (args, (turn0, turn1), 0, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
+            (_consumer, (args, tail, (turn0, turn1), 0, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
                          LAZY_RESCALE, LANE_ROW_SUMS)),
-            (_consumer, (args, (turn1, turn2), 1, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
+            (_consumer, (args, tail, (turn1, turn2), 1, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
                          LAZY_RESCALE, LANE_ROW_SUMS)),
-            (_consumer, (args, (turn2, turn0), 2, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
+            (_consumer, (args, tail, (turn2, turn0), 2, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
                          LAZY_RESCALE, LANE_ROW_SUMS)),
             (_producer, producer_args),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
@@ -693,13 +782,18 @@ def descriptor(t, block: tuple) -> GluonTensorDescriptor:
     return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _smem_layout(tuple(block), dtype))
 
 
-def descriptors(q, k, v, o, block_n: int):
-    """The four descriptors of one call: Q and O in 64-row tiles (one consumer's), K and V in
-    ``block_n``-row tiles over their own [B, Hkv, Nk, D] shape; the tiles as wide as the padded head
-    dim (the copy engine fills the columns past D with zeros and the store leaves them out)."""
-    D = padded_head_dim(q.shape[-1])
-    return (descriptor(q, (1, 1, ROWS_PER_CONSUMER, D)), descriptor(k, (1, 1, block_n, D)),
-            descriptor(v, (1, 1, block_n, D)), descriptor(o, (1, 1, ROWS_PER_CONSUMER, D)))
+def descriptors(q, k, v, o, block_n: int, pad_head_dim: bool = False):
+    """The eight descriptors of one call: Q and O in 64-row tiles (one consumer's), K and V in
+    ``block_n``-row tiles over their own [B, Hkv, Nk, D] shape; the tiles as wide as the main part of
+    the head dim (:func:`tile_widths`; the copy engine fills the columns past D with zeros and the
+    store leaves them out); then the tail's four, over the same tensors, or four Nones."""
+    main, tail = tile_widths(q.shape[-1], pad_head_dim)
+    descs = tuple(descriptor(t, (1, 1, rows, main)) for t, rows in ((q, ROWS_PER_CONSUMER), (k, block_n),
+                                                                   (v, block_n), (o, ROWS_PER_CONSUMER)))
+    if not tail:
+        return descs + (None, ) * 4
+    return descs + tuple(descriptor(t, (1, 1, rows, tail)) for t, rows in ((q, ROWS_PER_CONSUMER), (k, block_n),
+                                                                          (v, block_n), (o, ROWS_PER_CONSUMER)))
 
 
 def q_buffers(persistent: bool, deep_q: bool = False) -> int:
@@ -711,14 +805,38 @@ def q_buffers(persistent: bool, deep_q: bool = False) -> int:
     return (3 if deep_q else 2) if persistent else 1
 
 
-#: The warp-specialized kernel at the head dims between the powers of two (40-56 as 64, 72-120 as
-#: 128, 136-248 as 256): the tiles are as wide as the padded head dim and TMA fills the columns past D
-#: with zeros on load and leaves them out on store, so the kernel is the D 64, 128 or 256 one, doing
-#: the padded width's multiply-adds at its rate. On by default since its GPU tests and the head-dim
-#: sweep ran on an H200 (forward, N 4096, bf16: C / cuDNN 1.04-1.16 at D 40-120, where the tl kernel
-#: ran 0.87-0.97; 1.02-1.10 at D 200-248 and 0.76-0.91 at D 136-192, where it ran 0.36-0.58);
+#: The warp-specialized kernel at the head dims between the powers of two (40-56 in 64-column tiles,
+#: 104-120 in 128, 200-248 in 256; 72-96 and 136-192 as a main part and a tail, :func:`tile_widths`):
+#: TMA fills the columns past D with zeros on load and leaves them out on store. On by default since
+#: its GPU tests and the head-dim sweep ran on an H200 (forward, N 4096, bf16: padded to the next power
+#: of two, C / cuDNN 1.04-1.16 at D 40-120, where the tl kernel ran 0.87-0.97; 1.02-1.10 at D 200-248
+#: and 0.76-0.91 at D 136-192, where it ran 0.36-0.58; with the tail, docs/performance-log entry 58);
 #: ``LAB_WS_PADDED_HEAD_DIMS=0`` in the environment turns it off (the tl kernel, padded, runs them).
 PADDED_HEAD_DIMS = os.environ.get("LAB_WS_PADDED_HEAD_DIMS", "1") == "1"
+
+#: A head dim past a power of two by a little runs in two parts (:func:`tile_widths`): the main
+#: columns in tiles of the power of two below, the rest in tiles of their own, as narrow as wgmma's
+#: reduction (16 columns) and a power of two (Triton's tensors are), so D 136 costs 144 columns'
+#: work instead of 256's. A config named ``...-pad`` (``Config.pad_head_dim``) pads instead.
+def tile_widths(D: int, pad: bool = False) -> tuple[int, int]:
+    """(main, tail): the column widths of the warp-specialized forward's tiles for head dim ``D``.
+    (``padded_head_dim(D)``, 0), one tile as wide as the next power of two, unless half that power
+    of two plus a tail of at least 16 columns (the next power of two of what is left) is narrower:
+    D 72 and 80 run as 64 + 16, 88 and 96 as 64 + 32, 136 and 144 as 128 + 16, 152 and 160 as
+    128 + 32, 168 to 192 as 128 + 64; 104 to 128 and 200 to 256 take the whole power of two.
+    ``pad``: always the whole power of two."""
+    padded = padded_head_dim(D)
+    if pad or padded < 128:
+        return padded, 0
+    main = padded // 2
+    tail = max(16, padded_head_dim(D - main))
+    return (main, tail) if main + tail < padded else (padded, 0)
+
+
+def tile_width(D: int, pad: bool = False) -> int:
+    """The columns the warp-specialized forward computes for head dim ``D``: main + tail."""
+    return sum(tile_widths(D, pad))
+
 
 #: The widest tile each kernel has: the forward's 64 x 256 accumulator per consumer (128 registers of
 #: a thread's 240) still fits beside a 64 x 64 score tile; the Hopper backward keeps dK and dV of its
@@ -867,7 +985,7 @@ def runtime_args(B: int, H: int, N: int, q_stride: tuple, *, causal: bool, consu
 def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int, lse=None, consumers: int = 2,
          pingpong: bool = True, persistent: bool = True, num_sms: int = 132, prefetch_l2: bool = True,
          lazy_rescale: bool = True, lane_row_sums: bool = True, register_realloc: bool = True,
-         deep_q: bool = False) -> Launch:
+         deep_q: bool = False, pad_head_dim: bool = False) -> Launch:
     """The launch of ``ws_attention_kernel`` for these tensors: grid, arguments and options.
 
     This runs on every call, on the host, before the GPU sees the kernel, so it is kept short: when
@@ -894,6 +1012,9 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
     (``q_buffers``); for items of one or two K/V tiles, where the next item's Q otherwise arrives
     late.
 
+    ``pad_head_dim``: tiles as wide as the next power of two of the head dim, never a main part and
+    a narrow tail (:func:`tile_widths`).
+
     ``lse``: an fp32 [B, H, N] tensor for the rows' log-sum-exps (the training forward), or None.
 
     Grouped-query attention (k, v with fewer heads than q) works; Nq must equal Nk."""
@@ -905,6 +1026,7 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
                                     prefetch_l2=prefetch_l2, lazy_rescale=lazy_rescale, group=H // k.shape[1],
                                     lane_row_sums=lane_row_sums, register_realloc=register_realloc,
                                     deep_q=deep_q)
-    q_desc, k_desc, v_desc, o_desc = descriptors(q, k, v, o, block_n)
-    args.update(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=o_desc, Q=q, LSE=lse, qk_scale=qk_scale)
+    names = ("q_desc", "k_desc", "v_desc", "o_desc", "q_tail_desc", "k_tail_desc", "v_tail_desc", "o_tail_desc")
+    args.update(zip(names, descriptors(q, k, v, o, block_n, pad_head_dim)))
+    args.update(Q=q, LSE=lse, qk_scale=qk_scale)
     return Launch(ws_attention_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)

@@ -59,8 +59,8 @@ from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_ou
 from ..launch import (FastLaunch, Launch, compiles_without_interpreter, descriptor_on, descriptor_over,
                       layout_fields)
 from . import decode, hopper_ws
-from .configs import (BASELINE, WS_SHAPES, Config, choose_config, device_arch, shape_aware_config, shared_memory_bytes,
-                      sm_count, with_deep_q, ws_rung_config)
+from .configs import (BASELINE, Config, choose_config, device_arch, shape_aware_config, shared_memory_bytes,
+                      sm_count, with_deep_q, ws_rung_config, ws_shapes)
 
 LOG2E = 1.4426950408889634
 
@@ -348,7 +348,7 @@ def _ws_rung_choice(B, Hq, Nq, Nk, D, dtype, causal, arch, sms, tma_ok, config, 
     if config is None:
         config = shape_aware_config(choose_config(D, dtype, causal, arch, Nq, True), B, Hq, Nq, D, dtype, arch, sms)
         if not config.ws:  # a tuned table whose winner here is a tl config: the ladder builds on the first ws one
-            config = WS_SHAPES[padded_head_dim(D)][0]
+            config = ws_shapes(D)[0]
     return Choice("ws", ws_rung_config(config, ws_rung), ws_rung)
 
 
@@ -517,14 +517,19 @@ def _recipe(path: str, config, dtype: torch.dtype, D: int, group: int, causal: b
         return _split_recipe(config, dtype, D, group, causal, dot_precision, store_lse, sms)
     if path == "ws":
         options = config.ws_options(ws_rung)
-        BD = padded_head_dim(D)  # tiles as wide as the padded head dim: TMA zero-fills the columns past D
-        if BD != D:
-            options["prefetch_l2"] = False  # its lines cover BD columns: past the end of the last row
+        # Tiles as wide as the padded head dim, or its main part and a narrow tail (tile_widths): TMA
+        # zero-fills the columns past D on load and leaves them out on store.
+        main, tail = hopper_ws.tile_widths(D, config.pad_head_dim)
+        if main + tail != D:
+            options["prefetch_l2"] = False  # its lines cover the tile's columns: past the end of the last row
         constants, extra = hopper_ws.kernel_constants(causal=causal, group=group, even_n=even_n, **options)
-        block_n = config.block_n
-        descs = (("q_desc", "q", (1, 1, hopper_ws.ROWS_PER_CONSUMER, BD), True),
-                 ("k_desc", "k", (1, 1, block_n, BD), True), ("v_desc", "v", (1, 1, block_n, BD), True),
-                 ("o_desc", "o", (1, 1, hopper_ws.ROWS_PER_CONSUMER, BD), True))
+        rows = {"q": hopper_ws.ROWS_PER_CONSUMER, "k": config.block_n, "v": config.block_n,
+                "o": hopper_ws.ROWS_PER_CONSUMER}
+        descs = tuple((f"{role}_desc", role, (1, 1, rows[role], main), True) for role in rows)
+        if tail:
+            descs += tuple((f"{role}_tail_desc", role, (1, 1, rows[role], tail), True) for role in rows)
+        else:
+            constants.update({f"{role}_tail_desc": None for role in rows})
         tensors = _lse_argument((("Q", "q"),), constants, store_lse)
         launch = _LaunchRecipe(hopper_ws.ws_attention_kernel, tuple(constants.items()), tensors, descs,
                                hopper_ws.RUNTIME_ARGS, num_warps=4, num_stages=1, extra=tuple(extra.items()),
