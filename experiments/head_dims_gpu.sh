@@ -2,9 +2,9 @@
 # The head-dim sweep on one GPU: stage C against cuDNN and FlashAttention-2 (SDPA's CUDNN and FLASH
 # backends) at every multiple of 8 from 32 to 256, N = 4096, bf16, causal and not, forward, at the
 # FlashAttention-paper sizes (B·N = 16384 tokens, H·D = 2048: the harness takes B = 16384 / N and
-# H = 2048 / D rounded down), into results/<gpu>/runs.csv. Stage C pads D to the next power of two
-# inside its kernel; the sweep shows what that costs (figures/head_dims.png, the results page's
-# head_dims block). First the GPU tests of the padded head dims, then stage C's ablation at D 64 and
+# H = 2048 / D rounded down), into results/<gpu>/runs.csv. Stage C pads D inside its kernel, to the
+# next power of two or to half that plus a narrow tail (hopper_ws.tile_widths); the sweep shows what
+# that costs (figures/head_dims.png, the results page's head_dims block). First the GPU tests of the padded head dims, then stage C's ablation at D 64 and
 # 128 (its -warp_specialization rows are the tl kernel's rate at the widths the other head dims are
 # padded to: the figure's "padding alone" line), then the sweep in four parts of head dims, each well
 # under ten minutes, so a part can be rerun alone. The whole sweep is one command:

@@ -981,7 +981,9 @@ def plot_head_dims(rows: list[dict], env: dict, out_dir) -> Path | None:
         for k, P in enumerate(widths):
             inside = [p["D"] for p in pts if p["padded"] == P and p["D"] != P]
             ax.axvspan(min(inside) - 4, max(inside) + 4, color="0.5", alpha=0.10 if k % 2 == 0 else 0.16, lw=0)
-            ax.text((min(inside) + max(inside)) / 2, top * 1.17, f"C pads to {P}", ha="center", va="top",
+            # (a band of one or two head dims is too narrow for the words: the width alone)
+            label = f"C pads to {P}" if max(inside) - min(inside) >= 16 else f"→{P}"
+            ax.text((min(inside) + max(inside)) / 2, top * 1.17, label, ha="center", va="top",
                     fontsize=10, color="0.25")
         for impl in HEAD_DIM_IMPLS:
             timed = [(p["D"], p[impl]["tflops"]) for p in pts if p[impl] is not None and is_ok(p[impl])
@@ -1033,7 +1035,7 @@ def plot_head_dims(rows: list[dict], env: dict, out_dir) -> Path | None:
                               label="padding alone: TFLOPS at the padded width × D / padded width\n("
                                     + " or ".join(whose[k] for k in sorted(kernels_used, reverse=True))
                                     + " rate there)"))
-    handles.append(Patch(color="0.5", alpha=0.13, label="shaded: head dims stage C pads to the next power of two"))
+    handles.append(Patch(color="0.5", alpha=0.13, label="shaded: head dims stage C pads (to the next power of two,\nor to half that plus a 16-64-column tail)"))
     if refused_any:
         handles.append(Line2D([], [], marker="X", color="0.5", markeredgecolor="black", linestyle="none",
                               markersize=9, label="✕ on the axis: no time (unsupported, oom or error)"))

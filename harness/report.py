@@ -725,15 +725,14 @@ def render_models_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> 
 
 def _shape_kind(r: dict) -> str:
     """Which part of the shape contract a cell exercises: decode (one query row), GQA prefill (fewer
-    K/V heads than query heads), a head dim the kernel pads (not a power of two), or plain prefill."""
-    from stages.contract import padded_head_dim
-
+    K/V heads than query heads), a head dim that is not a power of two (which the kernels pad: how far
+    depends on the kernel and its version), or plain prefill."""
     if r["N"] == 1:
         return "decode"
     if (r.get("Hkv") or r["H"]) != r["H"]:
         return "GQA prefill"
-    if padded_head_dim(r["D"]) != r["D"]:
-        return f"head dim {r['D']} (padded to {padded_head_dim(r['D'])})"
+    if r["D"] & (r["D"] - 1):
+        return f"head dim {r['D']} (not a power of two)"
     return "prefill"
 
 
@@ -969,8 +968,8 @@ def head_dim_kernel_note(env: dict, dtype: str, rows: list[dict]) -> str:
     tl = [D for D in ds if D not in ws]
     if not ws:
         return ""
-    text = (f"D {_d_ranges(ws, ds)} run stage C's warp-specialized Hopper kernel (a head dim between powers of two in "
-            "the tiles of its padded width)")
+    text = (f"D {_d_ranges(ws, ds)} run stage C's warp-specialized Hopper kernel (a head dim between powers of two in tiles "
+            "of its padded width, or of half that and a narrow tail)")
     if tl:
         text += f"; D {_d_ranges(tl, ds)} {'runs' if len(tl) == 1 else 'run'} its tl kernel"
     tuned = _tuned_head_dims(env.get("gpu_slug"), dtype)
@@ -1021,10 +1020,22 @@ def _head_dim_cell(rows: list[dict], *, N: int, D: int, dtype: str, causal: int)
     return out
 
 
+def _kernel_width(D: int) -> int:
+    """The columns stage C computes at head dim ``D`` on an H100/H200: the warp-specialized kernel's
+    tiles where it takes D (``hopper_ws.tile_width``: the next power of two, or a main part and a
+    narrow tail), else the tl kernel's next power of two."""
+    import torch
+
+    from stages.c_optimized import hopper_ws
+    from stages.contract import padded_head_dim
+
+    return hopper_ws.tile_width(D) if hopper_ws.supported(torch.bfloat16, D, 90) else padded_head_dim(D)
+
+
 def head_dim_points(rows: list[dict], *, N: int, dtype: str) -> dict[int, list[dict]]:
     """The head-dim sweep at (N, dtype), per causal setting (0, 1): one dict per head dim that has a
-    stage C row, in order of D: ``D``, ``padded`` (:func:`stages.contract.padded_head_dim`, the tile
-    width stage C runs at), the rows ``c``, ``sdpa_cudnn``, ``sdpa_flash`` (None where absent; any
+    stage C row, in order of D: ``D``, ``padded`` (the columns stage C's kernel computes at D:
+    ``hopper_ws.tile_width``, the next power of two or a main part and a narrow tail), the rows ``c``, ``sdpa_cudnn``, ``sdpa_flash`` (None where absent; any
     status), ``vs_cudnn`` and ``vs_flash`` (C's TFLOPS over the peer's where both are timed, else
     None), and ``padded_rate``: where D is padded and stage C was timed at the padded width, the
     TFLOPS stage C would reach at D if it ran at that width's rate (its TFLOPS there × D / padded),
@@ -1032,8 +1043,6 @@ def head_dim_points(rows: list[dict], *, N: int, dtype: str) -> dict[int, list[d
     :data:`HEAD_DIM_TL_VARIANT` row at that width, where D runs the tl kernel and the width the
     warp-specialized one) or ``"c"`` (stage C's own row there: D and its padded width run the same
     kernel, or no tl row was measured). Forward grid rows only."""
-    from stages.contract import padded_head_dim
-
     grid = forward_grid(rows)
     out: dict[int, list[dict]] = {}
     for causal in (0, 1):
@@ -1044,7 +1053,7 @@ def head_dim_points(rows: list[dict], *, N: int, dtype: str) -> dict[int, list[d
         for D in ds:
             found = cells[D]
             c, cudnn, flash = found.get("c"), found.get("sdpa_cudnn"), found.get("sdpa_flash")
-            point = {"D": D, "padded": padded_head_dim(D), "c": c, "sdpa_cudnn": cudnn, "sdpa_flash": flash,
+            point = {"D": D, "padded": _kernel_width(D), "c": c, "sdpa_cudnn": cudnn, "sdpa_flash": flash,
                      "vs_cudnn": _ratio(c, cudnn) if _is_timed(c) and _is_timed(cudnn) else None,
                      "vs_flash": _ratio(c, flash) if _is_timed(c) and _is_timed(flash) else None,
                      "padded_rate": None, "padded_rate_kernel": None}
@@ -1123,7 +1132,7 @@ def head_dim_reading(points_by_causal: dict[int, list[dict]]) -> str:
     text = (f"Stage C reaches {ratios[0]:.2f}–{ratios[-1]:.2f}× of cuDNN's throughput over the {len(ratios)} "
             f"(head dim, mask) cells (median {statistics.median(ratios):.2f}")
     medians = []
-    for what, padded in (("power-of-two", False), ("padded", True)):
+    for what, padded in (("unpadded", False), ("padded", True)):
         vals = [p["vs_cudnn"] for p in every if p["vs_cudnn"] is not None and (p["padded"] != p["D"]) == padded]
         if vals:
             medians.append(f"{statistics.median(vals):.2f} at the {what} head dims")
@@ -1185,9 +1194,10 @@ def render_head_dims_block(results_dir, readme_dir=".", *, dtype: str = "fp16") 
         f"{dt}, forward, at {len(ds)} head dims from {ds[0]} to {ds[-1]}; B·N = {span(tokens)} tokens and "
         f"H·D = {span(hidden)} (the FlashAttention-paper setting: the harness takes B = tokens / N and H = hidden / D "
         "rounded down). TFLOPS: 4·B·H·N²·D FLOPs (causal: the visible pairs) over the median time, with the true "
-        "D: the columns stage C pads are not counted. Stage C rounds D up to the next power of two inside the "
-        "kernel (the extra columns are masked zeros), so a padded head dim does the multiply-adds of its padded "
-        "width: padded D, and in parentheses that width over D. "
+        "D: the columns stage C pads are not counted. Stage C's kernel runs D in tiles of the next power of two, "
+        "or, where narrower, of half that and a tail of 16, 32 or 64 columns (D 136 as 128 + 16; the extra "
+        "columns are zeros), so a padded head dim does the multiply-adds of its padded width: padded D, and in "
+        "parentheses that width over D. "
         + (kernels + ". " if kernels else "")
         + "Ratios: TFLOPS ratios, above 1 when stage C is faster, of the rows of the latest run that timed stage C "
         "beside a peer at that head dim; an impl that gave no time there shows its status.")

@@ -137,7 +137,9 @@ def test_points_pad_and_pair_within_one_run(sweep, monkeypatch):
     monkeypatch.setattr(hopper_ws, "PADDED_HEAD_DIMS", True)
     ws72 = next(p for p in report.head_dim_points(rows, N=4096, dtype="bf16")[1] if p["D"] == 72)
     assert ws72["padded_rate_kernel"] == "c"
-    assert ws72["padded_rate"] == pytest.approx(C_RATE[128] * CAUSAL_FACTOR * 72 / 128, rel=1e-4)
+    # ... in tiles of 64 + 16 columns (hopper_ws.tile_widths): stage C's own row at 80 is its bound
+    assert ws72["padded"] == 80
+    assert ws72["padded_rate"] == pytest.approx(c_tflops(80, 1) * 72 / 80, rel=1e-4)
     # a later run that re-measured stage C alone does not pair with the older run's cuDNN
     later = _bf16(_row("c", "stage", 4096, 64, 0, tflops=4000.0), run="2026-12-04T10:00:00Z")
     again = report.head_dim_points(rows + [later], N=4096, dtype="bf16")
@@ -157,8 +159,8 @@ def test_block_numbers_come_from_the_rows(sweep):
     assert sorted(non_causal) == list(report.HEAD_DIM_SWEEP) == sorted(causal)
     c, cu, fa = c_tflops(72, 0), cudnn_tflops(72, 0), flash_tflops(72, 0)
     assert non_causal[72] == ["72", f"{c:.0f}", f"{cu:.0f}", f"{fa:.0f}", f"{c / cu:.2f}", f"{c / fa:.2f}",
-                              "128 (×1.78)"]
-    assert non_causal[64][-1] == "—" and non_causal[136][-1] == "256 (×1.88)"
+                              "80 (×1.11)"]  # 64 + 16 columns (hopper_ws.tile_widths)
+    assert non_causal[64][-1] == "—" and non_causal[136][-1] == "144 (×1.06)" and non_causal[200][-1] == "256 (×1.28)"
     assert causal[232][2] == "unsupported" and causal[232][4] == "—"  # cuDNN refused: no ratio
     assert causal[232][5] == f"{c_tflops(232, 1) / flash_tflops(232, 1):.2f}"
     # the sentence: min/median/max over every cell with a ratio, computed here from the same numbers
@@ -183,7 +185,7 @@ def test_reading_names_ranges_exactly():
             rows.append(_bf16(_row("c", "stage", 4096, D, causal, tflops=400.0 * ratio)))
     text = report.head_dim_reading(report.head_dim_points(rows, N=4096, dtype="bf16"))
     assert text == ("Stage C reaches 0.50–1.20× of cuDNN's throughput over the 10 (head dim, mask) cells (median "
-                    "0.80; 0.80 at the power-of-two head dims, 0.85 at the padded head dims), and is at or above "
+                    "0.80; 0.80 at the unpadded head dims, 0.85 at the padded head dims), and is at or above "
                     "cuDNN at D 32–40 and 56 non-causal and at no head dim causal."), text
     assert report._d_ranges([32, 40, 48, 64], [32, 40, 48, 56, 64]) == "32–48 and 64"
     assert report._d_ranges([40], [32, 40]) == "40"

@@ -215,7 +215,7 @@ def test_shapes_block_one_line_per_shape_with_decode_bandwidth(tmp_path):
     d = _write_shapes(tmp_path / "r", _shape_rows(), env={"ceilings": {"copy_gbps": copy_gbps}})
     block = report.render_shapes_block(d, tmp_path)
     lines = _table_lines(block)
-    assert [ln[0] for ln in lines] == ["GQA prefill", "head dim 80 (padded to 128)", "decode"]  # NO_C: no line
+    assert [ln[0] for ln in lines] == ["GQA prefill", "head dim 80 (not a power of two)", "decode"]  # NO_C: no line
     gqa, d80, decode = lines
     assert gqa[1] == "B 1 · H 32/8 · N 4096 · D 128 · causal · bf16"
     assert gqa[2:6] == ["0.5", "SDPA CUDNN", "0.55", f"{0.55 / 0.50:.2f}"]  # not run 3's SDPA-only 0.055
