@@ -982,8 +982,8 @@ def plot_head_dims(rows: list[dict], env: dict, out_dir) -> Path | None:
             inside = [p["D"] for p in pts if p["padded"] == P and p["D"] != P]
             ax.axvspan(min(inside) - 4, max(inside) + 4, color="0.5", alpha=0.10 if k % 2 == 0 else 0.16, lw=0)
             # (a band of one or two head dims is too narrow for the words: the width alone)
-            label = f"C pads to {P}" if max(inside) - min(inside) >= 16 else f"→{P}"
-            ax.text((min(inside) + max(inside)) / 2, top * 1.17, label, ha="center", va="top",
+            band = f"C pads to {P}" if max(inside) - min(inside) >= 16 else f"→{P}"
+            ax.text((min(inside) + max(inside)) / 2, top * 1.17, band, ha="center", va="top",
                     fontsize=10, color="0.25")
         for impl in HEAD_DIM_IMPLS:
             timed = [(p["D"], p[impl]["tflops"]) for p in pts if p[impl] is not None and is_ok(p[impl])

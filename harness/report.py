@@ -991,14 +991,15 @@ def _tuned_head_dims(slug: str | None, dtype: str) -> list[int]:
 def head_dim_family(rows: list[dict]) -> tuple[int, str] | None:
     """(N, dtype) of the head-dim sweep in ``rows``: of the forward grid's (N, dtype) pairs, the one
     where stage C has timed rows at the most distinct head dims (ties: N = 4096 first, then the larger
-    N, then the dtype's name); None when no pair reaches :data:`HEAD_DIM_MIN` head dims."""
+    N, then bf16, the sweep script's dtype, then the dtype's name); None when no pair reaches
+    :data:`HEAD_DIM_MIN` head dims."""
     dims: dict[tuple[int, str], set[int]] = {}
     for r in views.plain(forward_grid(rows)):
         if r["impl"] == "c" and _is_timed(r):
             dims.setdefault((r["N"], r["dtype"]), set()).add(r["D"])
     if not dims:
         return None
-    best = max(dims, key=lambda k: (len(dims[k]), k[0] == views.HEADLINE_N, k[0], k[1]))
+    best = max(dims, key=lambda k: (len(dims[k]), k[0] == views.HEADLINE_N, k[0], k[1] == "bf16", k[1]))
     return best if len(dims[best]) >= HEAD_DIM_MIN else None
 
 
@@ -1208,6 +1209,13 @@ def render_head_dims_block(results_dir, readme_dir=".", *, dtype: str = "fp16") 
     reading = head_dim_reading(points)
     if reading:
         parts.append(reading)
+    # The same sweep in the other dtypes, where it ran (its tables are in runs.csv): one sentence each.
+    for other in sorted({r["dtype"] for r in rows if r["N"] == N and r["dtype"] != dt}):
+        other_points = head_dim_points(rows, N=N, dtype=other)
+        if len({p["D"] for pts in other_points.values() for p in pts}) >= HEAD_DIM_MIN:
+            other_reading = head_dim_reading(other_points)
+            if other_reading:
+                parts.append(f"In {other}, the same sweep: " + other_reading[0].lower() + other_reading[1:])
     if (results_dir / "figures" / "head_dims.png").exists():
         parts.append(f"![TFLOPS vs head dim: stage C, cuDNN and FA2, the head dims stage C pads shaded]"
                      f"({rel}/figures/head_dims.png)")

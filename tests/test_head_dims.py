@@ -263,3 +263,18 @@ def test_the_script_runs_the_one_command_over_every_head_dim():
     ds = ",".join(map(str, report.HEAD_DIM_SWEEP))
     assert report.HEAD_DIM_COMMAND.replace("python -m", "$py -m").replace(ds, '"$1"') in body, body
     assert f"`{report.HEAD_DIM_SCRIPT}`" in (ROOT / "experiments" / "README.md").read_text()
+
+
+def test_the_other_dtype_gets_a_sentence_and_a_tie_keeps_bf16(tmp_path):
+    """The same sweep in fp16 beside the bf16 one (as many head dims): the tables stay bf16's (the
+    sweep script's dtype wins a tie) and fp16 gets the reading sentence of its own numbers."""
+    bf16 = sweep_rows()
+    fp16 = [r | {"dtype": "fp16"} | ({"tflops": r["tflops"] / 2, "ms_median": r["ms_median"] * 2}
+                                     if r["impl"] == "c" and "tflops" in r else {}) for r in bf16]
+    results = _results(tmp_path / "results" / "h200", bf16 + fp16)
+    rows = views.load(results, forward_only=False)[0]
+    assert report.head_dim_family(rows) == (4096, "bf16")
+    block = report.render_head_dims_block(results, results)
+    assert "at N = 4096, bf16, forward" in block
+    half = report.head_dim_reading(report.head_dim_points(rows, N=4096, dtype="fp16"))
+    assert half.startswith("Stage C reaches") and "In fp16, the same sweep: stage C reaches" + half[len("Stage C reaches"):] in block
