@@ -168,6 +168,19 @@ def _kv_range(start_m, N, ROWS_PER_PROGRAM: gl.constexpr, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
+def _copy_in(desc, tail_desc, bar, buf, tail_buf, b, h, row, pred=True):
+    """Ask the copy engine for the tile of (``b``, ``h``) from ``row`` on into ``buf``, and with a
+    head-dim tail (``tail_desc`` not None, :func:`tile_widths`) its tail columns, from the main tile's
+    width on, into ``tail_buf``; both copies count on ``bar``."""
+    if tail_desc is not None:
+        mbarrier.expect(bar, desc.block_type.nbytes + tail_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(tail_desc, [b, h, row, desc.block_type.shape[3]], bar, tail_buf, pred=pred)
+    else:
+        mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(desc, [b, h, row, 0], bar, buf, pred=pred)
+
+
+@gluon.jit
 def _producer(k_desc, v_desc, ring, tail, H, N, n_m, total, ROWS_PER_PROGRAM: gl.constexpr, BLOCK_N: gl.constexpr,
               CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, GROUP: gl.constexpr):
     """One warp: keep the K/V ring full. Waits until every consumer released a buffer, then asks the
@@ -180,7 +193,6 @@ def _producer(k_desc, v_desc, ring, tail, H, N, n_m, total, ROWS_PER_PROGRAM: gl
     the tail's, counted on one ``ready`` barrier."""
     k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
     _, k_tail_desc, v_tail_desc, _, _, k_tail_bufs, v_tail_bufs = tail
-    DM: gl.constexpr = k_desc.block_type.shape[3]  # the tail's first column
     STAGES: gl.constexpr = k_bufs.shape[0]
     it = 0
     t = _first_item(ZIGZAG)
@@ -193,21 +205,9 @@ def _producer(k_desc, v_desc, ring, tail, H, N, n_m, total, ROWS_PER_PROGRAM: gl
             # A fresh mbarrier counts as "phase 1 completed", so the first lap does not wait.
             lap = ((it // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(s), lap)
-            if k_tail_desc is not None:
-                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes + k_tail_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_tail_desc, [b, kv_h, j * BLOCK_N, DM], k_ready.index(s),
-                                                k_tail_bufs.index(s))
-            else:
-                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, kv_h, j * BLOCK_N, 0], k_ready.index(s), k_bufs.index(s))
+            _copy_in(k_desc, k_tail_desc, k_ready.index(s), k_bufs.index(s), k_tail_bufs.index(s), b, kv_h, j * BLOCK_N)
             mbarrier.wait(v_empty.index(s), lap)
-            if v_tail_desc is not None:
-                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes + v_tail_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_tail_desc, [b, kv_h, j * BLOCK_N, DM], v_ready.index(s),
-                                                v_tail_bufs.index(s))
-            else:
-                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b, kv_h, j * BLOCK_N, 0], v_ready.index(s), v_bufs.index(s))
+            _copy_in(v_desc, v_tail_desc, v_ready.index(s), v_bufs.index(s), v_tail_bufs.index(s), b, kv_h, j * BLOCK_N)
             it += 1
         t = _next_item(t, total, ZIGZAG)
 
@@ -470,15 +470,7 @@ def _rescale_if_needed(acc, alpha, o_layout: gl.constexpr):
 def _fetch_q(q_desc, q_bufs, q_bars, buf, b, h, row, pred, tail):
     """Ask the copy engine for one consumer's 64 Q rows into its Q buffer ``buf`` (with a head-dim
     tail, its columns too, into the same buffer index of the tail's Q buffers)."""
-    q_tail_desc, q_tail_bufs = tail[0], tail[4]
-    if q_tail_desc is not None:
-        DM: gl.constexpr = q_desc.block_type.shape[3]
-        mbarrier.expect(q_bars.index(buf), q_desc.block_type.nbytes + q_tail_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(q_tail_desc, [b, h, row, DM], q_bars.index(buf), q_tail_bufs.index(buf),
-                                        pred=pred)
-    else:
-        mbarrier.expect(q_bars.index(buf), q_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], q_bars.index(buf), q_bufs.index(buf), pred=pred)
+    _copy_in(q_desc, tail[0], q_bars.index(buf), q_bufs.index(buf), tail[4].index(buf), b, h, row, pred)
 
 
 @gluon.jit
