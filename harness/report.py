@@ -1260,7 +1260,8 @@ RESULTS_PAGE_SECTIONS = (
      "the bandwidth it reaches against a device-to-device copy.", views.HINTS["shapes"]),
     ("head_dims", "Every head dim from 32 to 256",
      "Stage C, cuDNN and FlashAttention-2 at every multiple of 8 from 32 to 256 (N = 4096, bf16, causal and "
-     "not): what padding D to the next power of two costs stage C.", HEAD_DIM_SCRIPT),
+     "not; the same in fp16 where it ran): what padding D costs stage C, to the next power of two or to half "
+     "that plus a narrow tail.", HEAD_DIM_SCRIPT),
     ("latency", "The host path",
      "What one call costs the CPU on a tiny problem, beside the launch of an empty Triton kernel.",
      views.HINTS["latency"]),
