@@ -774,18 +774,24 @@ def descriptor(t, block: tuple) -> GluonTensorDescriptor:
     return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _smem_layout(tuple(block), dtype))
 
 
+def tile_blocks(D: int, block_n: int, pad: bool = False) -> tuple[dict, dict]:
+    """The TMA boxes of the kernel's tiles by role ("q", "k", "v", "o"): (main, tail). Q and O in
+    64-row tiles (one consumer's), K and V in ``block_n``-row ones; the main boxes as wide as the main
+    part of the head dim, the tail's as the tail (:func:`tile_widths`; empty without a tail). The
+    copy engine fills the columns past D with zeros and the store leaves them out."""
+    main, tail = tile_widths(D, pad)
+    rows = {"q": ROWS_PER_CONSUMER, "k": block_n, "v": block_n, "o": ROWS_PER_CONSUMER}
+    return ({role: (1, 1, n, main) for role, n in rows.items()},
+            {role: (1, 1, n, tail) for role, n in rows.items()} if tail else {})
+
+
 def descriptors(q, k, v, o, block_n: int, pad_head_dim: bool = False):
-    """The eight descriptors of one call: Q and O in 64-row tiles (one consumer's), K and V in
-    ``block_n``-row tiles over their own [B, Hkv, Nk, D] shape; the tiles as wide as the main part of
-    the head dim (:func:`tile_widths`; the copy engine fills the columns past D with zeros and the
-    store leaves them out); then the tail's four, over the same tensors, or four Nones."""
-    main, tail = tile_widths(q.shape[-1], pad_head_dim)
-    descs = tuple(descriptor(t, (1, 1, rows, main)) for t, rows in ((q, ROWS_PER_CONSUMER), (k, block_n),
-                                                                   (v, block_n), (o, ROWS_PER_CONSUMER)))
-    if not tail:
-        return descs + (None, ) * 4
-    return descs + tuple(descriptor(t, (1, 1, rows, tail)) for t, rows in ((q, ROWS_PER_CONSUMER), (k, block_n),
-                                                                          (v, block_n), (o, ROWS_PER_CONSUMER)))
+    """The eight descriptors of one call (:func:`tile_blocks`), over each tensor's own [B, H, N, D]
+    shape: the main tiles' four, then the tail's four or four Nones."""
+    tensors = {"q": q, "k": k, "v": v, "o": o}
+    main, tail = tile_blocks(q.shape[-1], block_n, pad_head_dim)
+    descs = tuple(descriptor(tensors[role], block) for role, block in main.items())
+    return descs + (tuple(descriptor(tensors[role], block) for role, block in tail.items()) or (None, ) * 4)
 
 
 def q_buffers(persistent: bool, deep_q: bool = False) -> int:

@@ -519,17 +519,14 @@ def _recipe(path: str, config, dtype: torch.dtype, D: int, group: int, causal: b
         options = config.ws_options(ws_rung)
         # Tiles as wide as the padded head dim, or its main part and a narrow tail (tile_widths): TMA
         # zero-fills the columns past D on load and leaves them out on store.
-        main, tail = hopper_ws.tile_widths(D, config.pad_head_dim)
-        if main + tail != D:
+        if hopper_ws.tile_width(D, config.pad_head_dim) != D:
             options["prefetch_l2"] = False  # its lines cover the tile's columns: past the end of the last row
         constants, extra = hopper_ws.kernel_constants(causal=causal, group=group, even_n=even_n, **options)
-        rows = {"q": hopper_ws.ROWS_PER_CONSUMER, "k": config.block_n, "v": config.block_n,
-                "o": hopper_ws.ROWS_PER_CONSUMER}
-        descs = tuple((f"{role}_desc", role, (1, 1, rows[role], main), True) for role in rows)
-        if tail:
-            descs += tuple((f"{role}_tail_desc", role, (1, 1, rows[role], tail), True) for role in rows)
-        else:
-            constants.update({f"{role}_tail_desc": None for role in rows})
+        main, tail = hopper_ws.tile_blocks(D, config.block_n, config.pad_head_dim)
+        descs = tuple((f"{role}_desc", role, block, True) for role, block in main.items())
+        descs += tuple((f"{role}_tail_desc", role, block, True) for role, block in tail.items())
+        if not tail:
+            constants.update({f"{role}_tail_desc": None for role in main})
         tensors = _lse_argument((("Q", "q"),), constants, store_lse)
         launch = _LaunchRecipe(hopper_ws.ws_attention_kernel, tuple(constants.items()), tensors, descs,
                                hopper_ws.RUNTIME_ARGS, num_warps=4, num_stages=1, extra=tuple(extra.items()),
