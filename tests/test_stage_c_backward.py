@@ -218,7 +218,8 @@ def test_every_tuned_backward_plan_is_correct(name, key, entry, device):
     dq_config = bwd.BwdConfig.parse(entry["dq"]) if "dq" in entry else None
     q, k, v = make_qkv(1, 2, 150, D, DTYPES[dtype_name], device, Hkv=1, Nk=130, seed=7)
     hopper = {name: entry[key] for name, key in (("ws_config", "ws"), ("ws_dq_config", "ws_dq")) if key in entry}
-    if hopper and not (device == "cuda" and torch.cuda.get_device_capability()[0] == 9 and D in (64, 128, 256)):
+    on_hopper = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
+    if hopper and not (on_hopper and (D in (64, 128, 256) or bwd.tuned_width(D) != bwd.padded_head_dim(D))):
         hopper = {}  # (the Hopper kernels run on sm_90: elsewhere the entry's tl kernels are tested)
     fused = hopper.get("ws_dq_config") == bwd.FUSED_DQ  # (atomics: never deterministic)
     check_gradients(attention, q, k, v, causal=causal, dtype_name=dtype_name, config=config, dq_config=dq_config,
@@ -557,6 +558,99 @@ def test_gpu_hopper_backward_at_padded_head_dims(D, ws_padded_head_dims, device)
         q, k, v = make_qkv(2, 4, 300, D, torch.bfloat16, device, Hkv=2, Nk=300, seed=31)
         check_gradients(attention, q, k, v, causal=causal, dtype_name="bf16", ws_config="ws-M32-c2-s2",
                         ws_dq_config="ws-M64-c2-s2")
+
+
+# ---------------------------------------------------- the head-dim tail (D 72-96 as 64 + 16 or 64 + 32)
+
+def test_backward_tile_widths():
+    """The Hopper backward runs the forward's tail where one consumer keeps dK and dV whole and dQ has a
+    kernel of its own; padded above 128 columns (the split head dim), with fused dQ and with ``pad``."""
+    from stages.c_optimized import hopper_bwd
+
+    assert [hopper_bwd.tile_widths(D) for D in (64, 72, 80, 88, 96, 104, 112, 128)] == \
+        [(64, 0), (64, 16), (64, 16), (64, 32), (64, 32), (128, 0), (128, 0), (128, 0)]
+    assert [hopper_bwd.tile_widths(D) for D in (40, 48, 136, 192, 200)] == [(64, 0), (64, 0), (256, 0), (256, 0),
+                                                                             (256, 0)]
+    assert hopper_bwd.tile_widths(80, pad=True) == hopper_bwd.tile_widths(80, fused_dq=True) == (128, 0)
+    assert [bwd.tuned_width(D) for D in (64, 72, 80, 88, 96, 104, 136, 256)] == [64, 80, 80, 96, 96, 128, 256, 256]
+    assert str(bwd.WsConfig.parse("ws-M64-c2-s2-pad")) == "ws-M64-c2-s2-pad"
+    assert bwd.WsConfig.parse("ws-M64-c2-s2-pad").pad and not bwd.WsConfig.parse("ws-M64-c2-s2").pad
+    with pytest.raises(ValueError, match="'-pad' last"):
+        bwd.WsConfig.parse("ws-M64-c2-pad-s2")
+
+
+def test_a_tail_width_has_its_own_tuned_entry(monkeypatch):
+    """A head dim with a tail takes the entry tuned under its own width when there is one, else its
+    padded width's (the tl kernels' tiles and the Hopper kernels' as tuned there)."""
+    table = {"arch": 90,
+             "bf16/D128/causal0": {"dkdv": "M64-N128-w8-s2", "dq_method": "separate", "ws": "ws-M32-c2-s2",
+                                   "ws_dq": "ws-M64-c2-s2"},
+             "bf16/D80/causal0": {"dkdv": "M64-N128-w8-s2", "dq_method": "separate", "ws": "ws-M64-c2-s3",
+                                  "ws_dq": "ws-M64-c1-s2"}}
+    monkeypatch.setattr(bwd, "gpu_slug", lambda: "fake")
+    monkeypatch.setattr(bwd, "tuned_backward_table", lambda slug: table)
+    bwd.backward_plan.cache_clear()
+    try:
+        for D in (72, 80):
+            plan = bwd.backward_plan(D, torch.float16, 90, False)
+            assert (plan.ws, plan.ws_dq) == (bwd.WsConfig(64, 2, 3), bwd.WsConfig(64, 1, 2)), D
+        for D in (96, 112, 128):
+            plan = bwd.backward_plan(D, torch.bfloat16, 90, False)
+            assert (plan.ws, plan.ws_dq) == (bwd.WsConfig(32, 2, 2), bwd.WsConfig(64, 2, 2)), D
+    finally:
+        bwd.backward_plan.cache_clear()
+
+
+def _wgmma_shapes(ptx: str) -> set:
+    import re
+
+    return set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx))
+
+
+@pytest.mark.parametrize("D,ws", [(80, "ws-M64-c2-s2"), (96, "ws-M32-c2-s3"), (72, "ws-M64-c1-s3")])
+def test_hopper_backward_tail_compiles_for_sm90(D, ws, ws_padded_head_dims):
+    """Compiled without a GPU: at D 72-96 both Hopper kernels multiply a tail as narrow as the head dim
+    needs (wgmma with N = the tail: dK's, dV's and dQ's tail columns) beside the 64-column main part,
+    where ``-pad`` has none; two consumers compile with no spills (the tail's accumulators are 8-16
+    registers per thread)."""
+    from harness.inspect_code import run_ptxas
+    from stages.c_optimized import hopper_bwd
+
+    tail = hopper_bwd.tile_widths(D)[1]
+    p = Problem(1, 4, 200, D, "bf16", True, Hkv=2, Nk=300)
+    kernels = bwd.compile_backward(p, 90, ws_config=ws, ws_dq_config="ws-M64-c2-s2")
+    padded = bwd.compile_backward(p, 90, ws_config=ws + "-pad", ws_dq_config="ws-M64-c2-s2-pad")
+    assert [k.name for k in kernels[1:]] == ["ws_bwd_dkdv_kernel", "ws_bwd_dq_kernel"]
+    for kernel, pad in zip(kernels[1:], padded[1:]):
+        shapes, padded_shapes = _wgmma_shapes(kernel.asm["ptx"]), _wgmma_shapes(pad.asm["ptx"])
+        # (these tiles' score products are 32 or 64 wide: a 128-wide wgmma is a 128-column head dim's)
+        assert f"m64n{tail}k16" in shapes and "m64n128k16" not in shapes, (kernel.name, shapes)
+        assert "m64n128k16" in padded_shapes, (kernel.name, padded_shapes)
+        if ws.endswith("c2-s2") or ws.endswith("c2-s3"):
+            assert run_ptxas(kernel.asm["ptx"], "sm_90a")["spill_stores"] == 0, kernel.name
+
+
+#: (B, Hq, Hkv, Nq, Nk): several Q and K/V tiles, a ragged last tile, GQA; one query row; Nq > Nk (causal rows
+#: that see no key) with MQA; Nq < Nk.
+TAIL_SHAPES = [(2, 4, 2, 300, 300), (1, 2, 2, 1, 3), (1, 4, 1, 200, 70), (1, 2, 1, 70, 260)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [72, 80, 88, 96])
+def test_gpu_hopper_backward_with_a_head_dim_tail(D, ws_padded_head_dims, device):
+    """The tail's dK/dV and dQ kernels against float64, every config kind (two consumers with 32- and
+    64-row tiles, one consumer with 64 and 128), both dtypes, causal and not, odd shapes."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper backward kernels need sm_90")
+    configs = [("ws-M64-c2-s2", "ws-M64-c2-s2"), ("ws-M32-c2-s3", "ws-M32-c2-s3"), ("ws-M128-c1-s2", "ws-M64-c1-s3"),
+               ("ws-M64-c1-s3", "ws-M128-c1-s2")]
+    for i, (B, Hq, Hkv, Nq, Nk) in enumerate(TAIL_SHAPES):
+        for causal in (False, True):
+            ws, ws_dq = configs[(i + causal) % len(configs)]
+            dtype_name = ("bf16", "fp16")[(i + causal) % 2]
+            q, k, v = make_qkv(B, Hq, Nq, D, DTYPES[dtype_name], device, Hkv=Hkv, Nk=Nk, seed=40 + i)
+            check_gradients(attention, q, k, v, causal=causal, dtype_name=dtype_name, ws_config=ws,
+                            ws_dq_config=ws_dq)
 
 
 # ------------------------------------------------- the Hopper backward above 128 columns (split head dim)

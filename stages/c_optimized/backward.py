@@ -177,29 +177,34 @@ class WsConfig:
     rows each, tiles of ``block_m`` rows streamed through ``stages`` shared-memory slots. In the dK/dV
     kernel the K/V rows are resident and Q/dO streamed; in the dQ kernel the other way round. ``share``
     ("-x" in the name; the dK/dV kernel where it splits the head dim): its two consumers compute each
-    Q tile's scores once between them and exchange them through shared memory."""
+    Q tile's scores once between them and exchange them through shared memory. ``pad`` ("-pad"): tiles
+    as wide as the next power of two above the head dim, where the kernels would otherwise run a main
+    part and a tail (``hopper_bwd.tile_widths``; the ablation of the tail)."""
 
     block_m: int
     consumers: int
     stages: int
     share: bool = False
+    pad: bool = False
 
     @property
     def block_n(self) -> int:
         return 64 * self.consumers
 
     def __str__(self) -> str:
-        return f"ws-M{self.block_m}-c{self.consumers}-s{self.stages}" + ("-x" if self.share else "")
+        return (f"ws-M{self.block_m}-c{self.consumers}-s{self.stages}" + ("-x" if self.share else "")
+                + ("-pad" if self.pad else ""))
 
     @classmethod
     def parse(cls, text: str) -> "WsConfig":
-        m = re.fullmatch(r"ws-M(\d+)-c(\d+)-s(\d+)(-x)?", text)
+        m = re.fullmatch(r"ws-M(\d+)-c(\d+)-s(\d+)(-x)?(-pad)?", text)
         if not m or int(m.group(2)) not in (1, 2) or int(m.group(1)) not in (32, 64, 128) \
                 or (m.group(4) and int(m.group(2)) != 2):
             raise ValueError(f"a Hopper backward config looks like 'ws-M64-c2-s2' (M 32, 64 or 128 query rows, "
                              f"c 1 or 2 consumer warpgroups, s stages; '-x' after it: two consumers that "
-                             f"share the scores), got {text!r}")
-        return cls(int(m.group(1)), int(m.group(2)), int(m.group(3)), bool(m.group(4)))
+                             f"share the scores; '-pad' last: tiles of the next power of two, no head-dim "
+                             f"tail), got {text!r}")
+        return cls(int(m.group(1)), int(m.group(2)), int(m.group(3)), bool(m.group(4)), bool(m.group(5)))
 
     def resident_rows(self, D: int, kernel: str = "dkdv") -> int:
         """Rows of the resident tiles: ``block_n``, but in the dK/dV kernel above 128 columns, where
@@ -283,16 +288,28 @@ def tuned_backward_table(slug: str | None) -> dict:
     return {"arch": data.get("arch"), **data.get("best", {})}
 
 
-def _tuned_entry(D_pad: int, dtype: torch.dtype, causal: bool, arch: int) -> dict | None:
-    """The tuned plan for this head dim, dtype and mask on this GPU, if one was measured. fp16 takes
-    bf16's (the tensor cores run both at one rate, and the tiles fit alike); fp32 is never tuned."""
+def tuned_width(D: int) -> int:
+    """The head-dim width a tuned backward plan is stored under: the Hopper kernels' columns where they
+    run a main part and a tail (``hopper_bwd.tile_widths``: D 72 and 80 under 80, 88 and 96 under 96),
+    else the padded head dim (the tl kernels' and every other Hopper tile's width)."""
+    D_pad = padded_head_dim(D)
+    main, tail = hopper_ws.tile_widths(D)
+    return main + tail if tail and D_pad <= hopper_ws.SPLIT_ABOVE else D_pad
+
+
+def _tuned_entry(D: int, dtype: torch.dtype, causal: bool, arch: int) -> dict | None:
+    """The tuned plan for this head dim, dtype and mask on this GPU, if one was measured: under the
+    head dim's own width (:func:`tuned_width`) or else under its padded one. fp16 takes bf16's (the
+    tensor cores run both at one rate, and the tiles fit alike); fp32 is never tuned."""
     if dtype == torch.float32:
         return None
     table = tuned_backward_table(gpu_slug())
     if table.get("arch") != arch:
         return None
     names = ("fp16", "bf16") if dtype == torch.float16 else ("bf16",)
-    return next((table[k] for k in (f"{n}/D{D_pad}/causal{int(causal)}" for n in names) if k in table), None)
+    widths = dict.fromkeys((tuned_width(D), padded_head_dim(D)))
+    return next((table[k] for k in (f"{n}/D{w}/causal{int(causal)}" for w in widths for n in names) if k in table),
+                None)
 
 
 @lru_cache(maxsize=None)
@@ -313,7 +330,7 @@ def backward_plan(D: int, dtype: torch.dtype, arch: int, causal: bool = False, *
     if tuned_tiles:
         hand = _hand_config(D_pad, dtype, arch, e)
         plan = BwdPlan(hand, False, hand)
-        entry = _tuned_entry(D_pad, dtype, causal, arch)
+        entry = _tuned_entry(D, dtype, causal, arch)
         if entry is not None:
             dkdv = BwdConfig.parse(entry["dkdv"])
             dq = BwdConfig.parse(entry["dq"]) if "dq" in entry else dkdv
@@ -726,7 +743,7 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
         launches.append(hopper_bwd.plan_dkdv(q, k, v, do, dk, dv, lse, delta, causal=causal, qk_scale=qk_scale,
                                              sm_scale=scale, block_m=ws.block_m, consumers=ws.consumers,
                                              stages=ws.stages, dq_acc=dq_acc if fused else None,
-                                             share_scores=ws.share))
+                                             share_scores=ws.share, pad=ws.pad))
     else:
         launches.append(Launch(
             attention_bwd_dkdv_kernel, (cdiv(Nk, BN), B * Hkv),
@@ -747,7 +764,7 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
 
         launches.append(hopper_bwd.plan_dq(q, k, v, do, dq, lse, delta, causal=causal, qk_scale=qk_scale,
                                            sm_scale=scale, block_n=ws_dq.block_m, consumers=ws_dq.consumers,
-                                           stages=ws_dq.stages))
+                                           stages=ws_dq.stages, pad=ws_dq.pad))
     elif deterministic:
         # The resident tile is the big one here too: block_n Q rows, block_m K/V rows per step.
         launches.append(Launch(
@@ -839,7 +856,8 @@ class KeptLayout:
 #: Which call tensor each tensor or descriptor argument of the backward kernels takes.
 _ROLES = {"Q": "q", "K": "k", "V": "v", "O": "o", "DO": "do", "DQ": "dq", "DK": "dk", "DV": "dv", "LSE": "lse",
           "DELTA": "delta", "DQ_ACC": "dq_acc", "q_desc": "q", "k_desc": "k", "v_desc": "v", "do_desc": "do",
-          "dq_desc": "dq", "dk_desc": "dk", "dv_desc": "dv"}
+          "dq_desc": "dq", "dk_desc": "dk", "dv_desc": "dv", "q_tail_desc": "q", "k_tail_desc": "k",
+          "v_tail_desc": "v", "do_tail_desc": "do", "dq_tail_desc": "dq", "dk_tail_desc": "dk", "dv_tail_desc": "dv"}
 
 
 def _allocate(q, k, v, separate: bool) -> dict:

@@ -54,8 +54,18 @@ needs all of Pᵀ and dSᵀ for that, and there are two rungs to get them:
 Either way both consumers write their halves of dK and dV over the K/V tile once neither reads it any
 more (an mbarrier says so) and one stores the whole tiles.
 
+**A head-dim tail** (D 72-96, :func:`tile_widths`): as in the forward, a head dim just past 64 runs
+as 64 columns and a tail of 16 or 32 instead of 128 columns. Every tile comes as two TMA copies, its
+main columns and its tail, into buffers of their own on one mbarrier; ``Sᵀ`` and ``dPᵀ`` add the
+tail's product (a chained wgmma 16 or 32 deep); dK and dV (and in the dQ kernel dQ) have a tail
+accumulator of their own, fed by one more product from the same Pᵀ and dSᵀ registers, and leave
+through the tail's buffers. The multiply-adds then follow D (80 costs 80 columns, not 128), and the
+consumers' registers are those of D 64 plus 8-16 per tail accumulator, so 64-row Q tiles fit with
+no spills. Fused dQ and the split head dim keep the padded width. A ``-pad`` config turns it off.
+
 Covers sm_90, fp16/bf16, D 64, 128 and 256 (and, with ``hopper_ws.PADDED_HEAD_DIMS``, every multiple
-of 8 from 40, in tiles of the padded width), Nq ≠ Nk, GQA, 16-byte aligned strides (TMA's rule).
+of 8 from 40: with a tail, or in tiles of the padded width), Nq ≠ Nk, GQA, 16-byte aligned strides
+(TMA's rule).
 """
 
 from __future__ import annotations
@@ -71,6 +81,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..contract import cdiv, padded_head_dim
 from ..launch import Launch
+from . import hopper_ws
 from .hopper_ws import SPLIT_ABOVE, GluonTensorDescriptor, _signal, descriptor, register_budget, split_head_dim
 
 #: K/V rows per consumer warpgroup: wgmma's M is 64 per warpgroup.
@@ -116,20 +127,35 @@ def _q_range(start_n, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUS
 
 
 @gluon.jit
-def _producer(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, ring, b, h_kv, start_n, Nq, Nk,
+def _copy_tile(desc, tail_desc, bar, buf, tail_buf, b, h, row):
+    """Copy a tile of (``b``, ``h``) from ``row`` on into ``buf`` and, with a head-dim tail, its tail
+    columns (from the main tile's width on) into ``tail_buf``, counted on ``bar``, whose expected bytes
+    the caller has set for all its copies."""
+    tma.async_copy_global_to_shared(desc, [b, h, row, 0], bar, buf)
+    if tail_desc is not None:
+        tma.async_copy_global_to_shared(tail_desc, [b, h, row, desc.block_type.shape[3]], bar, tail_buf)
+
+
+@gluon.jit
+def _producer(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, ring, tail, b, h_kv, start_n, Nq, Nk,
               GROUP: gl.constexpr, CAUSAL: gl.constexpr):
     """One warp: this program's K and V tiles (64 rows each: one per consumer, or one that two
     consumers split by head-dim halves) once, then the Q and dO tiles of every query head of the
-    group, in the consumers' order, through the ring."""
+    group, in the consumers' order, through the ring. With a head-dim tail (``tail``,
+    :func:`hopper_ws.tile_widths`) every tile comes as two copies, main columns and tail, on one barrier."""
     q_bufs, do_bufs, ready, empty = ring
+    q_tail_desc, k_tail_desc, v_tail_desc, do_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs, do_tail_bufs = tail
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[3]
     KV_TILES: gl.constexpr = k_bufs.shape[0]
     ROWS: gl.constexpr = k_bufs.shape[3]
-    mbarrier.expect(kv_bar, 2 * KV_TILES * k_desc.block_type.nbytes)
+    if k_tail_desc is not None:
+        mbarrier.expect(kv_bar, 2 * KV_TILES * (k_desc.block_type.nbytes + k_tail_desc.block_type.nbytes))
+    else:
+        mbarrier.expect(kv_bar, 2 * KV_TILES * k_desc.block_type.nbytes)
     for c in gl.static_range(KV_TILES):
-        tma.async_copy_global_to_shared(k_desc, [b, h_kv, start_n + c * ROWS, 0], kv_bar, k_bufs.index(c))
-        tma.async_copy_global_to_shared(v_desc, [b, h_kv, start_n + c * ROWS, 0], kv_bar, v_bufs.index(c))
+        _copy_tile(k_desc, k_tail_desc, kv_bar, k_bufs.index(c), k_tail_bufs.index(c), b, h_kv, start_n + c * ROWS)
+        _copy_tile(v_desc, v_tail_desc, kv_bar, v_bufs.index(c), v_tail_bufs.index(c), b, h_kv, start_n + c * ROWS)
     first, n_tiles, unmasked = _q_range(start_n, Nq, Nk, BLOCK_M, ROWS * KV_TILES, CAUSAL)
     it = 0
     for g in range(GROUP):
@@ -138,10 +164,13 @@ def _producer(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, ring, b, 
             s = it % STAGES
             # A fresh mbarrier counts as "phase 1 completed", so the first lap does not wait.
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            if q_tail_desc is not None:
+                mbarrier.expect(ready.index(s), 2 * (q_desc.block_type.nbytes + q_tail_desc.block_type.nbytes))
+            else:
+                mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
             row = first + j * BLOCK_M
-            tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], ready.index(s), q_bufs.index(s))
-            tma.async_copy_global_to_shared(do_desc, [b, h, row, 0], ready.index(s), do_bufs.index(s))
+            _copy_tile(q_desc, q_tail_desc, ready.index(s), q_bufs.index(s), q_tail_bufs.index(s), b, h, row)
+            _copy_tile(do_desc, do_tail_desc, ready.index(s), do_bufs.index(s), do_tail_bufs.index(s), b, h, row)
             it += 1
 
 
@@ -279,16 +308,23 @@ def _store_halves(dk, dv, k_bufs, v_bufs, bars, dk_desc, dv_desc, b, h_kv, start
 
 
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
               ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr, AHEAD: gl.constexpr):
     """One warpgroup: dK and dV of its 64 K/V rows, over every Q tile of the group's query heads; with
     a dQ accumulator (``DQ_ACC``, fused dQ), also each Q tile's share of dQ from these rows. With
     ``SPLIT_D`` = 2 two consumers share one 64-row K/V tile and each keeps the dK and dV columns of
     its half of the head dim: both compute the whole Sᵀ and dPᵀ (products over the full head dim),
-    and each multiplies them into its half of Q and dO."""
+    and each multiplies them into its half of Q and dO. With a head-dim tail (``tail``; neither fused
+    dQ nor a split head dim): ``Sᵀ`` and ``dPᵀ`` each add the tail columns' product, and dK and dV
+    have a tail accumulator each, fed by a product of their own."""
     (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, out_bar, ring, LSE, DELTA, DQ_ACC, ds_bufs, dq_stages, b, h_kv,
      start_n, Hq, Nq, Nk, qk_scale, sm_scale) = args
     q_bufs, do_bufs, ready, empty = ring
+    dk_tail_desc, dv_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs, do_tail_bufs = tail
+    TAIL: gl.constexpr = dk_tail_desc is not None
+    DT: gl.constexpr = k_tail_bufs.shape[4]
+    # wgmma groups issued after Sᵀ's last (dPᵀ's), and after dPᵀ's last (dV's): what a wait leaves running
+    AFTER: gl.constexpr = 2 if TAIL else 1
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[3]
     D: gl.constexpr = q_bufs.shape[4]
@@ -303,6 +339,9 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, DH, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DT, 16])
+    t_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=t_layout, k_width=2)
     key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)   # one value per K/V row of Sᵀ
     query_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (column of Sᵀ)
     # Fused dQ: the share dS·K of this pair, DQ_COLS columns at a time (so only a 64-row × DQ_COLS
@@ -327,6 +366,10 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
     v_t = v_bufs.index(TILE).reshape([ROWS, D])
     dk = gl.zeros([ROWS, DH], gl.float32, acc_layout)
     dv = gl.zeros([ROWS, DH], gl.float32, acc_layout)
+    k_tt = k_tail_bufs.index(TILE).reshape([ROWS, DT])  # (without a tail: never read, compiled away)
+    v_tt = v_tail_bufs.index(TILE).reshape([ROWS, DT])
+    dk_t = gl.zeros([ROWS, DT], gl.float32, t_layout)
+    dv_t = gl.zeros([ROWS, DT], gl.float32, t_layout)
     mbarrier.wait(kv_bar, 0)
     it = 0
     for g in range(GROUP):
@@ -354,27 +397,40 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                 if it > 0:
                     mbarrier.wait(out_bar.index(2 + xp), ((it - 1) // 2) & 1)  # the other's dSᵀ is in
                 dq = _pair_dq_issue(ds_bufs, xp, k_bufs, WG * DQ_COLS, DQ_COLS, dq_layout)
+            q_tt = q_tail_bufs.index(s).reshape([BLOCK_M, DT])
+            do_tt = do_tail_bufs.index(s).reshape([BLOCK_M, DT])
             st = warpgroup_mma(k_t, q_t.permute((1, 0)), gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout),
                                use_acc=False, is_async=True)
+            if TAIL:  # the tail columns' share of the same scores
+                st = warpgroup_mma(k_tt, q_tt.permute((1, 0)), st, is_async=True)
             dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout),
                                 use_acc=False, is_async=True)
+            if TAIL:
+                dpt = warpgroup_mma(v_tt, do_tt.permute((1, 0)), dpt, is_async=True)
             if DQ_ACC is not None and ATOMICS == "pair" and AHEAD_ON:
                 dq, st = warpgroup_mma_wait(1, deps=(dq, st))  # the slice and Sᵀ are done
                 if it > 0:
                     _pair_dq_add(dq, DQ_ACC, dq_stages.index(WG), b, pend_h, pend_row, sm_scale, WG * DQ_COLS)
                     mbarrier.arrive(out_bar.index(4 + xp))  # done reading the last tile's buffer
             else:
-                st = warpgroup_mma_wait(1, deps=(st, ))  # Sᵀ is done; dPᵀ may still be running
+                st = warpgroup_mma_wait(AFTER, deps=(st, ))  # Sᵀ is done; dPᵀ may still be running
             need_mask = ragged
             if CAUSAL:
                 need_mask = need_mask | (row0 < unmasked)
             pt = _probabilities_t(st, lse, keys, queries, qk_scale, need_mask, Nk, offset, CAUSAL)
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
             dv = warpgroup_mma(pt_op, do_half, dv, is_async=True)
-            dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # dPᵀ is done; dV's product may still be running
+            if TAIL:
+                pt_t = gl.convert_layout(pt.to(dtype), t_op_layout)
+                dv_t = warpgroup_mma(pt_t, do_tt, dv_t, is_async=True)
+            dpt = warpgroup_mma_wait(AFTER, deps=(dpt, ))  # dPᵀ is done; dV's product may still be running
             dst = pt * (dpt - gl.expand_dims(delta, 0))
             dst_op = gl.convert_layout(dst.to(dtype), op_layout)
             dk = warpgroup_mma(dst_op, q_half, dk, is_async=True)
+            if TAIL:
+                dst_t = gl.convert_layout(dst.to(dtype), t_op_layout)
+                dk_t = warpgroup_mma(dst_t, q_tt, dk_t, is_async=True)
+                dv_t, dk_t, pt_t, dst_t = warpgroup_mma_wait(0, deps=(dv_t, dk_t, pt_t, dst_t))
             if DQ_ACC is not None:
                 # dQ's product wants dS (queries × keys), the registers hold dSᵀ: through shared
                 # memory, read back transposed (the pair's, with 32-row Q tiles: as stored, into the
@@ -434,6 +490,12 @@ def _consumer(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
         fence_async_shared()
         tma.async_copy_shared_to_global(dk_desc, [b, h_kv, start_n + WG * ROWS, 0], k_bufs.index(WG))
         tma.async_copy_shared_to_global(dv_desc, [b, h_kv, start_n + WG * ROWS, 0], v_bufs.index(WG))
+        if TAIL:  # the tail columns, out through the tail's K and V buffers (columns past D clipped)
+            k_tt.store((dk_t * sm_scale).to(dtype))
+            v_tt.store(dv_t.to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dk_tail_desc, [b, h_kv, start_n + WG * ROWS, D], k_tail_bufs.index(WG))
+            tma.async_copy_shared_to_global(dv_tail_desc, [b, h_kv, start_n + WG * ROWS, D], v_tail_bufs.index(WG))
         tma.store_wait(0)
     else:
         _store_halves(dk * sm_scale, dv, k_bufs, v_bufs, out_bar, dk_desc, dv_desc, b, h_kv, start_n, WG, COL0)
@@ -529,13 +591,16 @@ def _consumer_shared_scores(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL:
 
 
 @gluon.jit(do_not_specialize=["Hq", "Hkv", "Nq", "Nk"])
-def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DQ_ACC, qk_scale, sm_scale,
+def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail_desc, k_tail_desc, v_tail_desc,
+                       do_tail_desc, dk_tail_desc, dv_tail_desc, LSE, DELTA, DQ_ACC, qk_scale, sm_scale,
                        Hq, Hkv, Nq, Nk,
                        STAGES: gl.constexpr, CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                        HEAD_DIM: gl.constexpr, ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr,
                        SHARE_SCORES: gl.constexpr, AHEAD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr):
-    """Grid (K/V tiles of ``CONSUMERS / SPLIT_D × 64`` rows, B · Hkv). See the module docstring."""
+    """Grid (K/V tiles of ``CONSUMERS / SPLIT_D × 64`` rows, B · Hkv). ``q_tail_desc`` ... ``dv_tail_desc``:
+    None, or the head-dim tail's descriptors (the columns from the main tiles' width on). See the
+    module docstring."""
     ROWS: gl.constexpr = k_desc.block_type.shape[2]
     KV_TILES: gl.constexpr = CONSUMERS // SPLIT_D
     pid_n = gl.program_id(0)
@@ -560,6 +625,23 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, D
     for i in gl.static_range(6):
         mbarrier.init(out_bar.index(i), count=CONSUMERS)
     ring = (q_bufs, do_bufs, ready, empty)
+    if k_tail_desc is not None:  # the head-dim tail's tiles, one per main tile
+        q_tail_bufs = gl.allocate_shared_memory(q_tail_desc.dtype, [STAGES] + q_tail_desc.block_type.shape,
+                                                q_tail_desc.layout)
+        do_tail_bufs = gl.allocate_shared_memory(do_tail_desc.dtype, [STAGES] + do_tail_desc.block_type.shape,
+                                                 do_tail_desc.layout)
+        k_tail_bufs = gl.allocate_shared_memory(k_tail_desc.dtype, [KV_TILES] + k_tail_desc.block_type.shape,
+                                                k_tail_desc.layout)
+        v_tail_bufs = gl.allocate_shared_memory(v_tail_desc.dtype, [KV_TILES] + v_tail_desc.block_type.shape,
+                                                v_tail_desc.layout)
+    else:  # (never used: stand-ins of the right kind)
+        q_tail_bufs = q_bufs
+        do_tail_bufs = do_bufs
+        k_tail_bufs = k_bufs
+        v_tail_bufs = v_bufs
+    tail = (dk_tail_desc, dv_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs, do_tail_bufs)
+    producer_tail = (q_tail_desc, k_tail_desc, v_tail_desc, do_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs,
+                     do_tail_bufs)
     ds_bufs = k_bufs  # (unused without fused dQ)
     if DQ_ACC is not None:  # one dSᵀ tile per consumer, the fused dQ product's operand ("pair": two sets)
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
@@ -581,8 +663,8 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, D
         dq_stages = gl.allocate_shared_memory(q_desc.dtype, [4, ROWS, BM // 2], x_layout)
     args = (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, out_bar, ring, LSE, DELTA, DQ_ACC, ds_bufs, dq_stages, b, h_kv,
             start_n, Hq, Nq, Nk, qk_scale, sm_scale)
-    producer_args = (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, ring, b, h_kv, start_n, Nq, Nk,
-                     GROUP, CAUSAL)
+    producer_args = (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, ring, producer_tail, b, h_kv, start_n,
+                     Nq, Nk, GROUP, CAUSAL)
     if SHARE_SCORES:
         gl.warp_specialize([
             (_consumer_shared_scores, (args, 0, GROUP, CAUSAL)),
@@ -591,13 +673,13 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, D
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif CONSUMERS == 1:
         gl.warp_specialize([
-            (_consumer, (args, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD)),
+            (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD)),
             (_producer, producer_args),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (args, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD)),
-            (_consumer, (args, 1, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD)),
+            (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD)),
+            (_consumer, (args, tail, 1, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD)),
             (_producer, producer_args),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -622,21 +704,43 @@ def _dq_descriptor(dq_acc, D: int, block_m: int) -> GluonTensorDescriptor:
                                  gl.NVMMASharedLayout.get_default_for(block, gl.float32))
 
 
+def tile_widths(D: int, pad: bool = False, fused_dq: bool = False) -> tuple[int, int]:
+    """(main, tail): the column widths of the Hopper backward kernels' tiles at head dim ``D``: the
+    forward's (``hopper_ws.tile_widths``: D 72-80 as 64 + 16, 88-96 as 64 + 32) where one consumer
+    keeps dK and dV whole (up to 128 columns) and dQ comes from a kernel of its own; the next power of
+    two above that (the consumers split the head dim), with fused dQ (its products and bulk reduce
+    go by 64-column slices) or with ``pad``."""
+    padded = padded_head_dim(D)
+    if padded > SPLIT_ABOVE or fused_dq:
+        return padded, 0
+    return hopper_ws.tile_widths(D, pad)
+
+
+def _tail_descriptors(tensors: dict, rows: dict, main: int, tail: int) -> dict:
+    """``{role}_tail_desc`` for each of ``tensors``: TMA tiles of ``rows[role]`` rows by the ``tail``
+    columns from ``main`` on (zero-filled past the head dim on load, clipped on store); all None
+    without a tail."""
+    return {f"{role}_tail_desc": descriptor(t, (1, 1, rows[role], tail)) if tail else None
+            for role, t in tensors.items()}
+
+
 def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float, sm_scale: float, block_m: int,
-              consumers: int, stages: int, dq_acc=None, share_scores: bool = False) -> Launch:
+              consumers: int, stages: int, dq_acc=None, share_scores: bool = False, pad: bool = False) -> Launch:
     """The launch of ``ws_bwd_dkdv_kernel`` for these tensors: K/V tiles of ``consumers × 64`` rows
     (above 128 columns, one tile of 64 rows whose head dim the two consumers split:
     :func:`split_head_dim`), Q/dO tiles of ``block_m`` rows through ``stages`` slots; with ``dq_acc`` (a
     zeroed fp32 tensor shaped like ``q``) it also adds dQ into it (fused dQ: 64-row Q tiles,
     wgmma's M; 32-row ones too where it adds once per pair of consumers: :func:`fused_dq_block_ms`).
     ``share_scores`` (with the split head dim only): the two consumers compute the scores of a Q tile's
-    halves and exchange them (``_consumer_shared_scores``) instead of both computing all."""
+    halves and exchange them (``_consumer_shared_scores``) instead of both computing all. The tiles'
+    widths: :func:`tile_widths` (``pad``: the whole power of two, for the ablation)."""
     if dq_acc is not None and block_m not in fused_dq_block_ms(consumers):
         raise ValueError(f"fused dQ with {consumers} consumer(s) adding by {FUSED_DQ_ATOMICS!r} takes Q tiles of "
                          f"{' or '.join(map(str, fused_dq_block_ms(consumers)))} rows, got {block_m}")
     B, Hq, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     D = padded_head_dim(q.shape[-1])  # tiles of the padded width: TMA zero-fills past the head dim
+    main, tail = tile_widths(q.shape[-1], pad, fused_dq=dq_acc is not None)
     split = split_head_dim(D)
     if split > 1 and (consumers != split or dq_acc is not None):
         raise ValueError(f"above head dim {SPLIT_ABOVE} the Hopper dK/dV kernel splits the head dim between "
@@ -646,13 +750,17 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
     if share_scores and split == 1:
         raise ValueError(f"share_scores: the consumers share scores only where they split the head dim (above "
                          f"{SPLIT_ABOVE} columns); got D {q.shape[-1]}")
-    rows = (1, 1, ROWS_PER_CONSUMER, D)
+    rows = (1, 1, ROWS_PER_CONSUMER, main)
     # (a pair of one consumer is the per-consumer bulk reduce)
     atomics = "tma" if FUSED_DQ_ATOMICS == "pair" and consumers == 1 else FUSED_DQ_ATOMICS
     consumer_regs, producer_regs, extra = kernel_options(consumers)
-    args = dict(q_desc=descriptor(q, (1, 1, block_m, D)), k_desc=descriptor(k, rows), v_desc=descriptor(v, rows),
-                do_desc=descriptor(do, (1, 1, block_m, D)), dk_desc=descriptor(dk, rows),
-                dv_desc=descriptor(dv, rows), LSE=lse, DELTA=delta,
+    args = dict(q_desc=descriptor(q, (1, 1, block_m, main)), k_desc=descriptor(k, rows), v_desc=descriptor(v, rows),
+                do_desc=descriptor(do, (1, 1, block_m, main)), dk_desc=descriptor(dk, rows),
+                dv_desc=descriptor(dv, rows),
+                **_tail_descriptors(dict(q=q, k=k, v=v, do=do, dk=dk, dv=dv),
+                                    dict(q=block_m, do=block_m, k=ROWS_PER_CONSUMER, v=ROWS_PER_CONSUMER,
+                                         dk=ROWS_PER_CONSUMER, dv=ROWS_PER_CONSUMER), main, tail),
+                LSE=lse, DELTA=delta,
                 DQ_ACC=_dq_descriptor(dq_acc, D, block_m) if dq_acc is not None and atomics in ("tma", "pair")
                 else dq_acc,
                 qk_scale=qk_scale,
@@ -681,33 +789,46 @@ def _kv_range(start_m, Nq, Nk, ROWS_PER_PROGRAM: gl.constexpr, BLOCK_N: gl.const
 
 
 @gluon.jit
-def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_bar, ring, b, h, start_m, Nq, Nk,
+def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_bar, ring, tail, b, h, start_m, Nq, Nk,
                  GROUP: gl.constexpr, CAUSAL: gl.constexpr):
-    """One warp: each consumer's 64 Q and dO rows once, then the K/V tiles through the ring."""
+    """One warp: each consumer's 64 Q and dO rows once, then the K/V tiles through the ring (with a
+    head-dim tail, each tile as two copies on one barrier, as in ``_producer``)."""
     k_bufs, v_bufs, ready, empty = ring
+    q_tail_desc, k_tail_desc, v_tail_desc, do_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs, do_tail_bufs = tail
     STAGES: gl.constexpr = k_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     CONSUMERS: gl.constexpr = q_bufs.shape[0]
     ROWS: gl.constexpr = q_bufs.shape[3]
-    mbarrier.expect(q_bar, 2 * CONSUMERS * q_desc.block_type.nbytes)
+    if q_tail_desc is not None:
+        mbarrier.expect(q_bar, 2 * CONSUMERS * (q_desc.block_type.nbytes + q_tail_desc.block_type.nbytes))
+    else:
+        mbarrier.expect(q_bar, 2 * CONSUMERS * q_desc.block_type.nbytes)
     for c in gl.static_range(CONSUMERS):
-        tma.async_copy_global_to_shared(q_desc, [b, h, start_m + c * ROWS, 0], q_bar, q_bufs.index(c))
-        tma.async_copy_global_to_shared(do_desc, [b, h, start_m + c * ROWS, 0], q_bar, do_bufs.index(c))
+        _copy_tile(q_desc, q_tail_desc, q_bar, q_bufs.index(c), q_tail_bufs.index(c), b, h, start_m + c * ROWS)
+        _copy_tile(do_desc, do_tail_desc, q_bar, do_bufs.index(c), do_tail_bufs.index(c), b, h, start_m + c * ROWS)
     n_tiles, n_unmasked = _kv_range(start_m, Nq, Nk, ROWS * CONSUMERS, BLOCK_N, CAUSAL)
     h_kv = h // GROUP
     for j in range(n_tiles):
         s = j % STAGES
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, h_kv, j * BLOCK_N, 0], ready.index(s), k_bufs.index(s))
-        tma.async_copy_global_to_shared(v_desc, [b, h_kv, j * BLOCK_N, 0], ready.index(s), v_bufs.index(s))
+        if k_tail_desc is not None:
+            mbarrier.expect(ready.index(s), 2 * (k_desc.block_type.nbytes + k_tail_desc.block_type.nbytes))
+        else:
+            mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        _copy_tile(k_desc, k_tail_desc, ready.index(s), k_bufs.index(s), k_tail_bufs.index(s), b, h_kv, j * BLOCK_N)
+        _copy_tile(v_desc, v_tail_desc, ready.index(s), v_bufs.index(s), v_tail_bufs.index(s), b, h_kv, j * BLOCK_N)
 
 
 @gluon.jit
-def _dq_consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr):
-    """One warpgroup: dQ of its 64 query rows, over the K/V tiles they see."""
+def _dq_consumer(args, tail, WG: gl.constexpr, CAUSAL: gl.constexpr):
+    """One warpgroup: dQ of its 64 query rows, over the K/V tiles they see; with a head-dim tail, S and
+    dP add the tail columns' products and dQ's tail columns have an accumulator of their own."""
     dq_desc, q_bufs, do_bufs, q_bar, ring, LSE, DELTA, b, h, start_m, Hq, Nq, Nk, qk_scale, sm_scale = args
     k_bufs, v_bufs, ready, empty = ring
+    dq_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs, do_tail_bufs = tail
+    TAIL: gl.constexpr = dq_tail_desc is not None
+    DT: gl.constexpr = k_tail_bufs.shape[4]
+    AFTER: gl.constexpr = 2 if TAIL else 1  # wgmma groups of dP, issued after S's last
     STAGES: gl.constexpr = k_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     D: gl.constexpr = k_bufs.shape[4]
@@ -719,6 +840,9 @@ def _dq_consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr):
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, D, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DT, 16])
+    t_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=t_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
@@ -731,17 +855,25 @@ def _dq_consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr):
     q_t = q_bufs.index(WG).reshape([ROWS, D])
     do_t = do_bufs.index(WG).reshape([ROWS, D])
     dq = gl.zeros([ROWS, D], gl.float32, acc_layout)
+    q_tt = q_tail_bufs.index(WG).reshape([ROWS, DT])  # (without a tail: never read, compiled away)
+    do_tt = do_tail_bufs.index(WG).reshape([ROWS, DT])
+    dq_t = gl.zeros([ROWS, DT], gl.float32, t_layout)
     mbarrier.wait(q_bar, 0)
     for j in range(n_tiles):
         s = j % STAGES
         mbarrier.wait(ready.index(s), (j // STAGES) & 1)
         k_t = k_bufs.index(s).reshape([BLOCK_N, D])
         v_t = v_bufs.index(s).reshape([BLOCK_N, D])
+        k_tt = k_tail_bufs.index(s).reshape([BLOCK_N, DT])
         st = warpgroup_mma(q_t, k_t.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
                            use_acc=False, is_async=True)
+        if TAIL:
+            st = warpgroup_mma(q_tt, k_tt.permute((1, 0)), st, is_async=True)
         dp = warpgroup_mma(do_t, v_t.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
                            use_acc=False, is_async=True)
-        st = warpgroup_mma_wait(1, deps=(st, ))  # S is done; dP may still be running
+        if TAIL:
+            dp = warpgroup_mma(do_tt, v_tail_bufs.index(s).reshape([BLOCK_N, DT]).permute((1, 0)), dp, is_async=True)
+        st = warpgroup_mma_wait(AFTER, deps=(st, ))  # S is done; dP may still be running
         p = gl.exp2(st * qk_scale - gl.expand_dims(lse, 1))
         if j >= n_unmasked:
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
@@ -750,22 +882,33 @@ def _dq_consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr):
                 valid = valid & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + offset)
             p = gl.where(valid, p, 0.0)
         dp = warpgroup_mma_wait(0, deps=(dp, ))
-        ds = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), op_layout)
+        ds_half = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
+        ds = gl.convert_layout(ds_half, op_layout)
         dq = warpgroup_mma(ds, k_t, dq, is_async=True)
+        if TAIL:
+            ds_t = gl.convert_layout(ds_half, t_op_layout)
+            dq_t = warpgroup_mma(ds_t, k_tt, dq_t, is_async=True)
+            dq_t, ds_t = warpgroup_mma_wait(0, deps=(dq_t, ds_t))
         dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
         _signal(empty.index(s))  # this consumer is done with the slot's K and V
     # Out through this consumer's Q buffer (nothing reads it any more), TMA-stored (rows past Nq clipped).
     q_bufs.index(WG).reshape([ROWS, D]).store((dq * sm_scale).to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(dq_desc, [b, h, start_m + WG * ROWS, 0], q_bufs.index(WG))
+    if TAIL:  # the tail columns, out through the tail's Q buffer (columns past D clipped)
+        q_tt.store((dq_t * sm_scale).to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dq_tail_desc, [b, h, start_m + WG * ROWS, D], q_tail_bufs.index(WG))
     tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=["Hq", "Nq", "Nk"])
-def ws_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, qk_scale, sm_scale, Hq, Nq, Nk,
+def ws_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, q_tail_desc, k_tail_desc, v_tail_desc, do_tail_desc,
+                     dq_tail_desc, LSE, DELTA, qk_scale, sm_scale, Hq, Nq, Nk,
                      STAGES: gl.constexpr, CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Grid (query blocks of ``CONSUMERS × 64`` rows, B · Hq); causal blocks longest first."""
+    """Grid (query blocks of ``CONSUMERS × 64`` rows, B · Hq); causal blocks longest first. The
+    ``*_tail_desc``: None, or the head-dim tail's descriptors (as ``ws_bwd_dkdv_kernel``'s)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     if CAUSAL:
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # the last rows see the most keys: first
@@ -787,33 +930,53 @@ def ws_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, qk_sc
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
     ring = (k_bufs, v_bufs, ready, empty)
+    if k_tail_desc is not None:  # the head-dim tail's tiles, one per main tile
+        q_tail_bufs = gl.allocate_shared_memory(q_tail_desc.dtype, [CONSUMERS] + q_tail_desc.block_type.shape,
+                                                q_tail_desc.layout)
+        do_tail_bufs = gl.allocate_shared_memory(do_tail_desc.dtype, [CONSUMERS] + do_tail_desc.block_type.shape,
+                                                 do_tail_desc.layout)
+        k_tail_bufs = gl.allocate_shared_memory(k_tail_desc.dtype, [STAGES] + k_tail_desc.block_type.shape,
+                                                k_tail_desc.layout)
+        v_tail_bufs = gl.allocate_shared_memory(v_tail_desc.dtype, [STAGES] + v_tail_desc.block_type.shape,
+                                                v_tail_desc.layout)
+    else:  # (never used: stand-ins of the right kind)
+        q_tail_bufs = q_bufs
+        do_tail_bufs = do_bufs
+        k_tail_bufs = k_bufs
+        v_tail_bufs = v_bufs
+    tail = (dq_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs, do_tail_bufs)
+    producer_tail = (q_tail_desc, k_tail_desc, v_tail_desc, do_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs,
+                     do_tail_bufs)
     args = (dq_desc, q_bufs, do_bufs, q_bar, ring, LSE, DELTA, b, h, start_m, Hq, Nq, Nk, qk_scale, sm_scale)
-    producer_args = (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_bar, ring, b, h, start_m, Nq, Nk, GROUP,
-                     CAUSAL)
+    producer_args = (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_bar, ring, producer_tail, b, h, start_m, Nq,
+                     Nk, GROUP, CAUSAL)
     if CONSUMERS == 1:
         gl.warp_specialize([
-            (_dq_consumer, (args, 0, CAUSAL)),
+            (_dq_consumer, (args, tail, 0, CAUSAL)),
             (_dq_producer, producer_args),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_dq_consumer, (args, 0, CAUSAL)),
-            (_dq_consumer, (args, 1, CAUSAL)),
+            (_dq_consumer, (args, tail, 0, CAUSAL)),
+            (_dq_consumer, (args, tail, 1, CAUSAL)),
             (_dq_producer, producer_args),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def plan_dq(q, k, v, do, dq, lse, delta, *, causal: bool, qk_scale: float, sm_scale: float, block_n: int,
-            consumers: int, stages: int) -> Launch:
+            consumers: int, stages: int, pad: bool = False) -> Launch:
     """The launch of ``ws_bwd_dq_kernel``: query blocks of ``consumers × 64`` rows, K/V tiles of
-    ``block_n`` rows through ``stages`` slots."""
+    ``block_n`` rows through ``stages`` slots, as wide as :func:`tile_widths` says."""
     B, Hq, Nq, _ = q.shape
     Hkv = k.shape[1]
-    D = padded_head_dim(q.shape[-1])
-    rows = (1, 1, ROWS_PER_CONSUMER, D)
+    main, tail = tile_widths(q.shape[-1], pad)
+    rows = (1, 1, ROWS_PER_CONSUMER, main)
     consumer_regs, producer_regs, extra = kernel_options(consumers)
-    args = dict(q_desc=descriptor(q, rows), k_desc=descriptor(k, (1, 1, block_n, D)),
-                v_desc=descriptor(v, (1, 1, block_n, D)), do_desc=descriptor(do, rows), dq_desc=descriptor(dq, rows),
+    args = dict(q_desc=descriptor(q, rows), k_desc=descriptor(k, (1, 1, block_n, main)),
+                v_desc=descriptor(v, (1, 1, block_n, main)), do_desc=descriptor(do, rows), dq_desc=descriptor(dq, rows),
+                **_tail_descriptors(dict(q=q, k=k, v=v, do=do, dq=dq),
+                                    dict(q=ROWS_PER_CONSUMER, do=ROWS_PER_CONSUMER, dq=ROWS_PER_CONSUMER, k=block_n,
+                                         v=block_n), main, tail),
                 LSE=lse, DELTA=delta, qk_scale=qk_scale, sm_scale=sm_scale, Hq=Hq, Nq=Nq, Nk=k.shape[2],
                 STAGES=stages, CONSUMERS=consumers, GROUP=Hq // Hkv, CAUSAL=causal, CONSUMER_REGS=consumer_regs,
                 PRODUCER_REGS=producer_regs)

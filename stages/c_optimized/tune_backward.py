@@ -15,9 +15,11 @@ setting (B·N = 16384 tokens, H·D = 2048, N = ``--N``), this times, kernel by k
 
 then the best atomic plan and the best separate plan are timed whole (the Δ pre-pass, the casts)
 in interleaved rounds, and the faster one is written to ``tuned/<gpu-slug>-backward.json`` with
-its tiles. ``backward.backward_config`` reads it. Tuning keys are dtype, padded head dim and causal:
-never the sequence length, so every N runs the tiles tuned at one (the backward's loops are long
-at every N that matters for training, and a test shows the choice does not move with N).
+its tiles. ``backward.backward_config`` reads it. Tuning keys are dtype, padded head dim and causal
+(the Hopper kernels' tiles at a head dim with a tail, ``--hopper --D 80``: under its own width,
+``backward.tuned_width``, starting from the padded width's tl plan): never the sequence length, so
+every N runs the tiles tuned at one (the backward's loops are long at every N that matters for
+training, and a test shows the choice does not move with N).
 
 Compiling is the slow part (a backward kernel takes seconds, and a cell has ~100 of them), so
 ``--workers`` child processes compile every candidate first on a tiny problem with the same
@@ -397,6 +399,7 @@ def _write_csv(path, rows: list[dict]) -> None:
 def _tune_hopper(args, cells, data: dict, path, start: float) -> int:
     from ..contract import DTYPES, padded_head_dim
     from . import hopper_ws
+    from .backward import tuned_width
 
     if data.get("arch") != 90:
         print("the Hopper kernels need an sm_90 GPU", file=sys.stderr)
@@ -404,10 +407,13 @@ def _tune_hopper(args, cells, data: dict, path, start: float) -> int:
     rows: list[dict] = []
     try:
         for dt, D, c in cells:
-            key = tuned_key(dt, padded_head_dim(D), c)
-            if not hopper_ws.supported(DTYPES[dt], D, 90, "backward") or key not in data["best"]:
+            key = tuned_key(dt, tuned_width(D), c)
+            tl_key = tuned_key(dt, padded_head_dim(D), c)  # (a tail's width starts from its padded width's tl plan)
+            if not hopper_ws.supported(DTYPES[dt], D, 90, "backward") or tl_key not in data["best"]:
                 print(f"{key}: no Hopper kernel or no tuned tl plan to race; skipped", flush=True)
                 continue
+            if key not in data["best"]:
+                data["best"][key] = {k: v for k, v in data["best"][tl_key].items() if k not in ("ws", "ws_dq")}
             if args.budget_s is not None and time.monotonic() - start > args.budget_s:
                 print(f"budget spent: {key} not tuned", flush=True)
                 continue
