@@ -563,15 +563,15 @@ def test_gpu_hopper_backward_at_padded_head_dims(D, ws_padded_head_dims, device)
 # ---------------------------------------------------- the head-dim tail (D 72-96 as 64 + 16 or 64 + 32)
 
 def test_backward_tile_widths():
-    """The Hopper backward runs the forward's tail where one consumer keeps dK and dV whole and dQ has a
-    kernel of its own; padded above 128 columns (the split head dim), with fused dQ and with ``pad``."""
+    """The Hopper backward runs the forward's tail where one consumer keeps dK and dV whole; padded above
+    128 columns (the split head dim) and with ``pad``."""
     from stages.c_optimized import hopper_bwd
 
     assert [hopper_bwd.tile_widths(D) for D in (64, 72, 80, 88, 96, 104, 112, 128)] == \
         [(64, 0), (64, 16), (64, 16), (64, 32), (64, 32), (128, 0), (128, 0), (128, 0)]
     assert [hopper_bwd.tile_widths(D) for D in (40, 48, 136, 192, 200)] == [(64, 0), (64, 0), (256, 0), (256, 0),
                                                                              (256, 0)]
-    assert hopper_bwd.tile_widths(80, pad=True) == hopper_bwd.tile_widths(80, fused_dq=True) == (128, 0)
+    assert hopper_bwd.tile_widths(80, pad=True) == (128, 0)
     assert [bwd.tuned_width(D) for D in (64, 72, 80, 88, 96, 104, 136, 256)] == [64, 80, 80, 96, 96, 128, 256, 256]
     assert str(bwd.WsConfig.parse("ws-M64-c2-s2-pad")) == "ws-M64-c2-s2-pad"
     assert bwd.WsConfig.parse("ws-M64-c2-s2-pad").pad and not bwd.WsConfig.parse("ws-M64-c2-s2").pad
@@ -630,20 +630,38 @@ def test_hopper_backward_tail_compiles_for_sm90(D, ws, ws_padded_head_dims):
             assert run_ptxas(kernel.asm["ptx"], "sm_90a")["spill_stores"] == 0, kernel.name
 
 
+def test_fused_dq_with_a_tail_compiles_for_sm90(ws_padded_head_dims):
+    """Fused dQ beside a tail (64-row Q tiles, the pair taking turns): the tail's dQ product and a
+    bulk reduce of its own per consumer, twice the reduces of D 64's kernel; with 32-row Q tiles
+    (whose transposed product cannot take a 16-column tail as its M) the kernel keeps the padded width."""
+    from stages.c_optimized import hopper_bwd
+
+    if not hopper_bwd.fused_dq_takes_tail(64, 2):
+        pytest.skip(f"fused dQ adds by {hopper_bwd.FUSED_DQ_ATOMICS!r} here, not by the pair")
+    reduces = lambda p, ws: bwd.compile_backward(p, 90, ws_config=ws, ws_dq_config="fused")[1].asm["ptx"].count(  # noqa: E731
+        "cp.reduce.async.bulk")
+    assert reduces(Problem(1, 4, 200, 80, "bf16", False, Hkv=2, Nk=300), "ws-M64-c2-s2") == \
+        2 * reduces(Problem(1, 4, 200, 64, "bf16", False, Hkv=2, Nk=300), "ws-M64-c2-s2")
+    narrow = bwd.compile_backward(Problem(1, 4, 200, 80, "bf16", False, Hkv=2, Nk=300), 90, ws_config="ws-M32-c2-s2",
+                                  ws_dq_config="fused")[1].asm["ptx"]
+    assert "m64n16k16" not in narrow and "m64n128k16" in narrow
+
+
 #: (B, Hq, Hkv, Nq, Nk): several Q and K/V tiles, a ragged last tile, GQA; one query row; Nq > Nk (causal rows
-#: that see no key) with MQA; Nq < Nk.
-TAIL_SHAPES = [(2, 4, 2, 300, 300), (1, 2, 2, 1, 3), (1, 4, 1, 200, 70), (1, 2, 1, 70, 260)]
+#: that see no key) with MQA; Nq < Nk; more Q tiles than K/V ones, grouped.
+TAIL_SHAPES = [(2, 4, 2, 300, 300), (1, 2, 2, 1, 3), (1, 4, 1, 200, 70), (1, 2, 1, 70, 260), (2, 6, 2, 333, 129)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [72, 80, 88, 96])
 def test_gpu_hopper_backward_with_a_head_dim_tail(D, ws_padded_head_dims, device):
     """The tail's dK/dV and dQ kernels against float64, every config kind (two consumers with 32- and
-    64-row tiles, one consumer with 64 and 128), both dtypes, causal and not, odd shapes."""
+    64-row tiles, one consumer with 64 and 128, fused dQ with its tail reduce), both dtypes, causal and
+    not, odd shapes."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Hopper backward kernels need sm_90")
     configs = [("ws-M64-c2-s2", "ws-M64-c2-s2"), ("ws-M32-c2-s3", "ws-M32-c2-s3"), ("ws-M128-c1-s2", "ws-M64-c1-s3"),
-               ("ws-M64-c1-s3", "ws-M128-c1-s2")]
+               ("ws-M64-c2-s3", "fused"), ("ws-M64-c1-s3", "ws-M128-c1-s2"), ("ws-M64-c2-s2", "fused")]
     for i, (B, Hq, Hkv, Nq, Nk) in enumerate(TAIL_SHAPES):
         for causal in (False, True):
             ws, ws_dq = configs[(i + causal) % len(configs)]

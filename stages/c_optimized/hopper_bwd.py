@@ -263,12 +263,13 @@ def _pair_dq_add(acc, dq_desc, stage, b, h, row0, sm_scale, COL0: gl.constexpr):
 
 @gluon.jit
 def _pair_dq(ds_bufs, x, k_bufs, dq_desc, stage, b, h, row0, sm_scale, COL0: gl.constexpr,
-             dq_layout: gl.constexpr):
+             dq_layout: gl.constexpr, OUT_COL0: gl.constexpr = -1):
     """dQ[row0 : row0 + BLOCK_M, COL0 : COL0 + COLS] += sm_scale · (dS₀·K₀ + dS₁·K₁)[:, those columns]:
-    :func:`_pair_dq_issue`, waited for, then :func:`_pair_dq_add`."""
+    :func:`_pair_dq_issue`, waited for, then :func:`_pair_dq_add`. ``OUT_COL0`` (if not -1): the
+    columns of dQ the result goes to, where ``k_bufs`` are a head-dim tail's (columns 0 on in them)."""
     acc = _pair_dq_issue(ds_bufs, x, k_bufs, COL0, stage.shape[3], dq_layout)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
-    _pair_dq_add(acc, dq_desc, stage, b, h, row0, sm_scale, COL0)
+    _pair_dq_add(acc, dq_desc, stage, b, h, row0, sm_scale, COL0 if OUT_COL0 == -1 else OUT_COL0)
 
 
 @gluon.jit
@@ -320,7 +321,7 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
     (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, out_bar, ring, LSE, DELTA, DQ_ACC, ds_bufs, dq_stages, b, h_kv,
      start_n, Hq, Nq, Nk, qk_scale, sm_scale) = args
     q_bufs, do_bufs, ready, empty = ring
-    dk_tail_desc, dv_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs, do_tail_bufs = tail
+    dk_tail_desc, dv_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs, do_tail_bufs, dq_tail_desc, dq_tail_stages = tail
     TAIL: gl.constexpr = dk_tail_desc is not None
     DT: gl.constexpr = k_tail_bufs.shape[4]
     # wgmma groups issued after Sᵀ's last (dPᵀ's), and after dPᵀ's last (dV's): what a wait leaves running
@@ -342,6 +343,8 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
     t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, DT, 16])
     t_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=t_layout, k_width=2)
+    t_dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, DT, 16])  # (fused dQ's tail columns)
     key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)   # one value per K/V row of Sᵀ
     query_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (column of Sᵀ)
     # Fused dQ: the share dS·K of this pair, DQ_COLS columns at a time (so only a 64-row × DQ_COLS
@@ -430,7 +433,6 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
             if TAIL:
                 dst_t = gl.convert_layout(dst.to(dtype), t_op_layout)
                 dk_t = warpgroup_mma(dst_t, q_tt, dk_t, is_async=True)
-                dv_t, dk_t, pt_t, dst_t = warpgroup_mma_wait(0, deps=(dv_t, dk_t, pt_t, dst_t))
             if DQ_ACC is not None:
                 # dQ's product wants dS (queries × keys), the registers hold dSᵀ: through shared
                 # memory, read back transposed (the pair's, with 32-row Q tiles: as stored, into the
@@ -447,7 +449,11 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
                 fence_async_shared()
                 if ATOMICS == "pair":
                     mbarrier.arrive(out_bar.index(2 + x))  # my dSᵀ is in
-            dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+            if TAIL:
+                dv, dk, pt_op, dst_op, dv_t, dk_t, pt_t, dst_t = warpgroup_mma_wait(
+                    0, deps=(dv, dk, pt_op, dst_op, dv_t, dk_t, pt_t, dst_t))
+            else:
+                dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             if DQ_ACC is not None and ATOMICS == "pair":
                 if AHEAD_ON:
                     pend_h = h_kv * GROUP + g
@@ -460,6 +466,9 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
                     mbarrier.wait(out_bar.index(2 + x), (it // 2) & 1)
                     _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
                              sm_scale, 0, dq_layout)
+                    if TAIL:  # the tail columns' share, from both consumers' K tails, its own reduce
+                        _pair_dq(ds_bufs, x, k_tail_bufs, dq_tail_desc, dq_tail_stages.index(WG), b,
+                                 h_kv * GROUP + g, row0, sm_scale, 0, t_dq_layout, D)
                 if not AHEAD_ON:
                     mbarrier.arrive(out_bar.index(4 + x))  # done reading buffer x
             elif DQ_ACC is not None:
@@ -592,15 +601,16 @@ def _consumer_shared_scores(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL:
 
 @gluon.jit(do_not_specialize=["Hq", "Hkv", "Nq", "Nk"])
 def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail_desc, k_tail_desc, v_tail_desc,
-                       do_tail_desc, dk_tail_desc, dv_tail_desc, LSE, DELTA, DQ_ACC, qk_scale, sm_scale,
+                       do_tail_desc, dk_tail_desc, dv_tail_desc, LSE, DELTA, DQ_ACC, DQ_TAIL_ACC, qk_scale,
+                       sm_scale,
                        Hq, Hkv, Nq, Nk,
                        STAGES: gl.constexpr, CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                        HEAD_DIM: gl.constexpr, ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr,
                        SHARE_SCORES: gl.constexpr, AHEAD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr):
     """Grid (K/V tiles of ``CONSUMERS / SPLIT_D × 64`` rows, B · Hkv). ``q_tail_desc`` ... ``dv_tail_desc``:
-    None, or the head-dim tail's descriptors (the columns from the main tiles' width on). See the
-    module docstring."""
+    None, or the head-dim tail's descriptors (the columns from the main tiles' width on); with fused
+    dQ, ``DQ_TAIL_ACC`` the fp32 accumulator's tail descriptor. See the module docstring."""
     ROWS: gl.constexpr = k_desc.block_type.shape[2]
     KV_TILES: gl.constexpr = CONSUMERS // SPLIT_D
     pid_n = gl.program_id(0)
@@ -639,7 +649,12 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
         do_tail_bufs = do_bufs
         k_tail_bufs = k_bufs
         v_tail_bufs = v_bufs
-    tail = (dk_tail_desc, dv_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs, do_tail_bufs)
+    dq_tail_stages = k_tail_bufs  # (unused but with fused dQ and a tail)
+    if DQ_TAIL_ACC is not None:  # per consumer, one fp32 buffer for the tail columns' share of dQ
+        dq_tail_stages = gl.allocate_shared_memory(gl.float32, [CONSUMERS] + DQ_TAIL_ACC.block_type.shape,
+                                                   DQ_TAIL_ACC.layout)
+    tail = (dk_tail_desc, dv_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs, do_tail_bufs, DQ_TAIL_ACC,
+            dq_tail_stages)
     producer_tail = (q_tail_desc, k_tail_desc, v_tail_desc, do_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs,
                      do_tail_bufs)
     ds_bufs = k_bufs  # (unused without fused dQ)
@@ -698,22 +713,30 @@ def kernel_options(consumers: int) -> tuple[int, int, dict]:
 
 def _dq_descriptor(dq_acc, D: int, block_m: int) -> GluonTensorDescriptor:
     """The fp32 dQ accumulator's TMA descriptor for the bulk reduce: boxes of a Q tile's ``block_m``
-    rows by the D-slice the fused dQ product makes (``_consumer``'s ``DQ_COLS``)."""
+    rows by the D-slice the fused dQ product makes (``_consumer``'s ``DQ_COLS``) of tiles ``D`` wide
+    (the main part's, or the head-dim tail's)."""
     block = [1, 1, block_m, 64 if D > 64 else D]
     return GluonTensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), block,
                                  gl.NVMMASharedLayout.get_default_for(block, gl.float32))
 
 
-def tile_widths(D: int, pad: bool = False, fused_dq: bool = False) -> tuple[int, int]:
+def tile_widths(D: int, pad: bool = False) -> tuple[int, int]:
     """(main, tail): the column widths of the Hopper backward kernels' tiles at head dim ``D``: the
     forward's (``hopper_ws.tile_widths``: D 72-80 as 64 + 16, 88-96 as 64 + 32) where one consumer
-    keeps dK and dV whole (up to 128 columns) and dQ comes from a kernel of its own; the next power of
-    two above that (the consumers split the head dim), with fused dQ (its products and bulk reduce
-    go by 64-column slices) or with ``pad``."""
+    keeps dK and dV whole (up to 128 columns); the next power of two above that (the consumers split
+    the head dim) or with ``pad``."""
     padded = padded_head_dim(D)
-    if padded > SPLIT_ABOVE or fused_dq:
+    if padded > SPLIT_ABOVE:
         return padded, 0
     return hopper_ws.tile_widths(D, pad)
+
+
+def fused_dq_takes_tail(block_m: int, consumers: int) -> bool:
+    """Whether fused dQ runs beside a head-dim tail with these tiles: where the two consumers add once
+    per pair and take turns by Q tile (a 64-column main part: one slice), with 64-row Q tiles, since
+    the tail's dQ product has the queries as its M (a 16- or 32-column tail cannot be wgmma's M, which
+    the transposed product of 32-row tiles needs)."""
+    return FUSED_DQ_ATOMICS == "pair" and consumers == 2 and block_m == 64
 
 
 def _tail_descriptors(tensors: dict, rows: dict, main: int, tail: int) -> dict:
@@ -740,7 +763,7 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
     B, Hq, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     D = padded_head_dim(q.shape[-1])  # tiles of the padded width: TMA zero-fills past the head dim
-    main, tail = tile_widths(q.shape[-1], pad, fused_dq=dq_acc is not None)
+    main, tail = tile_widths(q.shape[-1], pad or (dq_acc is not None and not fused_dq_takes_tail(block_m, consumers)))
     split = split_head_dim(D)
     if split > 1 and (consumers != split or dq_acc is not None):
         raise ValueError(f"above head dim {SPLIT_ABOVE} the Hopper dK/dV kernel splits the head dim between "
@@ -761,8 +784,9 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                                     dict(q=block_m, do=block_m, k=ROWS_PER_CONSUMER, v=ROWS_PER_CONSUMER,
                                          dk=ROWS_PER_CONSUMER, dv=ROWS_PER_CONSUMER), main, tail),
                 LSE=lse, DELTA=delta,
-                DQ_ACC=_dq_descriptor(dq_acc, D, block_m) if dq_acc is not None and atomics in ("tma", "pair")
+                DQ_ACC=_dq_descriptor(dq_acc, main, block_m) if dq_acc is not None and atomics in ("tma", "pair")
                 else dq_acc,
+                DQ_TAIL_ACC=_dq_descriptor(dq_acc, tail, block_m) if dq_acc is not None and tail else None,
                 qk_scale=qk_scale,
                 sm_scale=sm_scale, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, STAGES=stages, CONSUMERS=consumers,
                 GROUP=Hq // Hkv, CAUSAL=causal, HEAD_DIM=q.shape[-1], ATOMICS=atomics, SPLIT_D=split,
