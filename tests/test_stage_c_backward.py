@@ -630,6 +630,16 @@ def test_hopper_backward_tail_compiles_for_sm90(D, ws, ws_padded_head_dims):
             assert run_ptxas(kernel.asm["ptx"], "sm_90a")["spill_stores"] == 0, kernel.name
 
 
+def test_every_tensor_argument_of_the_hopper_kernels_has_a_role():
+    """A kept backward layout hands each launch its call's tensors by role (``backward._ROLES``): every
+    tensor and descriptor argument of the Hopper kernels, the tail's included, must name one."""
+    from stages.c_optimized import hopper_bwd
+
+    for kernel in (hopper_bwd.ws_bwd_dkdv_kernel, hopper_bwd.ws_bwd_dq_kernel):
+        names = {p.name for p in kernel.params if p.name.endswith("_desc") or p.name.isupper() and not p.is_constexpr}
+        assert names - {"Hq", "Hkv", "Nq", "Nk"} <= set(bwd._ROLES), (kernel.fn.__name__, names - set(bwd._ROLES))
+
+
 def test_fused_dq_with_a_tail_compiles_for_sm90(ws_padded_head_dims):
     """Fused dQ beside a tail (64-row Q tiles, the pair taking turns): the tail's dQ product and a
     bulk reduce of its own per consumer, twice the reduces of D 64's kernel; with 32-row Q tiles

@@ -857,7 +857,7 @@ class KeptLayout:
 _ROLES = {"Q": "q", "K": "k", "V": "v", "O": "o", "DO": "do", "DQ": "dq", "DK": "dk", "DV": "dv", "LSE": "lse",
           "DELTA": "delta", "DQ_ACC": "dq_acc", "q_desc": "q", "k_desc": "k", "v_desc": "v", "do_desc": "do",
           "dq_desc": "dq", "dk_desc": "dk", "dv_desc": "dv", "q_tail_desc": "q", "k_tail_desc": "k",
-          "v_tail_desc": "v", "do_tail_desc": "do", "dq_tail_desc": "dq", "dk_tail_desc": "dk", "dv_tail_desc": "dv"}
+          "v_tail_desc": "v", "do_tail_desc": "do", "dq_tail_desc": "dq", "dk_tail_desc": "dk", "dv_tail_desc": "dv", "DQ_TAIL_ACC": "dq_acc"}
 
 
 def _allocate(q, k, v, separate: bool) -> dict:
