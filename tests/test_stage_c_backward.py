@@ -569,10 +569,11 @@ def test_backward_tile_widths():
 
     assert [hopper_bwd.tile_widths(D) for D in (64, 72, 80, 88, 96, 104, 112, 128)] == \
         [(64, 0), (64, 16), (64, 16), (64, 32), (64, 32), (128, 0), (128, 0), (128, 0)]
-    assert [hopper_bwd.tile_widths(D) for D in (40, 48, 136, 192, 200)] == [(64, 0), (64, 0), (256, 0), (256, 0),
-                                                                             (256, 0)]
-    assert hopper_bwd.tile_widths(80, pad=True) == (128, 0)
-    assert [bwd.tuned_width(D) for D in (64, 72, 80, 88, 96, 104, 136, 256)] == [64, 80, 80, 96, 96, 128, 256, 256]
+    assert [hopper_bwd.tile_widths(D) for D in (16, 24, 32, 40, 48, 56, 136, 192, 200)] == \
+        [(16, 0), (32, 0), (32, 0), (32, 16), (32, 16), (64, 0), (256, 0), (256, 0), (256, 0)]
+    assert hopper_bwd.tile_widths(80, pad=True) == (128, 0) and hopper_bwd.tile_widths(40, pad=True) == (64, 0)
+    assert [bwd.tuned_width(D) for D in (40, 48, 56, 64, 72, 80, 88, 96, 104, 136, 256)] == \
+        [48, 48, 64, 64, 80, 80, 96, 96, 128, 256, 256]
     assert str(bwd.WsConfig.parse("ws-M64-c2-s2-pad")) == "ws-M64-c2-s2-pad"
     assert bwd.WsConfig.parse("ws-M64-c2-s2-pad").pad and not bwd.WsConfig.parse("ws-M64-c2-s2").pad
     with pytest.raises(ValueError, match="'-pad' last"):
@@ -607,25 +608,27 @@ def _wgmma_shapes(ptx: str) -> set:
     return set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx))
 
 
-@pytest.mark.parametrize("D,ws", [(80, "ws-M64-c2-s2"), (96, "ws-M32-c2-s3"), (72, "ws-M64-c1-s3")])
-def test_hopper_backward_tail_compiles_for_sm90(D, ws, ws_padded_head_dims):
-    """Compiled without a GPU: at D 72-96 both Hopper kernels multiply a tail as narrow as the head dim
-    needs (wgmma with N = the tail: dK's, dV's and dQ's tail columns) beside the 64-column main part,
-    where ``-pad`` has none; two consumers compile with no spills (the tail's accumulators are 8-16
-    registers per thread)."""
+@pytest.mark.parametrize("D,ws,ws_dq", [(80, "ws-M64-c2-s2", "ws-M64-c2-s2"), (96, "ws-M32-c2-s3", "ws-M64-c2-s2"),
+                                        (72, "ws-M64-c1-s3", "ws-M64-c2-s2"), (40, "ws-M32-c2-s2", "ws-M32-c2-s3")])
+def test_hopper_backward_tail_compiles_for_sm90(D, ws, ws_dq, ws_padded_head_dims):
+    """Compiled without a GPU: at D 40-48 and 72-96 both Hopper kernels multiply a tail as narrow as the
+    head dim needs (wgmma with N = the tail: dK's, dV's and dQ's tail columns) beside the main part, and
+    no product is as wide as the padded head dim, as ``-pad``'s are; two consumers compile with no
+    spills (the tail's accumulators are 8-16 registers per thread)."""
     from harness.inspect_code import run_ptxas
     from stages.c_optimized import hopper_bwd
 
-    tail = hopper_bwd.tile_widths(D)[1]
+    tail, full = hopper_bwd.tile_widths(D)[1], bwd.padded_head_dim(D)
     p = Problem(1, 4, 200, D, "bf16", True, Hkv=2, Nk=300)
-    kernels = bwd.compile_backward(p, 90, ws_config=ws, ws_dq_config="ws-M64-c2-s2")
-    padded = bwd.compile_backward(p, 90, ws_config=ws + "-pad", ws_dq_config="ws-M64-c2-s2-pad")
+    kernels = bwd.compile_backward(p, 90, ws_config=ws, ws_dq_config=ws_dq)
+    padded = bwd.compile_backward(p, 90, ws_config=ws + "-pad", ws_dq_config=ws_dq + "-pad")
     assert [k.name for k in kernels[1:]] == ["ws_bwd_dkdv_kernel", "ws_bwd_dq_kernel"]
     for kernel, pad in zip(kernels[1:], padded[1:]):
         shapes, padded_shapes = _wgmma_shapes(kernel.asm["ptx"]), _wgmma_shapes(pad.asm["ptx"])
-        # (these tiles' score products are 32 or 64 wide: a 128-wide wgmma is a 128-column head dim's)
-        assert f"m64n{tail}k16" in shapes and "m64n128k16" not in shapes, (kernel.name, shapes)
-        assert "m64n128k16" in padded_shapes, (kernel.name, padded_shapes)
+        # (these tiles' score products are narrower than the padded head dim: a wgmma that wide is dK's,
+        # dV's or dQ's)
+        assert f"m64n{tail}k16" in shapes and f"m64n{full}k16" not in shapes, (kernel.name, shapes)
+        assert f"m64n{full}k16" in padded_shapes, (kernel.name, padded_shapes)
         if ws.endswith("c2-s2") or ws.endswith("c2-s3"):
             assert run_ptxas(kernel.asm["ptx"], "sm_90a")["spill_stores"] == 0, kernel.name
 
@@ -663,7 +666,7 @@ TAIL_SHAPES = [(2, 4, 2, 300, 300), (1, 2, 2, 1, 3), (1, 4, 1, 200, 70), (1, 2, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D", [72, 80, 88, 96])
+@pytest.mark.parametrize("D", [40, 48, 72, 80, 88, 96])
 def test_gpu_hopper_backward_with_a_head_dim_tail(D, ws_padded_head_dims, device):
     """The tail's dK/dV and dQ kernels against float64, every config kind (two consumers with 32- and
     64-row tiles, one consumer with 64 and 128, fused dQ with its tail reduce), both dtypes, causal and
