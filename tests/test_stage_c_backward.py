@@ -569,11 +569,11 @@ def test_backward_tile_widths():
 
     assert [hopper_bwd.tile_widths(D) for D in (64, 72, 80, 88, 96, 104, 112, 128)] == \
         [(64, 0), (64, 16), (64, 16), (64, 32), (64, 32), (128, 0), (128, 0), (128, 0)]
-    assert [hopper_bwd.tile_widths(D) for D in (16, 24, 32, 40, 48, 56, 136, 192, 200)] == \
-        [(16, 0), (32, 0), (32, 0), (32, 16), (32, 16), (64, 0), (256, 0), (256, 0), (256, 0)]
-    assert hopper_bwd.tile_widths(80, pad=True) == (128, 0) and hopper_bwd.tile_widths(40, pad=True) == (64, 0)
+    assert [hopper_bwd.tile_widths(D) for D in (16, 32, 40, 48, 56, 136, 192, 200)] == \
+        [(16, 0), (32, 0), (64, 0), (64, 0), (64, 0), (256, 0), (256, 0), (256, 0)]
+    assert hopper_bwd.tile_widths(80, pad=True) == (128, 0)
     assert [bwd.tuned_width(D) for D in (40, 48, 56, 64, 72, 80, 88, 96, 104, 136, 256)] == \
-        [48, 48, 64, 64, 80, 80, 96, 96, 128, 256, 256]
+        [64, 64, 64, 64, 80, 80, 96, 96, 128, 256, 256]
     assert str(bwd.WsConfig.parse("ws-M64-c2-s2-pad")) == "ws-M64-c2-s2-pad"
     assert bwd.WsConfig.parse("ws-M64-c2-s2-pad").pad and not bwd.WsConfig.parse("ws-M64-c2-s2").pad
     with pytest.raises(ValueError, match="'-pad' last"):
@@ -607,20 +607,20 @@ def test_rows_not_a_multiple_of_16_take_the_hopper_dq_kernel(monkeypatch):
     multiple of 16 elements (Triton cannot vectorize the tl kernel's loads there) takes the Hopper dQ
     kernel instead, deterministic mode included; a head dim of whole 16s keeps the tuned plan."""
     table = {"arch": 90,
-             "bf16/D48/causal0": {"dkdv": "M64-N64-w4-s2", "dq": "M64-N128-w8-s3", "dq_method": "separate",
-                                  "ws": "ws-M64-c2-s3"},
              "bf16/D64/causal0": {"dkdv": "M64-N64-w4-s2", "dq": "M64-N128-w8-s3", "dq_method": "separate",
-                                  "ws": "ws-M64-c2-s2", "ws_dq": "fused"}}
+                                  "ws": "ws-M64-c2-s3"},
+             "bf16/D128/causal0": {"dkdv": "M64-N128-w8-s2", "dq": "M32-N64-w4-s3", "dq_method": "separate",
+                                   "ws": "ws-M64-c2-s2", "ws_dq": "fused"}}
     monkeypatch.setattr(bwd, "gpu_slug", lambda: "fake")
     monkeypatch.setattr(bwd, "tuned_backward_table", lambda slug: table)
     bwd.backward_plan.cache_clear()
     try:
         assert bwd.backward_plan(48, torch.bfloat16, 90, False).ws_dq is None
-        for D, deterministic in ((40, False), (40, True), (56, True)):
+        for D, deterministic in ((40, False), (40, True), (120, True)):
             plan = bwd.backward_plan(D, torch.bfloat16, 90, False, deterministic=deterministic)
             assert plan.separate_dq and isinstance(plan.ws_dq, bwd.WsConfig), (D, deterministic, plan)
-        assert bwd.backward_plan(56, torch.bfloat16, 90, False).ws_dq == bwd.FUSED_DQ
-        assert bwd.backward_plan(64, torch.bfloat16, 90, False, deterministic=True).ws_dq is None
+        assert bwd.backward_plan(120, torch.bfloat16, 90, False).ws_dq == bwd.FUSED_DQ
+        assert bwd.backward_plan(128, torch.bfloat16, 90, False, deterministic=True).ws_dq is None
     finally:
         bwd.backward_plan.cache_clear()
 
@@ -632,9 +632,9 @@ def _wgmma_shapes(ptx: str) -> set:
 
 
 @pytest.mark.parametrize("D,ws,ws_dq", [(80, "ws-M64-c2-s2", "ws-M64-c2-s2"), (96, "ws-M32-c2-s3", "ws-M64-c2-s2"),
-                                        (72, "ws-M64-c1-s3", "ws-M64-c2-s2"), (40, "ws-M32-c2-s2", "ws-M32-c2-s3")])
+                                        (72, "ws-M64-c1-s3", "ws-M32-c2-s3")])
 def test_hopper_backward_tail_compiles_for_sm90(D, ws, ws_dq, ws_padded_head_dims):
-    """Compiled without a GPU: at D 40-48 and 72-96 both Hopper kernels multiply a tail as narrow as the
+    """Compiled without a GPU: at D 72-96 both Hopper kernels multiply a tail as narrow as the
     head dim needs (wgmma with N = the tail: dK's, dV's and dQ's tail columns) beside the main part, and
     no product is as wide as the padded head dim, as ``-pad``'s are; two consumers compile with no
     spills (the tail's accumulators are 8-16 registers per thread)."""
@@ -689,7 +689,7 @@ TAIL_SHAPES = [(2, 4, 2, 300, 300), (1, 2, 2, 1, 3), (1, 4, 1, 200, 70), (1, 2, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D", [40, 48, 72, 80, 88, 96])
+@pytest.mark.parametrize("D", [72, 80, 88, 96])
 def test_gpu_hopper_backward_with_a_head_dim_tail(D, ws_padded_head_dims, device):
     """The tail's dK/dV and dQ kernels against float64, every config kind (two consumers with 32- and
     64-row tiles, one consumer with 64 and 128, fused dQ with its tail reduce), both dtypes, causal and

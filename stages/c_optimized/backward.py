@@ -290,8 +290,8 @@ def tuned_backward_table(slug: str | None) -> dict:
 
 def tuned_width(D: int) -> int:
     """The head-dim width a tuned backward plan is stored under: the Hopper kernels' columns where they
-    run a main part and a tail (``hopper_bwd.tile_widths``: D 40 and 48 under 48, 72 and 80 under 80,
-    88 and 96 under 96), else the padded head dim (the tl kernels' and every other Hopper tile's width)."""
+    run a main part and a tail (``hopper_bwd.tile_widths``: D 72 and 80 under 80, 88 and 96 under 96),
+    else the padded head dim (the tl kernels' and every other Hopper tile's width)."""
     from . import hopper_bwd  # (Gluon: imported only where it is asked for)
 
     main, tail = hopper_bwd.tile_widths(D)

@@ -54,9 +54,8 @@ needs all of Pᵀ and dSᵀ for that, and there are two rungs to get them:
 Either way both consumers write their halves of dK and dV over the K/V tile once neither reads it any
 more (an mbarrier says so) and one stores the whole tiles.
 
-**A head-dim tail** (D 40-48 and 72-96, :func:`tile_widths`): as in the forward, a head dim just past
-64 runs as 64 columns and a tail of 16 or 32 instead of 128 columns (and one just past 32 as 32 + 16
-instead of 64). Every tile comes as two TMA copies, its
+**A head-dim tail** (D 72-96, :func:`tile_widths`): as in the forward, a head dim just past 64 runs
+as 64 columns and a tail of 16 or 32 instead of 128 columns. Every tile comes as two TMA copies, its
 main columns and its tail, into buffers of their own on one mbarrier; ``Sᵀ`` and ``dPᵀ`` add the
 tail's product (a chained wgmma 16 or 32 deep); dK and dV (and in the dQ kernel dQ) have a tail
 accumulator of their own, fed by one more product from the same Pᵀ and dSᵀ registers, and leave
@@ -722,19 +721,16 @@ def _dq_descriptor(dq_acc, D: int, block_m: int) -> GluonTensorDescriptor:
 
 
 def tile_widths(D: int, pad: bool = False) -> tuple[int, int]:
-    """(main, tail): the column widths of the Hopper backward kernels' tiles at head dim ``D``. Where
-    one consumer keeps dK and dV whole (up to 128 columns), half the next power of two plus a tail
-    (the next power of two of what is left, at least 16 columns: wgmma's reduction step) when that is
-    narrower: D 40 and 48 as 32 + 16, 72 and 80 as 64 + 16, 88 and 96 as 64 + 32 (the forward's rule,
-    ``hopper_ws.tile_widths``, which leaves 40-56 padded: its D 64 kernel is bound by the exponentials,
-    the backward's products are more of its work). Else, or with ``pad``, the next power of two (above
-    128 the consumers split the head dim)."""
+    """(main, tail): the column widths of the Hopper backward kernels' tiles at head dim ``D``: the
+    forward's (``hopper_ws.tile_widths``: D 72-80 as 64 + 16, 88-96 as 64 + 32) where one consumer
+    keeps dK and dV whole (up to 128 columns); else, or with ``pad``, the next power of two (above 128
+    the consumers split the head dim). D 40-48 stay in 64 columns: as 32 + 16 their backward measured
+    slower on the H200 (4.93 ms against 4.35 at D 48, bf16, N 4096): products 16 and 32 wide use the
+    tensor cores worse than one 64 wide, and fused dQ then needs two products and two reduces."""
     padded = padded_head_dim(D)
-    if pad or padded > SPLIT_ABOVE or padded < 64:
+    if padded > SPLIT_ABOVE:
         return padded, 0
-    main = padded // 2
-    tail = max(16, padded_head_dim(D - main))
-    return (main, tail) if main + tail < padded else (padded, 0)
+    return hopper_ws.tile_widths(D, pad)
 
 
 def fused_dq_takes_tail(block_m: int, consumers: int) -> bool:
