@@ -404,8 +404,13 @@ def plot_backward_throughput(rows: list[dict], env: dict, out_dir, *, dtype: str
 
 
 def _draw_throughput(data: list[dict], rows: list[dict], env: dict, path: Path, *, dtype: str, pass_: str) -> Path:
-    """The throughput figure of ``data`` (timed rows of one pass and dtype), written to ``path``."""
+    """The throughput figure of ``data`` (timed rows of one pass and dtype), written to ``path``. A
+    figure over N draws the (D, causal) panels measured at more than one N, where there are any: a
+    head dim timed at one N alone (a head-dim sweep's cell) is a point, not a curve, and its table
+    says the same."""
     panels = _panels(data)
+    curves = [(D, c) for D, c in panels if len({r["N"] for r in select(data, D=D, causal=c)}) > 1]
+    panels = curves or panels
     nrows, ncols = _grid(panels)
     fig, axes = _new_figure(0.6 + 4.0 * nrows, nrows, ncols, sharey=True)
     ceiling = views.ceilings(env)[1].get(dtype)

@@ -372,9 +372,17 @@ CLAIMS = [
     Claim(C_DETAILS, "at D 64 it is what the tuner keeps ({} ms against {})",
           lambda d: (tuning_ms(d, "2026-12-04_hopper_bwd_tuning_d64_pair.csv", 64, 0, "whole_ws+fused"),
                      tuning_ms(d, "2026-12-04_hopper_bwd_tuning_d64_pair.csv", 64, 0, "whole_ws"))),
-    Claim(C_DETAILS, "stage C runs at {}–{} of it at D 48 and 64, where it fuses dQ too, and at {}–{} at D 80–128",
+    Claim(C_DETAILS, "stage C runs at {}–{} of it at D 40, 48 and 64, where it fuses dQ too, at {}–{} at D 72–96, "
+          "which run as 64 columns and a tail of 16 or 32 (the forward's mechanism, in both Hopper kernels: "
+          "[entry 60](performance-log/backward.md)), and at {}–{} at D 112 and 128",
           lambda d: tuple(f(bwd_ratios(d, "bf16", dims) + bwd_ratios(d, "fp16", dims))
-                          for dims in ((48, 64), (80, 96, 112, 128)) for f in (min, max))),
+                          for dims in ((40, 48, 64), (72, 80, 88, 96), (112, 128)) for f in (min, max))),
+    Claim(C_DETAILS, "is ahead\nexcept at D 72 and 80, where stage C is level with it or ahead",
+          lambda d: min(bwd_ratios(d, "bf16", (72, 80)) + bwd_ratios(d, "fp16", (72, 80))) >= 0.995
+          and max(bwd_ratios(d, "bf16", (40, 48, 64, 88, 96, 112, 128))
+                  + bwd_ratios(d, "fp16", (40, 48, 64, 88, 96, 112, 128))) < 1.0,
+          why="the backward grid rows: C / cuDNN at least 1.00 (rounded) at D 72 and 80 in both dtypes, below 1 at "
+              "every other head dim from 40 to 128"),
     Claim(C_DETAILS, "ahead of cuDNN at D 32 and level with it at D 200 and 256",
           lambda d: min(bwd_ratios(d, "bf16", (32,))) > 1 and min(bwd_ratios(d, "bf16", (200, 256))) >= 0.95,
           why="the bf16 backward grid rows: C / cuDNN above 1 at D 32, at least 0.95 at D 200 and 256"),
