@@ -82,7 +82,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ..contract import cdiv, padded_head_dim
 from ..launch import Launch
 from . import hopper_ws
-from .hopper_ws import SPLIT_ABOVE, GluonTensorDescriptor, _signal, descriptor, register_budget, split_head_dim
+from .hopper_ws import (SPLIT_ABOVE, GluonTensorDescriptor, _signal, _tiles_like, descriptor, register_budget,
+                        split_head_dim)
 
 #: K/V rows per consumer warpgroup: wgmma's M is 64 per warpgroup.
 ROWS_PER_CONSUMER = 64
@@ -635,24 +636,13 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
     for i in gl.static_range(6):
         mbarrier.init(out_bar.index(i), count=CONSUMERS)
     ring = (q_bufs, do_bufs, ready, empty)
-    if k_tail_desc is not None:  # the head-dim tail's tiles, one per main tile
-        q_tail_bufs = gl.allocate_shared_memory(q_tail_desc.dtype, [STAGES] + q_tail_desc.block_type.shape,
-                                                q_tail_desc.layout)
-        do_tail_bufs = gl.allocate_shared_memory(do_tail_desc.dtype, [STAGES] + do_tail_desc.block_type.shape,
-                                                 do_tail_desc.layout)
-        k_tail_bufs = gl.allocate_shared_memory(k_tail_desc.dtype, [KV_TILES] + k_tail_desc.block_type.shape,
-                                                k_tail_desc.layout)
-        v_tail_bufs = gl.allocate_shared_memory(v_tail_desc.dtype, [KV_TILES] + v_tail_desc.block_type.shape,
-                                                v_tail_desc.layout)
-    else:  # (never used: stand-ins of the right kind)
-        q_tail_bufs = q_bufs
-        do_tail_bufs = do_bufs
-        k_tail_bufs = k_bufs
-        v_tail_bufs = v_bufs
-    dq_tail_stages = k_tail_bufs  # (unused but with fused dQ and a tail)
-    if DQ_TAIL_ACC is not None:  # per consumer, one fp32 buffer for the tail columns' share of dQ
-        dq_tail_stages = gl.allocate_shared_memory(gl.float32, [CONSUMERS] + DQ_TAIL_ACC.block_type.shape,
-                                                   DQ_TAIL_ACC.layout)
+    # The head-dim tail's tiles, one per main tile; with fused dQ, one fp32 buffer per consumer for the
+    # tail columns' share of dQ.
+    q_tail_bufs = _tiles_like(q_tail_desc, STAGES, q_bufs)
+    do_tail_bufs = _tiles_like(do_tail_desc, STAGES, do_bufs)
+    k_tail_bufs = _tiles_like(k_tail_desc, KV_TILES, k_bufs)
+    v_tail_bufs = _tiles_like(v_tail_desc, KV_TILES, v_bufs)
+    dq_tail_stages = _tiles_like(DQ_TAIL_ACC, CONSUMERS, k_tail_bufs)
     tail = (dk_tail_desc, dv_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs, do_tail_bufs, DQ_TAIL_ACC,
             dq_tail_stages)
     producer_tail = (q_tail_desc, k_tail_desc, v_tail_desc, do_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs,
@@ -956,20 +946,11 @@ def ws_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, q_tail_desc, k_ta
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
     ring = (k_bufs, v_bufs, ready, empty)
-    if k_tail_desc is not None:  # the head-dim tail's tiles, one per main tile
-        q_tail_bufs = gl.allocate_shared_memory(q_tail_desc.dtype, [CONSUMERS] + q_tail_desc.block_type.shape,
-                                                q_tail_desc.layout)
-        do_tail_bufs = gl.allocate_shared_memory(do_tail_desc.dtype, [CONSUMERS] + do_tail_desc.block_type.shape,
-                                                 do_tail_desc.layout)
-        k_tail_bufs = gl.allocate_shared_memory(k_tail_desc.dtype, [STAGES] + k_tail_desc.block_type.shape,
-                                                k_tail_desc.layout)
-        v_tail_bufs = gl.allocate_shared_memory(v_tail_desc.dtype, [STAGES] + v_tail_desc.block_type.shape,
-                                                v_tail_desc.layout)
-    else:  # (never used: stand-ins of the right kind)
-        q_tail_bufs = q_bufs
-        do_tail_bufs = do_bufs
-        k_tail_bufs = k_bufs
-        v_tail_bufs = v_bufs
+    # The head-dim tail's tiles, one per main tile.
+    q_tail_bufs = _tiles_like(q_tail_desc, CONSUMERS, q_bufs)
+    do_tail_bufs = _tiles_like(do_tail_desc, CONSUMERS, do_bufs)
+    k_tail_bufs = _tiles_like(k_tail_desc, STAGES, k_bufs)
+    v_tail_bufs = _tiles_like(v_tail_desc, STAGES, v_bufs)
     tail = (dq_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs, do_tail_bufs)
     producer_tail = (q_tail_desc, k_tail_desc, v_tail_desc, do_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs,
                      do_tail_bufs)

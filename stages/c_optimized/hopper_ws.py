@@ -168,6 +168,17 @@ def _kv_range(start_m, N, ROWS_PER_PROGRAM: gl.constexpr, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
+def _tiles_like(desc, n: gl.constexpr, stand_in):
+    """``n`` shared-memory tiles shaped, typed and laid out as ``desc``'s TMA box; where ``desc`` is
+    None (no head-dim tail), ``stand_in``, never read, so the kernel's code has one shape either way."""
+    if desc is not None:
+        tiles = gl.allocate_shared_memory(desc.dtype, [n] + desc.block_type.shape, desc.layout)
+    else:
+        tiles = stand_in
+    return tiles
+
+
+@gluon.jit
 def _copy_in(desc, tail_desc, bar, buf, tail_buf, b, h, row, pred=True):
     """Ask the copy engine for the tile of (``b``, ``h``) from ``row`` on into ``buf``, and with a
     head-dim tail (``tail_desc`` not None, :func:`tile_widths`) its tail columns, from the main tile's
@@ -712,17 +723,10 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, q_tail_desc, k_tail_desc
     mbarrier.init(turn1, count=1)
     mbarrier.init(turn2, count=1)
     ring = (k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty)
-    if q_tail_desc is not None:  # the head-dim tail's tiles, one per main tile
-        q_tail_bufs = gl.allocate_shared_memory(q_tail_desc.dtype, [CONSUMERS * Q_BUFS] + q_tail_desc.block_type.shape,
-                                                q_tail_desc.layout)
-        k_tail_bufs = gl.allocate_shared_memory(k_tail_desc.dtype, [STAGES] + k_tail_desc.block_type.shape,
-                                                k_tail_desc.layout)
-        v_tail_bufs = gl.allocate_shared_memory(v_tail_desc.dtype, [STAGES] + v_tail_desc.block_type.shape,
-                                                v_tail_desc.layout)
-    else:  # (never used: stand-ins of the right kind)
-        q_tail_bufs = q_bufs
-        k_tail_bufs = k_bufs
-        v_tail_bufs = v_bufs
+    # The head-dim tail's tiles, one per main tile.
+    q_tail_bufs = _tiles_like(q_tail_desc, CONSUMERS * Q_BUFS, q_bufs)
+    k_tail_bufs = _tiles_like(k_tail_desc, STAGES, k_bufs)
+    v_tail_bufs = _tiles_like(v_tail_desc, STAGES, v_bufs)
     tail = (q_tail_desc, k_tail_desc, v_tail_desc, o_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs)
 
     # The same consumer function runs in the default partition (WG 0) and in worker partitions.
