@@ -66,12 +66,16 @@ def torch_same_precision(q, k, v, *, causal: bool = False, sm_scale: float | Non
         return _attention_chunked(q, k, v, causal, scale, q.dtype)
 
 
-def _attention_autograd(q, k, v, causal: bool, sm_scale: float) -> torch.Tensor:
-    """Unchunked textbook attention built from differentiable torch ops (for the gradient references)."""
+def _attention_autograd(q, k, v, causal: bool, sm_scale: float, scores_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Unchunked textbook attention built from differentiable torch ops (for the gradient references).
+    ``scores_dtype``: the scores rounded to that dtype before the softmax, the gradient passing
+    straight through the rounding (what a kernel that stores S in the inputs' dtype computes)."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     s = (q * sm_scale) @ k.transpose(-2, -1)
+    if scores_dtype is not None:
+        s = s + (s.detach().to(scores_dtype).to(s.dtype) - s.detach())
     Nq, Nk = q.shape[2], k.shape[2]
     if causal:
         i = torch.arange(Nq, device=q.device)[:, None]
@@ -86,13 +90,15 @@ def _attention_autograd(q, k, v, causal: bool, sm_scale: float) -> torch.Tensor:
     return p @ v
 
 
-def reference_gradients(q, k, v, do, *, causal: bool = False, sm_scale: float | None = None):
+def reference_gradients(q, k, v, do, *, causal: bool = False, sm_scale: float | None = None,
+                        scores_dtype: torch.dtype | None = None):
     """(dq, dk, dv) of ``sum(o * do)`` in float64 by PyTorch autograd of the textbook formula
-    (GQA: dk and dv summed over each KV head's query group). Returns float64 tensors."""
+    (GQA: dk and dv summed over each KV head's query group). Returns float64 tensors.
+    ``scores_dtype``: of attention whose scores are rounded to that dtype (``_attention_autograd``)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     with torch.enable_grad():
         q64, k64, v64 = (t.detach().to(torch.float64).requires_grad_(True) for t in (q, k, v))
-        o = _attention_autograd(q64, k64, v64, causal, scale)
+        o = _attention_autograd(q64, k64, v64, causal, scale, scores_dtype)
         return torch.autograd.grad(o, (q64, k64, v64), do.to(torch.float64))
 
 

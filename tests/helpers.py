@@ -56,21 +56,24 @@ def check_against_reference(o, q, k, v, *, causal, dtype_name, sm_scale=None, fa
 
 
 def check_gradients(attention, q, k, v, *, causal, dtype_name, sm_scale=None, factor=3.0, do=None, abs_floor=None,
-                    **kwargs):
+                    reference=reference_gradients, **kwargs):
     """Run ``attention`` forward and backward; dq, dk, dv must each be within ``factor``× PyTorch's
     same-precision autograd error against float64 autograd (or under the rounding floor), finite,
-    and of their input's shape and dtype. ``abs_floor`` replaces the dtype's rounding floor.
-    Returns {name: (err, torch_err)}."""
-    floor = ABS_FLOOR[dtype_name] if abs_floor is None else abs_floor
+    and of their input's shape and dtype. ``abs_floor`` replaces the dtype's rounding floor (a number,
+    or a callable ``(q, k, v, do) -> {"dq": floor, ...}``); ``reference`` the float64 gradients the
+    kernel's are held to (a function like :func:`reference_gradients`). Returns {name: (err, torch_err)}."""
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     o = attention(q, k, v, causal=causal, sm_scale=sm_scale, **kwargs)
     if do is None:
         do = torch.randn(o.shape, dtype=torch.float32).to(o.dtype).to(o.device)
     o.backward(do)
-    refs = reference_gradients(q, k, v, do, causal=causal, sm_scale=sm_scale)
+    floors = (abs_floor(q, k, v, do) if callable(abs_floor) else
+              dict.fromkeys(("dq", "dk", "dv"), ABS_FLOOR[dtype_name] if abs_floor is None else abs_floor))
+    exact = reference_gradients(q, k, v, do, causal=causal, sm_scale=sm_scale)
+    refs = exact if reference is reference_gradients else reference(q, k, v, do, causal=causal, sm_scale=sm_scale)
     same = torch_same_precision_gradients(q, k, v, do, causal=causal, sm_scale=sm_scale)
     out = {}
-    for name, t, ref, tp in zip(("dq", "dk", "dv"), (q, k, v), refs, same):
+    for name, t, ref, tp, ex in zip(("dq", "dk", "dv"), (q, k, v), refs, same, exact):
         g = t.grad
         assert g is not None, f"{name} was not computed"
         assert g.shape == t.shape and g.dtype == t.dtype, f"{name}: shape/dtype {g.shape}/{g.dtype}"
@@ -81,11 +84,66 @@ def check_gradients(attention, q, k, v, *, causal, dtype_name, sm_scale=None, fa
             assert g.abs().max() <= ABS_FLOOR[dtype_name], f"{name} should be zero, max |{name}| = {g.abs().max()}"
             out[name] = (0.0, 0.0)
             continue
-        err, torch_err = rel_err(g, ref), rel_err(tp, ref)
-        assert err <= max(factor * torch_err, floor), (
+        err, torch_err = rel_err(g, ref), rel_err(tp, ex)  # (PyTorch's error: against the exact gradients)
+        assert err <= max(factor * torch_err, floors[name]), (
             f"{name}: relative error {err:.3e} vs PyTorch same-precision {torch_err:.3e}")
         out[name] = (err, torch_err)
     return out
+
+
+def fp32_rounding_floors(q, k, v, do, *, causal, sm_scale=None, draws=3, seed=0) -> dict:
+    """Per gradient, the relative error a correct float32 kernel of the FlashAttention backward (stages
+    B and C) makes at these logits, emulated in float64 and taken 3× over: the largest of ``draws``
+    draws of its rounding, each gradient formed as the backward forms it, dS = P ∘ (dP − Δ).
+
+    * P is rebuilt as 2^(s·log2e − lse) from the saved log-sum-exp, both terms about the largest
+      logit: the difference carries float32's spacing there, |lse|·2⁻²³, so every P is multiplied by
+      2^(u·4·spacing), u uniform in [−1, 1] per element (the forward's exponentials alike, in O).
+    * dP = dO·Vᵀ and Δ = rowsum(dO ∘ O) are float32 dot products over the head dim (and O is stored
+      in float32): each gets an absolute error u·2⁻²⁴·|dO||V| (|dO||O| for Δ).
+
+    At large logits P is nearly one-hot and the exact dS nearly zero (dP − Δ cancels), so dQ and dK
+    are dominated by the second: PyTorch's softmax backward, Δ = rowsum(P ∘ dP), cancels exactly
+    where the FlashAttention formulation, Δ from O, cannot, and 3× PyTorch's error failed a correct
+    kernel about once in a hundred draws."""
+    import math
+
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    group = q.shape[1] // k.shape[1]
+    q64, k64, v64, do64 = (t.detach().double().cpu() for t in (q, k, v, do))
+    kk, vv = k64.repeat_interleave(group, dim=1), v64.repeat_interleave(group, dim=1)
+    s = (q64 @ kk.transpose(-2, -1)) * scale
+    if causal:
+        Nq, Nk = s.shape[-2:]
+        s = s.masked_fill(torch.arange(Nk)[None, :] > torch.arange(Nq)[:, None] + (Nk - Nq), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.exp(s - lse).nan_to_num(0.0)  # (a row that sees no key: all zeros)
+    lse2 = (lse * 1.4426950408889634).abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).clamp_min(1.0)
+    spacing = torch.exp2(torch.floor(torch.log2(lse2)) - 23)  # float32's spacing at |lse| in base 2
+    dot_eps = 2.0 ** -24
+    dp = do64 @ vv.transpose(-2, -1)
+    g = torch.Generator().manual_seed(seed)
+
+    def noise(shape):
+        return torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1
+
+    def grads(pp, p_fwd, dp_err, delta_err):
+        o = (p_fwd @ vv) / p_fwd.sum(-1, keepdim=True).clamp_min(1e-300)
+        delta = (do64 * o).sum(-1, keepdim=True) + delta_err * do64.norm(dim=-1, keepdim=True) * o.norm(dim=-1, keepdim=True)
+        ds = pp * (dp + dp_err * do64.norm(dim=-1, keepdim=True) * vv.norm(dim=-1).unsqueeze(-2) - delta)
+        dq = ds @ kk * scale
+        dk = (ds.transpose(-2, -1) @ q64 * scale).unflatten(1, (-1, group)).sum(2)
+        dv = (pp.transpose(-2, -1) @ do64).unflatten(1, (-1, group)).sum(2)
+        return dq, dk, dv
+
+    exact = grads(p, p, 0.0, 0.0)
+    worst = dict.fromkeys(("dq", "dk", "dv"), 0.0)
+    for _ in range(draws):
+        p_bwd, p_fwd = (p * torch.exp2(noise(p.shape) * 4 * spacing) for _ in range(2))
+        got = grads(p_bwd, p_fwd, noise(p.shape) * dot_eps, noise(lse.shape) * dot_eps)
+        for name, gg, ref in zip(worst, got, exact):
+            worst[name] = max(worst[name], rel_err(gg, ref) if ref.any() else 0.0)
+    return {name: max(ABS_FLOOR["fp32"], 3.0 * e) for name, e in worst.items()}
 
 
 def run_cli(argv, capsys) -> tuple[int, str, str]:
