@@ -19,6 +19,8 @@ default's max: dK and dV must agree to rounding, dQ to the atomics' summation or
     LAB_FUSED_DQ_ATOMICS=mma python experiments/fused_dq.py --csv results/h200/experiments/<date>_fused_dq_mma.csv
     LAB_FUSED_DQ_ATOMICS=tma python experiments/fused_dq.py --csv results/h200/experiments/<date>_fused_dq_tma.csv
     LAB_FUSED_DQ_AHEAD=1 python experiments/fused_dq.py --D 128 --gqa no   # each tile's dQ product issued a tile ahead
+    python experiments/fused_dq.py --variants plain,stagger   # each program's Q tiles in its own order, and not
+    python experiments/fused_dq.py --D 128 --variants plain,lag     # each tile's dQ slice formed during the next tile
     python experiments/fused_dq.py --D 128 --causal no --gqa no
 """
 
@@ -41,6 +43,8 @@ from stages.c_optimized.configs import device_arch  # noqa: E402
 from stages.c_optimized.tune_backward import _inputs, _write_csv, ws_candidates  # noqa: E402
 
 ROUNDS = 5
+#: --variants: the fused kernel's switches, (FUSED_DQ_STAGGER, FUSED_DQ_LAG), by name
+VARIANTS = {"plain": (False, False), "stagger": (True, False), "lag": (False, True), "stagger+lag": (True, True)}
 
 
 def bench(fn) -> float:
@@ -72,6 +76,11 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     ap.add_argument("--gqa", default="yes", choices=["yes", "no"],
                     help="also a grouped-query cell at D 128 (B 2, Hq 32, Hkv 8)")
+    ap.add_argument("--variants", default="default",
+                    help="the fused dK/dV kernel's switches to time side by side (the dkdv rows; the whole backwards "
+                         "take the module's): 'default' (as the module has them), or some of "
+                         f"{','.join(VARIANTS)} ('plain': all off; 'stagger': hopper_bwd.FUSED_DQ_STAGGER; 'lag': "
+                         "hopper_bwd.FUSED_DQ_LAG)")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or device_arch(torch.device("cuda")) != 90:
@@ -81,6 +90,12 @@ def main(argv=None) -> int:
     cells = [(dt, int(D), c, None) for dt in args.dtype.split(",") for D in args.D.split(",") for c in causals]
     if args.gqa == "yes":
         cells += [(dt, 128, c, (2, 32, 8)) for dt in args.dtype.split(",") for c in causals]
+    default = (hopper_bwd.FUSED_DQ_STAGGER, hopper_bwd.FUSED_DQ_LAG)
+    names = args.variants.split(",")
+    unknown = [n for n in names if n != "default" and n not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {', '.join(unknown)}; choose from default, {', '.join(VARIANTS)}")
+    variants = [(n, default if n == "default" else VARIANTS[n]) for n in names]
     rows: list[dict] = []
     for dtype_name, D, causal, gqa in cells:
         tensors = _inputs(dtype_name, D, causal, args.N)
@@ -96,7 +111,8 @@ def main(argv=None) -> int:
         B, H, N = q.shape[0], q.shape[1], q.shape[2]
         flops = 2.5 * 4.0 * B * H * N * N * D / (2 if causal else 1)
         cell = dict(dtype=dtype_name, D=D, causal=int(causal), N=N, B=B, Hq=H, Hkv=k.shape[1],
-                    atomics=hopper_bwd.FUSED_DQ_ATOMICS + ("+ahead" if hopper_bwd.FUSED_DQ_AHEAD else ""))
+                    atomics=hopper_bwd.FUSED_DQ_ATOMICS + ("+ahead" if hopper_bwd.FUSED_DQ_AHEAD else "")
+                    + ("+stagger" if default[0] else "") + ("+lag" if default[1] else ""))
         # (how fused dQ adds: LAB_FUSED_DQ_ATOMICS, and LAB_FUSED_DQ_AHEAD)
         scale = D ** -0.5
         plan = bwd.backward_plan(D, q.dtype, 90, causal)
@@ -104,8 +120,12 @@ def main(argv=None) -> int:
         print(f"{dtype_name} D{D} causal{int(causal)} B{B} Hq{H} Hkv{k.shape[1]} N{N}: default plan {plan}", flush=True)
         fused_ok = []
         for ws in (c for c in ws_candidates(D, q.element_size()) if bwd.fused_dq_fits(c)):
-            for fused in (False, True):
+            for fused, (variant, switches) in [(False, ("plain", (False, False)))] + [(True, v) for v in variants]:
                 status, ms, diffs = "ok", None, None
+                hopper_bwd.FUSED_DQ_STAGGER, hopper_bwd.FUSED_DQ_LAG = switches
+                bwd._KEPT.clear()  # (a layout planned with other switches)
+                name = f"{ws}{'+fused' if fused else ''}" + (f"+{variant}" if fused and variant not in ("default", "plain")
+                                                             else "")
                 try:
                     if fused:
                         grads = bwd.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, ws_config=ws,
@@ -118,16 +138,18 @@ def main(argv=None) -> int:
                         launch = dkdv_launch(tensors, causal, ws, fused)
                         launch.run()
                         ms = bench(launch.run)
-                        if fused:
+                        if fused and switches == default:
                             fused_ok.append(ws)
                 except Exception as e:  # noqa: BLE001 - a config that fails is recorded, the rest go on
                     status = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-                rows.append({**cell, "kind": "dkdv", "config": f"{ws}{'+fused' if fused else ''}",
+                rows.append({**cell, "kind": "dkdv", "config": name,
                              "ms": round(ms, 4) if ms else "", "tflops": "",
                              "max_rel_diff": " ".join(f"{d:.2e}" for d in diffs) if diffs else "", "status": status})
-                print(f"  dK/dV {ws}{' + fused dQ' if fused else ''}: "
+                print(f"  dK/dV {name}: "
                       + (f"{ms:.3f} ms" if ms else "") + ("" if status == "ok" else f" {status}")
                       + (f" (dq/dk/dv diff {' '.join(f'{d:.1e}' for d in diffs)})" if diffs else ""), flush=True)
+        hopper_bwd.FUSED_DQ_STAGGER, hopper_bwd.FUSED_DQ_LAG = default
+        bwd._KEPT.clear()
         fns = {"c_default": lambda: bwd.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale)}
         for ws in fused_ok:
             fns[f"c_fused:{ws}"] = (lambda ws=ws: bwd.attention_backward(do, q, k, v, o, lse, causal=causal,

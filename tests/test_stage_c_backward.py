@@ -8,6 +8,7 @@ with the other stages. Interpreter-sized problems: a few dozen rows, one or two 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -353,6 +354,30 @@ def test_fused_dq_matches_float64_every_way_of_adding(shape, atomics, monkeypatc
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", ["ws-M64-c2-s2", "ws-M32-c2-s3", "ws-M64-c1-s3"])
+@pytest.mark.parametrize("shape", WS_SHAPES + [(1, 4, 2, 1000, 700, 80), (2, 2, 1, 130, 1100, 96)],
+                         ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}-D{}".format(*s))
+def test_fused_dq_with_staggered_q_tiles_matches_float64(shape, config, monkeypatch, device):
+    """Fused dQ with each program walking its Q tiles from its own one on (``FUSED_DQ_STAGGER``):
+    producer and consumers must agree on the order, and every tile (the wrapped-around ones, and
+    under causal masking the diagonal ones, now met in the middle of the loop) must still be visited
+    once, causal and not, with GQA, Nq ≠ Nk both ways and a head-dim tail."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper dK/dV kernel needs sm_90")
+    from stages.c_optimized import hopper_bwd
+
+    B, Hq, Hkv, Nq, Nk, D = shape
+    if D % 64 and config != "ws-M64-c2-s2":
+        pytest.skip("fused dQ takes a head-dim tail with 64-row Q tiles and two consumers only")
+    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_STAGGER", True)
+    monkeypatch.setattr(bwd, "_KEPT", {})
+    for causal, dtype_name in ((False, "bf16"), (True, "bf16"), (True, "fp16")):
+        q, k, v = make_qkv(B, Hq, Nq, D, DTYPES[dtype_name], device, Hkv=Hkv, Nk=Nk, seed=16)
+        check_gradients(attention, q, k, v, causal=causal, dtype_name=dtype_name, ws_config=config,
+                        ws_dq_config="fused")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", ["ws-M32-c2-s2", "ws-M32-c2-s3"])
 @pytest.mark.parametrize("shape", WS_SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}-D{}".format(*s))
 def test_fused_dq_pair_with_32_row_q_tiles_matches_float64(shape, config, monkeypatch, device):
@@ -390,6 +415,30 @@ def test_fused_dq_issued_ahead_matches_float64(shape, config, monkeypatch, devic
     for causal in (False, True):
         q, k, v = make_qkv(B, Hq, Nq, D, torch.bfloat16, device, Hkv=Hkv, Nk=Nk, seed=15)
         check_gradients(attention, q, k, v, causal=causal, dtype_name="bf16", ws_config=config,
+                        ws_dq_config="fused")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["ws-M32-c2-s3", "ws-M64-c2-s2"])
+@pytest.mark.parametrize("shape", WS_SHAPES + [(2, 8, 2, 700, 1000, 128)],
+                         ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}-D{}".format(*s))
+def test_fused_dq_formed_a_tile_late_matches_float64(shape, config, monkeypatch, device):
+    """The pair's dQ slice of each Q tile formed during the next tile (``LAB_FUSED_DQ_LAG``; at D 128,
+    where each consumer forms its column slice every tile; at D 64 the switch changes nothing), causal
+    and not, GQA: the first turn's product, over a buffer not yet written, must add nothing, the last
+    tile's must still be added after the loop, and a slice must go to the rows of the tile it was
+    formed for, also where the loop passes from one query head of the group to the next."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper dK/dV kernel needs sm_90")
+    from stages.c_optimized import hopper_bwd
+
+    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_ATOMICS", "pair")
+    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_LAG", True)
+    monkeypatch.setattr(bwd, "_KEPT", {})
+    B, Hq, Hkv, Nq, Nk, D = shape
+    for causal, dtype_name in ((False, "bf16"), (True, "bf16"), (True, "fp16")):
+        q, k, v = make_qkv(B, Hq, Nq, D, DTYPES[dtype_name], device, Hkv=Hkv, Nk=Nk, seed=17)
+        check_gradients(attention, q, k, v, causal=causal, dtype_name=dtype_name, ws_config=config,
                         ws_dq_config="fused")
 
 
@@ -490,6 +539,46 @@ def test_fused_dq_issued_ahead_compiles_for_sm90(monkeypatch):
         assert "cp.reduce.async.bulk.tensor" in ptx
         sites[ahead] = ptx.count("cp.reduce.async.bulk.tensor")
     assert sites[True] > sites[False]
+
+
+def test_fused_dq_formed_a_tile_late_compiles_for_sm90(monkeypatch):
+    """``LAB_FUSED_DQ_LAG`` at D 128: each consumer's dQ slice of a Q tile is formed during the next
+    tile, so the kernel has one more product and reduce site (the last tile's, after the loop); at
+    D 64 (one slice, the consumers taking turns) the switch leaves the kernel as it is."""
+    from stages.c_optimized import hopper_bwd
+
+    monkeypatch.setenv("LAB_FUSED_DQ_ATOMICS", "pair")  # (a compile in a child process reads them at import)
+    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_ATOMICS", "pair")
+    sites = {}
+    for D in (64, 128):
+        problem = Problem(1, 4, 200, D, "bf16", True, Hkv=2, Nk=300)
+        for lag in (False, True):
+            monkeypatch.setenv("LAB_FUSED_DQ_LAG", "1" if lag else "0")
+            monkeypatch.setattr(hopper_bwd, "FUSED_DQ_LAG", lag)
+            ptx = bwd.compile_backward(problem, 90, ws_config="ws-M32-c2-s2", ws_dq_config="fused")[1].asm["ptx"]
+            sites[D, lag] = ptx.count("cp.reduce.async.bulk.tensor")
+    assert sites[128, True] > sites[128, False] > 0
+    assert sites[64, True] == sites[64, False] > 0
+
+
+def test_staggered_q_tiles_change_only_the_fused_kernel(monkeypatch):
+    """``FUSED_DQ_STAGGER`` reorders the fused dK/dV kernel's Q tiles (a remainder by the tile count in
+    producer and consumers); the kernel without fused dQ, whose order nothing else depends on, is the same
+    with it on or off."""
+    from stages.c_optimized import hopper_bwd
+
+    monkeypatch.setenv("LAB_FUSED_DQ_ATOMICS", "pair")
+    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_ATOMICS", "pair")
+    problem = Problem(1, 4, 200, 64, "bf16", True, Hkv=2, Nk=300)
+    ptx = {}
+    for stagger in (False, True):
+        monkeypatch.setenv("LAB_FUSED_DQ_STAGGER", "1" if stagger else "0")
+        monkeypatch.setattr(hopper_bwd, "FUSED_DQ_STAGGER", stagger)
+        for dq in ("fused", "ws-M128-c1-s2"):
+            ptx[stagger, dq] = bwd.compile_backward(problem, 90, ws_config="ws-M64-c2-s2", ws_dq_config=dq)[1].asm["ptx"]
+    strip = lambda text: re.sub(r"\.loc.*|// .*", "", text)  # noqa: E731 - (debug line numbers)
+    assert strip(ptx[False, "ws-M128-c1-s2"]) == strip(ptx[True, "ws-M128-c1-s2"])
+    assert "rem.s32" not in ptx[False, "fused"] and "rem.s32" in ptx[True, "fused"]
 
 
 def test_hopper_dkdv_config_errors_name_the_argument(device):

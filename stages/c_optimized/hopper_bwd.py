@@ -100,6 +100,14 @@ FUSED_DQ_ATOMICS_CHOICES = ("mma", "rows", "tma", "pair")
 #: "pair" at D 128 (each consumer its column slice every Q tile): issue a tile's dQ product at the start
 #: of the next tile's turn, ahead of its Sᵀ, and add it while dPᵀ runs (``LAB_FUSED_DQ_AHEAD=1``).
 FUSED_DQ_AHEAD = os.environ.get("LAB_FUSED_DQ_AHEAD", "0") == "1"
+#: "pair" at D 128: form a Q tile's dQ slice one tile late, queued behind the next tile's dK and dV
+#: products, so each consumer waits for the other's dSᵀ of the tile before, which has had a whole tile's
+#: time to arrive, and the two consumers need not keep in step (``LAB_FUSED_DQ_LAG=1``).
+FUSED_DQ_LAG = os.environ.get("LAB_FUSED_DQ_LAG", "0") == "1"
+#: Fused dQ: each program walks its Q tiles from a different one on (program ``n`` from tile ``n``, modulo
+#: its count), so the programs of one head that run side by side, which all add into that head's dQ,
+#: add into different tiles of it at any moment instead of all into the same one (``LAB_FUSED_DQ_STAGGER``).
+FUSED_DQ_STAGGER = os.environ.get("LAB_FUSED_DQ_STAGGER", "0") == "1"
 if FUSED_DQ_ATOMICS not in FUSED_DQ_ATOMICS_CHOICES:
     raise ValueError(f"LAB_FUSED_DQ_ATOMICS must be one of {', '.join(FUSED_DQ_ATOMICS_CHOICES)}, "
                      f"got {FUSED_DQ_ATOMICS!r}")
@@ -128,6 +136,16 @@ def _q_range(start_n, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUS
 
 
 @gluon.jit
+def _q_tile_row(first, j, n_tiles, start_n, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGGER: gl.constexpr):
+    """The first row of the ``j``-th Q tile a program visits: tile ``j`` from ``first`` on, or with
+    ``STAGGER`` (:data:`FUSED_DQ_STAGGER`) tile ``j`` counted from the program's own index (its K/V
+    tile, ``start_n // BLOCK_N``), modulo the ``n_tiles`` it visits. Producer and consumers ask the same."""
+    if STAGGER:
+        j = (j + start_n // BLOCK_N) % n_tiles
+    return first + j * BLOCK_M
+
+
+@gluon.jit
 def _copy_tile(desc, tail_desc, bar, buf, tail_buf, b, h, row):
     """Copy a tile of (``b``, ``h``) from ``row`` on into ``buf`` and, with a head-dim tail, its tail
     columns (from the main tile's width on) into ``tail_buf``, counted on ``bar``, whose expected bytes
@@ -139,7 +157,7 @@ def _copy_tile(desc, tail_desc, bar, buf, tail_buf, b, h, row):
 
 @gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, ring, tail, b, h_kv, start_n, Nq, Nk,
-              GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+              GROUP: gl.constexpr, CAUSAL: gl.constexpr, STAGGER: gl.constexpr):
     """One warp: this program's K and V tiles (64 rows each: one per consumer, or one that two
     consumers split by head-dim halves) once, then the Q and dO tiles of every query head of the
     group, in the consumers' order, through the ring. With a head-dim tail (``tail``,
@@ -169,7 +187,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, ring, tai
                 mbarrier.expect(ready.index(s), 2 * (q_desc.block_type.nbytes + q_tail_desc.block_type.nbytes))
             else:
                 mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            row = first + j * BLOCK_M
+            row = _q_tile_row(first, j, n_tiles, start_n, ROWS * KV_TILES, BLOCK_M, STAGGER)
             _copy_tile(q_desc, q_tail_desc, ready.index(s), q_bufs.index(s), q_tail_bufs.index(s), b, h, row)
             _copy_tile(do_desc, do_tail_desc, ready.index(s), do_bufs.index(s), do_tail_bufs.index(s), b, h, row)
             it += 1
@@ -311,7 +329,8 @@ def _store_halves(dk, dv, k_bufs, v_bufs, bars, dk_desc, dv_desc, b, h_kv, start
 
 @gluon.jit
 def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-              ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr, AHEAD: gl.constexpr):
+              ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr, AHEAD: gl.constexpr, STAGGER: gl.constexpr,
+              LAG: gl.constexpr):
     """One warpgroup: dK and dV of its 64 K/V rows, over every Q tile of the group's query heads; with
     a dQ accumulator (``DQ_ACC``, fused dQ), also each Q tile's share of dQ from these rows. With
     ``SPLIT_D`` = 2 two consumers share one 64-row K/V tile and each keeps the dK and dV columns of
@@ -359,6 +378,8 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
     # runs; ``pend_h`` and ``pend_row`` say whose rows it holds.
     SLICES: gl.constexpr = D // DQ_COLS
     AHEAD_ON: gl.constexpr = AHEAD and SLICES == 2
+    # LAG (two slices, not AHEAD): a tile's slice is issued during the next tile, after its dK product.
+    LAG_ON: gl.constexpr = LAG and SLICES == 2 and not AHEAD and not TAIL
     pend_h = h_kv * GROUP
     pend_row = start_n * 0
 
@@ -379,7 +400,7 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
     for g in range(GROUP):
         bh = (b * Hq + h_kv * GROUP + g).to(gl.int64)
         for j in range(n_tiles):
-            row0 = first + j * BLOCK_M
+            row0 = _q_tile_row(first, j, n_tiles, start_n, ROWS * KV_TILES, BLOCK_M, STAGGER)
             queries = row0 + gl.arange(0, BLOCK_M, layout=query_layout)
             # Asked for before the wait on the tile, so their latency hides behind it.
             lse = gl.load(LSE + bh * Nq + queries, mask=queries < Nq, other=float("inf"))
@@ -450,13 +471,24 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
                 fence_async_shared()
                 if ATOMICS == "pair":
                     mbarrier.arrive(out_bar.index(2 + x))  # my dSᵀ is in
-            if TAIL:
+            if DQ_ACC is not None and ATOMICS == "pair" and LAG_ON:
+                # The last tile's slice, queued behind this tile's dK and dV products (the first turn
+                # multiplies a buffer not yet written, and adds nothing).
+                xp = (it + 1) % 2
+                if it > 0:
+                    mbarrier.wait(out_bar.index(2 + xp), ((it - 1) // 2) & 1)  # the other's dSᵀ is in
+                dq = _pair_dq_issue(ds_bufs, xp, k_bufs, WG * DQ_COLS, DQ_COLS, dq_layout)
+                dv, dk, pt_op, dst_op, dq = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op, dq))
+                if it > 0:
+                    _pair_dq_add(dq, DQ_ACC, dq_stages.index(WG), b, pend_h, pend_row, sm_scale, WG * DQ_COLS)
+                    mbarrier.arrive(out_bar.index(4 + xp))  # done reading the last tile's buffer
+            elif TAIL:
                 dv, dk, pt_op, dst_op, dv_t, dk_t, pt_t, dst_t = warpgroup_mma_wait(
                     0, deps=(dv, dk, pt_op, dst_op, dv_t, dk_t, pt_t, dst_t))
             else:
                 dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             if DQ_ACC is not None and ATOMICS == "pair":
-                if AHEAD_ON:
+                if AHEAD_ON or LAG_ON:
                     pend_h = h_kv * GROUP + g
                     pend_row = row0
                 elif SLICES == 2:
@@ -470,7 +502,7 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
                     if TAIL:  # the tail columns' share, from both consumers' K tails, its own reduce
                         _pair_dq(ds_bufs, x, k_tail_bufs, dq_tail_desc, dq_tail_stages.index(WG), b,
                                  h_kv * GROUP + g, row0, sm_scale, 0, t_dq_layout, D)
-                if not AHEAD_ON:
+                if not (AHEAD_ON or LAG_ON):
                     mbarrier.arrive(out_bar.index(4 + x))  # done reading buffer x
             elif DQ_ACC is not None:
                 if ATOMICS == "tma":
@@ -482,7 +514,7 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
             _signal(empty.index(s))  # this consumer is done with the slot's Q and dO
             it += 1
     if DQ_ACC is not None and ATOMICS == "pair":
-        if AHEAD_ON:
+        if AHEAD_ON or LAG_ON:
             if it > 0:  # the last Q tile's slice, not issued ahead of anything
                 xp = (it + 1) % 2
                 mbarrier.wait(out_bar.index(2 + xp), ((it - 1) // 2) & 1)
@@ -607,8 +639,8 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
                        Hq, Hkv, Nq, Nk,
                        STAGES: gl.constexpr, CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                        HEAD_DIM: gl.constexpr, ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr,
-                       SHARE_SCORES: gl.constexpr, AHEAD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       PRODUCER_REGS: gl.constexpr):
+                       SHARE_SCORES: gl.constexpr, AHEAD: gl.constexpr, STAGGER: gl.constexpr, LAG: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Grid (K/V tiles of ``CONSUMERS / SPLIT_D × 64`` rows, B · Hkv). ``q_tail_desc`` ... ``dv_tail_desc``:
     None, or the head-dim tail's descriptors (the columns from the main tiles' width on); with fused
     dQ, ``DQ_TAIL_ACC`` the fp32 accumulator's tail descriptor. See the module docstring."""
@@ -669,7 +701,7 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
     args = (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, out_bar, ring, LSE, DELTA, DQ_ACC, ds_bufs, dq_stages, b, h_kv,
             start_n, Hq, Nq, Nk, qk_scale, sm_scale)
     producer_args = (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, ring, producer_tail, b, h_kv, start_n,
-                     Nq, Nk, GROUP, CAUSAL)
+                     Nq, Nk, GROUP, CAUSAL, STAGGER)
     if SHARE_SCORES:
         gl.warp_specialize([
             (_consumer_shared_scores, (args, 0, GROUP, CAUSAL)),
@@ -678,13 +710,13 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif CONSUMERS == 1:
         gl.warp_specialize([
-            (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD)),
+            (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG)),
             (_producer, producer_args),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD)),
-            (_consumer, (args, tail, 1, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD)),
+            (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG)),
+            (_consumer, (args, tail, 1, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG)),
             (_producer, producer_args),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -783,6 +815,7 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 sm_scale=sm_scale, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, STAGES=stages, CONSUMERS=consumers,
                 GROUP=Hq // Hkv, CAUSAL=causal, HEAD_DIM=q.shape[-1], ATOMICS=atomics, SPLIT_D=split,
                 SHARE_SCORES=share_scores, AHEAD=FUSED_DQ_AHEAD,
+                STAGGER=FUSED_DQ_STAGGER and dq_acc is not None, LAG=FUSED_DQ_LAG,
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
     grid = (cdiv(Nk, ROWS_PER_CONSUMER * consumers // split), B * Hkv)
     return Launch(ws_bwd_dkdv_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)
