@@ -975,8 +975,8 @@ def head_dim_kernel_note(env: dict, dtype: str, rows: list[dict]) -> str:
     tuned = _tuned_head_dims(env.get("gpu_slug"), dtype)
     if tuned:
         held = _d_ranges(tuned, sorted(set(ds) | set(tuned)))
-        text += (f"; a head dim the tuning table does not hold (it holds D {held}) takes the first tile "
-                 "configuration of its padded width")
+        text += (f"; each head dim takes the tuning table's winner for the width of its tiles where the table "
+                 f"holds one (it holds widths {held}), else the first tile configuration of that width")
     return text
 
 

@@ -284,6 +284,29 @@ def test_items_of_one_or_two_kv_tiles_fetch_q_two_items_ahead():
     assert configs.Config.parse(str(short)) == short
 
 
+def test_a_head_dim_takes_the_tuned_entry_of_its_tile_width(monkeypatch):
+    """The forward's tuned winners are keyed by the warp-specialized kernel's tile width: D 168-184 run
+    128 + 64 columns as D 192 does and take D 192's entry, D 200 takes D 256's; without warp
+    specialization (the tl kernel) a head dim reads its own key, and a fp32 one never the table's ws entry."""
+    table = {"bf16/D192/causal0/N4096": "WS-M128-N64-s3", "bf16/D256/causal1/N4096": "WS-M128-N32-s4"}
+    monkeypatch.setattr(configs, "gpu_slug", lambda: "fake")
+    monkeypatch.setattr(configs, "tuned_table", lambda slug, which="best": table if which == "best" else {})
+    configs.choose_config.cache_clear()
+    try:
+        for D in (168, 176, 184, 192):
+            assert configs.tuned_head_dim(D, torch.bfloat16, 90) == 192
+            assert str(configs.choose_config(D, torch.bfloat16, False, 90, 4096)) == "WS-M128-N64-s3"
+        assert str(configs.choose_config(200, torch.bfloat16, True, 90, 4096)) == "WS-M128-N32-s4"
+        assert configs.tuned_head_dim(176, torch.bfloat16, 90, warp_specialization=False) == 176
+        assert configs.tuned_head_dim(176, torch.float32, 90) == 176
+        assert configs.tuned_head_dim(176, torch.bfloat16, 80) == 176
+        # a head dim with no entry at its width keeps the first candidate of that width
+        assert configs.choose_config(80, torch.bfloat16, False, 90, 4096) == configs.candidate_configs(
+            80, torch.bfloat16, 90)[0]
+    finally:
+        configs.choose_config.cache_clear()
+
+
 def test_d256_has_a_sm90_config_of_its_own():
     config = configs.candidate_configs(256, torch.float16, 90)[0]
     assert configs.fits(config, 256, 2, 90) and config != configs.Config(32, 32, 4, 1)

@@ -281,6 +281,15 @@ def tuned_table(slug: str | None, table: str = "best") -> dict:
     return json.loads(path.read_text()).get(table, {})
 
 
+def tuned_head_dim(D: int, dtype: torch.dtype, arch: int, warp_specialization: bool = True) -> int:
+    """The head dim the tuning table keys ``D``'s winners under: where the warp-specialized kernel runs
+    it, the width of its tiles (``hopper_ws.tile_width``: D 168-192 all run 128 + 64 columns, so one
+    tuning of D 192 serves them), else ``D`` itself."""
+    if warp_specialization and arch == 90 and hopper_ws.supported(dtype, D, arch):
+        return hopper_ws.tile_width(D)
+    return D
+
+
 def tuned_key(dtype: torch.dtype, D: int, causal: bool, N: int) -> str:
     name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
     return f"{name}/D{D}/causal{int(causal)}/N{N}"
@@ -289,18 +298,20 @@ def tuned_key(dtype: torch.dtype, D: int, causal: bool, N: int) -> str:
 @lru_cache(maxsize=4096)  # on every call's path: keep the launch short (see hopper_ws.plan)
 def choose_config(D: int, dtype: torch.dtype, causal: bool, arch: int, N: int,
                   warp_specialization: bool = True) -> Config:
-    """The tuned configuration for the nearest tuned N on this GPU, else the first candidate that fits.
-    With ``warp_specialization=False`` only ``tl``-kernel configs are eligible."""
+    """The tuned configuration for the nearest tuned N on this GPU (of the head dim's tile width:
+    :func:`tuned_head_dim`), else the first candidate that fits. With ``warp_specialization=False``
+    only ``tl``-kernel configs are eligible."""
     table = tuned_table(gpu_slug(), "best" if warp_specialization else "best_tl")
     if table:
-        prefix = tuned_key(dtype, D, causal, 0).rsplit("/N", 1)[0]
+        key_D = tuned_head_dim(D, dtype, arch, warp_specialization)
+        prefix = tuned_key(dtype, key_D, causal, 0).rsplit("/N", 1)[0]
         tuned_ns = sorted(int(k.rsplit("/N", 1)[1]) for k in table if k.startswith(prefix + "/N"))
         if not tuned_ns and dtype == torch.bfloat16:
             # bf16 has fp16's size and tensor-core rate: an fp16 winner is the best guess.
             return choose_config(D, torch.float16, causal, arch, N, warp_specialization)
         if tuned_ns:
             nearest = min(tuned_ns, key=lambda n: abs(n.bit_length() - N.bit_length()))
-            config = Config.parse(table[tuned_key(dtype, D, causal, nearest)])
+            config = Config.parse(table[tuned_key(dtype, key_D, causal, nearest)])
             e = torch.tensor([], dtype=dtype).element_size()
             if fits(config, D, e, arch) and (warp_specialization or not config.ws):
                 return config
