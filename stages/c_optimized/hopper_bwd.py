@@ -30,8 +30,10 @@ from run to run. How it adds (:data:`FUSED_DQ_ATOMICS`) is what decides its spee
 ("pair") the two consumers' dSᵀ tiles meet in double-buffered shared memory, so a Q tile's share from
 the program's 128 keys is one product 128 keys deep and one bulk reduce by the copy engine
 (:func:`_pair_dq`; at D 64 the consumers take turns by Q tile, at D 128 each adds its 64 columns);
-the tuner keeps it at D 64 (performance-log entries 48 and 54). Row statistics: the
-forward's base-2 log-sum-exp and the pre-pass's Δ = rowsum(dO ∘ O), loaded per Q tile by the
+the tuner keeps it at D 64 (performance-log entries 48 and 54). Two switches reorder it, each program's
+Q tiles from its own one on (:data:`FUSED_DQ_STAGGER`) and each tile's dQ slice formed during the next
+(:data:`FUSED_DQ_LAG`); measured beside cuDNN's kernel under Nsight Compute, neither is on (entry 61).
+Row statistics: the forward's base-2 log-sum-exp and the pre-pass's Δ = rowsum(dO ∘ O), loaded per Q tile by the
 consumers (64 floats, from L2). Masks: keys past Nk and (causal, bottom-right) keys after a query are
 zeroed in Pᵀ after the exponential, only on the tiles that need it (a runtime branch); query rows
 past Nq read zeros by TMA and lse = +inf, so their P is exactly 0.
