@@ -397,47 +397,27 @@ def test_fused_dq_pair_with_32_row_q_tiles_matches_float64(shape, config, monkey
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["ws-M32-c2-s3", "ws-M64-c2-s2"])
-@pytest.mark.parametrize("shape", WS_SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}-D{}".format(*s))
-def test_fused_dq_issued_ahead_matches_float64(shape, config, monkeypatch, device):
-    """The pair's dQ product issued at the start of the next Q tile's turn (``LAB_FUSED_DQ_AHEAD``; at
-    D 128, where each consumer forms its column slice every tile; at D 64 the switch changes nothing),
-    causal and not: the first turn's product, over a buffer not yet written, must add nothing, and the
-    last tile's must still be added after the loop."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Hopper dK/dV kernel needs sm_90")
-    from stages.c_optimized import hopper_bwd
-
-    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_ATOMICS", "pair")
-    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_AHEAD", True)
-    monkeypatch.setattr(bwd, "_KEPT", {})
-    B, Hq, Hkv, Nq, Nk, D = shape
-    for causal in (False, True):
-        q, k, v = make_qkv(B, Hq, Nq, D, torch.bfloat16, device, Hkv=Hkv, Nk=Nk, seed=15)
-        check_gradients(attention, q, k, v, causal=causal, dtype_name="bf16", ws_config=config,
-                        ws_dq_config="fused")
-
-
-@pytest.mark.gpu
+@pytest.mark.parametrize("switch", ["FUSED_DQ_AHEAD", "FUSED_DQ_LAG"])
 @pytest.mark.parametrize("config", ["ws-M32-c2-s3", "ws-M64-c2-s2"])
 @pytest.mark.parametrize("shape", WS_SHAPES + [(2, 8, 2, 700, 1000, 128)],
                          ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}-D{}".format(*s))
-def test_fused_dq_formed_a_tile_late_matches_float64(shape, config, monkeypatch, device):
-    """The pair's dQ slice of each Q tile formed during the next tile (``LAB_FUSED_DQ_LAG``; at D 128,
-    where each consumer forms its column slice every tile; at D 64 the switch changes nothing), causal
-    and not, GQA: the first turn's product, over a buffer not yet written, must add nothing, the last
-    tile's must still be added after the loop, and a slice must go to the rows of the tile it was
+def test_fused_dq_out_of_step_matches_float64(shape, config, switch, monkeypatch, device):
+    """The pair's dQ slice of a Q tile formed out of step with the tile (at D 128, where each consumer
+    forms its column slice every tile; at D 64 the switches change nothing): issued at the start of the
+    next tile's turn (``LAB_FUSED_DQ_AHEAD``) or formed during the next tile (``LAB_FUSED_DQ_LAG``),
+    causal and not, GQA: the first turn's product, over a buffer not yet written, must add nothing, the
+    last tile's must still be added after the loop, and a slice must go to the rows of the tile it was
     formed for, also where the loop passes from one query head of the group to the next."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Hopper dK/dV kernel needs sm_90")
     from stages.c_optimized import hopper_bwd
 
     monkeypatch.setattr(hopper_bwd, "FUSED_DQ_ATOMICS", "pair")
-    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_LAG", True)
+    monkeypatch.setattr(hopper_bwd, switch, True)
     monkeypatch.setattr(bwd, "_KEPT", {})
     B, Hq, Hkv, Nq, Nk, D = shape
     for causal, dtype_name in ((False, "bf16"), (True, "bf16"), (True, "fp16")):
-        q, k, v = make_qkv(B, Hq, Nq, D, DTYPES[dtype_name], device, Hkv=Hkv, Nk=Nk, seed=17)
+        q, k, v = make_qkv(B, Hq, Nq, D, DTYPES[dtype_name], device, Hkv=Hkv, Nk=Nk, seed=15)
         check_gradients(attention, q, k, v, causal=causal, dtype_name=dtype_name, ws_config=config,
                         ws_dq_config="fused")
 
@@ -522,29 +502,12 @@ def test_fused_dq_pair_with_32_row_q_tiles_compiles_without_spills(monkeypatch):
     assert (facts["spill_stores"], facts["spill_loads"]) == (0, 0), facts
 
 
-def test_fused_dq_issued_ahead_compiles_for_sm90(monkeypatch):
-    """``LAB_FUSED_DQ_AHEAD`` at D 128: each consumer's dQ slice is issued ahead of the next tile's Sᵀ,
-    so the kernel has one more product site (the last tile's, after the loop) and still adds by the
-    bulk reduce; off, the kernel is the pair's own."""
-    from stages.c_optimized import hopper_bwd
-
-    monkeypatch.setenv("LAB_FUSED_DQ_ATOMICS", "pair")  # (a compile in a child process reads them at import)
-    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_ATOMICS", "pair")
-    problem = Problem(1, 4, 200, 128, "bf16", False, Hkv=2, Nk=300)
-    sites = {}
-    for ahead in (False, True):
-        monkeypatch.setenv("LAB_FUSED_DQ_AHEAD", "1" if ahead else "0")
-        monkeypatch.setattr(hopper_bwd, "FUSED_DQ_AHEAD", ahead)
-        ptx = bwd.compile_backward(problem, 90, ws_config="ws-M32-c2-s2", ws_dq_config="fused")[1].asm["ptx"]
-        assert "cp.reduce.async.bulk.tensor" in ptx
-        sites[ahead] = ptx.count("cp.reduce.async.bulk.tensor")
-    assert sites[True] > sites[False]
-
-
-def test_fused_dq_formed_a_tile_late_compiles_for_sm90(monkeypatch):
-    """``LAB_FUSED_DQ_LAG`` at D 128: each consumer's dQ slice of a Q tile is formed during the next
-    tile, so the kernel has one more product and reduce site (the last tile's, after the loop); at
-    D 64 (one slice, the consumers taking turns) the switch leaves the kernel as it is."""
+@pytest.mark.parametrize("switch", ["AHEAD", "LAG"])
+def test_fused_dq_out_of_step_compiles_for_sm90(switch, monkeypatch):
+    """``LAB_FUSED_DQ_AHEAD`` and ``LAB_FUSED_DQ_LAG`` at D 128: each consumer's dQ slice of a Q tile is
+    issued ahead of the next tile's Sᵀ, or formed during the next tile, so the kernel has one more
+    product and reduce site (the last tile's, after the loop) and still adds by the bulk reduce; at D 64
+    (one slice, the consumers taking turns) the switch leaves the kernel as it is."""
     from stages.c_optimized import hopper_bwd
 
     monkeypatch.setenv("LAB_FUSED_DQ_ATOMICS", "pair")  # (a compile in a child process reads them at import)
@@ -552,11 +515,11 @@ def test_fused_dq_formed_a_tile_late_compiles_for_sm90(monkeypatch):
     sites = {}
     for D in (64, 128):
         problem = Problem(1, 4, 200, D, "bf16", True, Hkv=2, Nk=300)
-        for lag in (False, True):
-            monkeypatch.setenv("LAB_FUSED_DQ_LAG", "1" if lag else "0")
-            monkeypatch.setattr(hopper_bwd, "FUSED_DQ_LAG", lag)
+        for on in (False, True):
+            monkeypatch.setenv(f"LAB_FUSED_DQ_{switch}", "1" if on else "0")
+            monkeypatch.setattr(hopper_bwd, f"FUSED_DQ_{switch}", on)
             ptx = bwd.compile_backward(problem, 90, ws_config="ws-M32-c2-s2", ws_dq_config="fused")[1].asm["ptx"]
-            sites[D, lag] = ptx.count("cp.reduce.async.bulk.tensor")
+            sites[D, on] = ptx.count("cp.reduce.async.bulk.tensor")
     assert sites[128, True] > sites[128, False] > 0
     assert sites[64, True] == sites[64, False] > 0
 
