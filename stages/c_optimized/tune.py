@@ -114,10 +114,12 @@ def main(argv: list[str] | None = None) -> int:
                             times[config] = time_ms(config, timing_pass=1)
                         except Exception as e:  # a config that fails to compile or launch is skipped
                             print(f"  {config}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                    # (each table under the head dim choose_config reads it by: the ws kernel's tile width, or D)
                     key = configs.tuned_key(dtype, configs.tuned_head_dim(D, dtype, arch), causal, N)
+                    tl_key = configs.tuned_key(dtype, configs.tuned_head_dim(D, dtype, arch, False), causal, N)
                     tl_times = {c: ms for c, ms in times.items() if not c.ws}
                     if tl_times:
-                        data["best_tl"][key] = str(pick(tl_times, time_ms)[0])
+                        data["best_tl"][tl_key] = str(pick(tl_times, time_ms)[0])
                     if times:
                         best, ms = pick(times, time_ms)
                         data["best"][key] = str(best)
