@@ -95,6 +95,36 @@ def check_gradients(attention, q, k, v, *, causal, dtype_name, sm_scale=None, fa
     return out
 
 
+class _Float64Backward:
+    """The FlashAttention backward's pieces in float64 (on ``device``, default the inputs'), for emulating
+    a kernel's roundings:
+    scores (masked bottom-right when causal), the K and V heads repeated over each query group, and the
+    three gradients formed as the backward forms them from P and dS."""
+
+    def __init__(self, q, k, v, do, *, causal, sm_scale=None, device=None):
+        import math
+
+        self.scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+        self.group = q.shape[1] // k.shape[1]
+        self.q, k64, v64, self.do = (t.detach().double().to(device or q.device) for t in (q, k, v, do))
+        self.k, self.v = k64.repeat_interleave(self.group, dim=1), v64.repeat_interleave(self.group, dim=1)
+        s = (self.q @ self.k.transpose(-2, -1)) * self.scale
+        if causal:
+            Nq, Nk = s.shape[-2:]
+            rows, cols = torch.arange(Nq, device=s.device), torch.arange(Nk, device=s.device)
+            s = s.masked_fill(cols[None, :] > rows[:, None] + (Nk - Nq), float("-inf"))
+        self.s = s
+        self.dp = self.do @ self.v.transpose(-2, -1)
+
+    def gradients(self, p, ds) -> tuple:
+        """(dq, dk, dv) from P and dS: dQ = dS·K·scale, dK = dSᵀ·Q·scale, dV = Pᵀ·dO (dK, dV summed
+        over each K/V head's query group)."""
+        dq = ds @ self.k * self.scale
+        dk = (ds.transpose(-2, -1) @ self.q * self.scale).unflatten(1, (-1, self.group)).sum(2)
+        dv = (p.transpose(-2, -1) @ self.do).unflatten(1, (-1, self.group)).sum(2)
+        return dq, dk, dv
+
+
 def half_rounding_floors(q, k, v, do, *, causal, sm_scale=None) -> dict:
     """Per gradient, 3× the relative error of the FlashAttention backward in fp16/bf16 from the roundings
     its formulation cannot avoid, emulated in float64 (or the dtype's rounding floor, if larger): the
@@ -103,36 +133,16 @@ def half_rounding_floors(q, k, v, do, *, causal, sm_scale=None) -> dict:
 
     Where dP − Δ cancels (a row that sees few keys: one query row against three keys), PyTorch's
     softmax backward, Δ = rowsum(P ∘ dP), cancels exactly and the FlashAttention formulation cannot:
-    an emulated kernel with only these roundings exceeded 3× PyTorch's dQ error in 10 of 300 draws of
-    dO at B 1, H 2, Nq 1, Nk 3, D 128, bf16 (up to 6.7×), where well-conditioned problems put this floor
-    well under that bound."""
-    import math
-
-    dtype = q.dtype
-    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    group = q.shape[1] // k.shape[1]
-    q64, k64, v64, do64 = (t.detach().double() for t in (q, k, v, do))
-    kk, vv = k64.repeat_interleave(group, dim=1), v64.repeat_interleave(group, dim=1)
-    s = (q64 @ kk.transpose(-2, -1)) * scale
-    if causal:
-        Nq, Nk = s.shape[-2:]
-        seen = torch.arange(Nk, device=s.device)[None, :] <= torch.arange(Nq, device=s.device)[:, None] + (Nk - Nq)
-        s = s.masked_fill(~seen, float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # (a row that sees no key: all zeros)
-    dp = do64 @ vv.transpose(-2, -1)
-    stored = lambda t: t.to(dtype).double()  # noqa: E731 - (rounded to the inputs' dtype, as a kernel stores it)
-
-    def grads(o, pp, ds):
-        dq = ds @ kk * scale
-        dk = (ds.transpose(-2, -1) @ q64 * scale).unflatten(1, (-1, group)).sum(2)
-        dv = (pp.transpose(-2, -1) @ do64).unflatten(1, (-1, group)).sum(2)
-        return dq, dk, dv
-
-    o = p @ vv
-    exact = grads(o, p, p * (dp - (do64 * o).sum(-1, keepdim=True)))
-    ds = p * (dp - (do64 * stored(o)).sum(-1, keepdim=True))
-    got = grads(stored(o), stored(p), stored(ds))
-    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    an emulated kernel with only these roundings exceeded 3× PyTorch's dQ error in 10–21 of 300 draws
+    of dO (three runs) at B 1, H 2, Nq 1, Nk 3, D 128, bf16 (by up to 6.7×), where well-conditioned
+    problems put this floor well under that bound."""
+    f = _Float64Backward(q, k, v, do, causal=causal, sm_scale=sm_scale)
+    stored = lambda t: t.to(q.dtype).double()  # noqa: E731 - (rounded to the inputs' dtype, as a kernel stores it)
+    p = torch.softmax(f.s, dim=-1).nan_to_num(0.0)  # (a row that sees no key: all zeros)
+    o = p @ f.v
+    exact = f.gradients(p, p * (f.dp - (f.do * o).sum(-1, keepdim=True)))
+    got = f.gradients(stored(p), stored(p * (f.dp - (f.do * stored(o)).sum(-1, keepdim=True))))
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[q.dtype]
     return {n: max(ABS_FLOOR[name], 3.0 * (rel_err(gg, ref) if ref.any() else 0.0))
             for n, gg, ref in zip(("dq", "dk", "dv"), got, exact)}
 
@@ -152,35 +162,22 @@ def fp32_rounding_floors(q, k, v, do, *, causal, sm_scale=None, draws=3, seed=0)
     are dominated by the second: PyTorch's softmax backward, Δ = rowsum(P ∘ dP), cancels exactly
     where the FlashAttention formulation, Δ from O, cannot, and 3× PyTorch's error failed a correct
     kernel about once in a hundred draws."""
-    import math
-
-    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    group = q.shape[1] // k.shape[1]
-    q64, k64, v64, do64 = (t.detach().double().cpu() for t in (q, k, v, do))
-    kk, vv = k64.repeat_interleave(group, dim=1), v64.repeat_interleave(group, dim=1)
-    s = (q64 @ kk.transpose(-2, -1)) * scale
-    if causal:
-        Nq, Nk = s.shape[-2:]
-        s = s.masked_fill(torch.arange(Nk)[None, :] > torch.arange(Nq)[:, None] + (Nk - Nq), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    p = torch.exp(s - lse).nan_to_num(0.0)  # (a row that sees no key: all zeros)
+    f = _Float64Backward(q, k, v, do, causal=causal, sm_scale=sm_scale, device="cpu")  # (the noise is drawn there)
+    lse = torch.logsumexp(f.s, dim=-1, keepdim=True)
+    p = torch.exp(f.s - lse).nan_to_num(0.0)  # (a row that sees no key: all zeros)
     lse2 = (lse * 1.4426950408889634).abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).clamp_min(1.0)
     spacing = torch.exp2(torch.floor(torch.log2(lse2)) - 23)  # float32's spacing at |lse| in base 2
     dot_eps = 2.0 ** -24
-    dp = do64 @ vv.transpose(-2, -1)
+    do_norm = f.do.norm(dim=-1, keepdim=True)
     g = torch.Generator().manual_seed(seed)
 
     def noise(shape):
         return torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1
 
     def grads(pp, p_fwd, dp_err, delta_err):
-        o = (p_fwd @ vv) / p_fwd.sum(-1, keepdim=True).clamp_min(1e-300)
-        delta = (do64 * o).sum(-1, keepdim=True) + delta_err * do64.norm(dim=-1, keepdim=True) * o.norm(dim=-1, keepdim=True)
-        ds = pp * (dp + dp_err * do64.norm(dim=-1, keepdim=True) * vv.norm(dim=-1).unsqueeze(-2) - delta)
-        dq = ds @ kk * scale
-        dk = (ds.transpose(-2, -1) @ q64 * scale).unflatten(1, (-1, group)).sum(2)
-        dv = (pp.transpose(-2, -1) @ do64).unflatten(1, (-1, group)).sum(2)
-        return dq, dk, dv
+        o = (p_fwd @ f.v) / p_fwd.sum(-1, keepdim=True).clamp_min(1e-300)
+        delta = (f.do * o).sum(-1, keepdim=True) + delta_err * do_norm * o.norm(dim=-1, keepdim=True)
+        return f.gradients(pp, pp * (f.dp + dp_err * do_norm * f.v.norm(dim=-1).unsqueeze(-2) - delta))
 
     exact = grads(p, p, 0.0, 0.0)
     worst = dict.fromkeys(("dq", "dk", "dv"), 0.0)
