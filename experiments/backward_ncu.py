@@ -23,7 +23,6 @@ DRAM bytes, L2 throughput and the sectors L2 reduced (the bulk reduce's adds) an
 from __future__ import annotations
 
 import argparse
-import csv
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness.ncu import PIPE_AND_STALL_METRICS, find_ncu, parse_ncu_csv  # noqa: E402
+from stages.c_optimized.tune_backward import _write_csv  # noqa: E402
 
 CASES = ("dkdv", "fused", "fused_stagger", "fused_lag", "dq", "cudnn")
 #: Beside the pipes and stalls: time, bytes, and what the L2 did (reads, the bulk reduce's adds, atomics).
@@ -129,13 +129,7 @@ def main(argv=None) -> int:
             t = r.get("gpu__time_duration.sum")
             print(f"{case:14s} {r['kernel'][:40]:40s} " + (f"{t / 1e6:.3f} ms" if t else r["status"]), flush=True)
         rows += found
-        if args.csv:  # after every case: a crash keeps what was profiled
-            fields = list(dict.fromkeys(key for r in rows for key in r))
-            Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-            with open(args.csv, "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=fields)
-                w.writeheader()
-                w.writerows(rows)
+        _write_csv(args.csv, rows)  # after every case: a crash keeps what was profiled
     return 0
 
 

@@ -45,6 +45,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -388,10 +389,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_csv(path, rows: list[dict]) -> None:
-    """Every timing of the run, one row each (nothing when no ``--csv`` was asked or nothing was timed)."""
+    """Every row of the run, one line each (nothing when no ``--csv`` was asked or nothing was timed); the
+    columns are every key the rows have, in the order first seen (a failed row may lack some)."""
     if path and rows:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(key for r in rows for key in r)))
             w.writeheader()
             w.writerows(rows)
 
