@@ -3,7 +3,8 @@
 # ops (torch.compile, CUDA graphs) and the transformers integration (every test of those files runs
 # on the GPU, not only the gpu-marked ones); then the measurements into
 # results/<gpu>/: the decode loop with a growing cache against a fixed one (decode.csv), generate()
-# and a training step of GPT-2- and Llama-shaped transformers models (generate/runs.csv), and the
+# with the dynamic and the static (compiled, CUDA-graphed) cache and a training step of GPT-2- and
+# Llama-shaped transformers models (generate/runs.csv), and the
 # stage C cells of the forward and backward grid at N = 4096 beside cuDNN and FA2 (runs.csv), so a
 # change of the host path that cost kernel speed shows.
 #
@@ -27,7 +28,7 @@ $py -c "import torch, triton, transformers; print(torch.__version__, triton.__ve
 if has tests; then
   run timeout ${TEST_S:-420} $py -m pytest -q -n 8 -p no:cacheprovider -m "not slow" tests/test_host_path.py \
       tests/test_custom_ops.py tests/test_hf.py tests/test_stage_c_backward.py tests/test_stage_c_shapes.py \
-      tests/test_backward.py tests/test_generate_cli.py
+      tests/test_backward.py tests/test_generate_cli.py tests/test_key_ranges.py
 fi
 if has decode; then
   run timeout ${DECODE_S:-420} $py -m harness decode
@@ -35,7 +36,8 @@ fi
 if has generate; then
   for model in gpt2 llama; do
     run timeout ${GENERATE_S:-420} $py -m harness generate --model $model --impls ${IMPLS:-a,b,c,sdpa} \
-        --dtype bf16 --batch 4 --prompt-len 128 --new-tokens 64 --train-batch 8 --train-seq 2048 --reps 5 --warmup 2
+        --dtype bf16 --batch 4 --prompt-len 128 --new-tokens 64 --train-batch 8 --train-seq 2048 --reps 5 --warmup 2 \
+        --cache ${CACHES:-dynamic,static}
   done
 fi
 if has grid; then

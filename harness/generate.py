@@ -12,7 +12,13 @@ It measures the two things a model does with attention:
   attention with one query against a cache one key longer than the step before, the shape the
   kernels' host path must not recompile or re-plan for. The new tokens are compared with SDPA's,
   for information: greedy decoding follows the argmax, and on a random model whose logits are
-  nearly flat one rounding difference can change a token and everything after it.
+  nearly flat one rounding difference can change a token and everything after it. ``--cache``
+  picks the KV cache: ``dynamic`` (transformers' default: the cache grows by concatenation, every
+  step runs eagerly, so its Python and launches are part of each step) and ``static``
+  (``cache_implementation="static"``: tensors as long as the prompt plus the new tokens, filled in
+  place; on a GPU ``generate`` then compiles the decode step with ``torch.compile`` and replays it
+  as a CUDA graph, so a step costs its GPU work; the lab's stages take the filled length as a key
+  range, :mod:`stages.hf`). Each cache is timed in turns of its own, and its rows say which.
 * **train**: one training step (forward, cross-entropy loss on next-token prediction, backward,
   AdamW step) at the training shape: its median time over a few steps after warm-up steps, and the
   peak memory. The step's weights are the model's own dtype (``--dtype``), AdamW's state too.
@@ -52,6 +58,9 @@ from typing import Callable
 GENERATE_DIR = "generate"
 RUNS_CSV = "runs.csv"
 
+#: ``--cache`` values: transformers' growing cache, or a static one (compiled and CUDA-graphed on a GPU)
+CACHES = ("dynamic", "static")
+
 #: ``pass`` column values
 PASSES = ("decode", "train")
 #: transformers' own attention implementations the command accepts beside the lab's stages
@@ -62,8 +71,9 @@ REFERENCE = "sdpa"
 #: Columns of ``generate/runs.csv``. Empty = not measured or not meaningful for the pass.
 #:
 #: run_id, model (gpt2 / llama), impl (a stage name, or sdpa / eager: transformers' own), pass
-#: (decode / train), device (gpu / interpreter), dtype; the model's shape: layers, heads (query),
-#: kv_heads, head_dim, hidden, vocab; the run's: batch (sequences), prompt_len and new_tokens
+#: (decode / train), cache (decode: dynamic / static, see ``--cache``; empty for train, and read as
+#: dynamic in files written before the column existed), device (gpu / interpreter), dtype; the
+#: model's shape: layers, heads (query), kv_heads, head_dim, hidden, vocab; the run's: batch (sequences), prompt_len and new_tokens
 #: (decode), seq_len (train: tokens per sequence), reps (timed repetitions);
 #: ms_median, ms_min, ms_max: one generate() call (decode) or one training step (train), ms;
 #: tokens_per_s: decode, batch · new_tokens / the median generate() time; train, batch · seq_len /
@@ -75,7 +85,7 @@ REFERENCE = "sdpa"
 #: same_tokens_frac: decode, the fraction of the new tokens equal to SDPA's at the same position;
 #: status: ok, oom, unsupported: <why>, error: <what>; note: free text.
 COLUMNS: tuple[str, ...] = (
-    "run_id", "model", "impl", "pass", "device", "dtype", "layers", "heads", "kv_heads", "head_dim", "hidden",
+    "run_id", "model", "impl", "pass", "cache", "device", "dtype", "layers", "heads", "kv_heads", "head_dim", "hidden",
     "vocab", "batch", "prompt_len", "new_tokens", "seq_len", "reps", "ms_median", "ms_min", "ms_max",
     "tokens_per_s", "ttft_ms", "decode_step_ms", "peak_mem_bytes", "same_tokens_frac", "status", "note",
 )
@@ -274,9 +284,11 @@ def in_turns(impls: list[str], warmup: int, reps: int, call: Callable[[ImplRun, 
 # ------------------------------------------------------------------------------------------------ passes
 
 def measure_decode(model, impls: list[str], sizes: RunSizes, *, on_gpu: bool, seed: int,
-                   on_call=None) -> dict[str, ImplRun]:
+                   on_call=None, cache: str = "dynamic") -> dict[str, ImplRun]:
     """Greedy ``generate()`` of ``sizes.new_tokens`` tokens from random prompts, per impl in turns:
-    each call times a one-token generate (time to first token), then the full one."""
+    each call times a one-token generate (time to first token), then the full one. ``cache``: one
+    of :data:`CACHES` (a static cache's compiled step is compiled and captured in the warm-up
+    calls)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -284,10 +296,12 @@ def measure_decode(model, impls: list[str], sizes: RunSizes, *, on_gpu: bool, se
     prompt = prompt.to(model.device)
     ones = torch.ones_like(prompt)  # a pad-free batch: every token is real
 
+    options = {"cache_implementation": "static"} if cache == "static" else {}
+
     def generate(new_tokens: int):
         with torch.no_grad():
             return model.generate(prompt, attention_mask=ones, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                  do_sample=False, num_beams=1, pad_token_id=model.config.eos_token_id)
+                                  do_sample=False, num_beams=1, pad_token_id=model.config.eos_token_id, **options)
 
     def call(run: ImplRun, timed: bool) -> None:
         model.set_attn_implementation(attn_implementation(run.impl))
@@ -340,13 +354,14 @@ def measure_train(model, impls: list[str], sizes: RunSizes, *, on_gpu: bool, see
         free_memory()
 
 
-def decode_rows(runs: dict[str, ImplRun], base: dict, sizes: RunSizes) -> list[dict]:
+def decode_rows(runs: dict[str, ImplRun], base: dict, sizes: RunSizes, cache: str = "dynamic") -> list[dict]:
     """One ``pass = decode`` row per impl from its calls (see :data:`COLUMNS`)."""
     ref = runs.get(REFERENCE)
     ref_tokens = ref.tokens if ref is not None and ref.status == "ok" else None
     rows = []
     for name, run in runs.items():
-        row = {**base, "impl": name, "pass": "decode", "batch": sizes.batch, "prompt_len": sizes.prompt_len,
+        row = {**base, "impl": name, "pass": "decode", "cache": cache, "batch": sizes.batch,
+               "prompt_len": sizes.prompt_len,
                "new_tokens": sizes.new_tokens, "reps": len(run.times_ms), "status": run.status,
                "peak_mem_bytes": run.peak_bytes}
         if run.times_ms:
@@ -397,7 +412,9 @@ def append_rows(out_dir: str | os.PathLike, rows: list[dict]) -> Path:
     if not new:
         with path.open(newline="") as f:
             header = tuple(next(csv.reader(f), []))
-        if header != COLUMNS:
+        if header == tuple(c for c in COLUMNS if c != "cache"):
+            _add_cache_column(path)
+        elif header != COLUMNS:
             raise ResultsError(f"{path}: its columns are not those of `harness generate` ({', '.join(COLUMNS)}); "
                                f"write to another --out")
     prefix = "" if new else _fresh_line_prefix(path)  # a row cut off by a crash keeps the next one whole
@@ -413,6 +430,25 @@ def append_rows(out_dir: str | os.PathLike, rows: list[dict]) -> Path:
     return path
 
 
+def _add_cache_column(path: Path) -> None:
+    """Rewrite a ``runs.csv`` written before the ``cache`` column existed with it (its decode rows
+    were all measured with the dynamic cache), through a temporary file renamed over the old one,
+    so that a crash leaves the old file or the new one, never half of either."""
+    with path.open(newline="") as f:
+        old = list(csv.DictReader(f))
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for row in old:
+            row = {c: row.get(c) or "" for c in COLUMNS}
+            row["cache"] = "dynamic" if row["pass"] == "decode" else ""
+            writer.writerow(row)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def load_rows(path: str | os.PathLike) -> list[dict]:
     """The rows of a ``generate/runs.csv`` (or of the results folder holding ``generate/``), typed;
     ``ResultsError`` naming the file and line for missing columns or a number that does not parse."""
@@ -423,7 +459,7 @@ def load_rows(path: str | os.PathLike) -> list[dict]:
         path = path / GENERATE_DIR / RUNS_CSV if (path / GENERATE_DIR).is_dir() else path / RUNS_CSV
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
-        missing = [c for c in COLUMNS if c not in (reader.fieldnames or ())]
+        missing = [c for c in COLUMNS if c not in (reader.fieldnames or ()) and c != "cache"]
         if missing:
             raise ResultsError(f"{path}: missing columns {missing}")
         rows = []
@@ -437,15 +473,17 @@ def load_rows(path: str | os.PathLike) -> list[dict]:
                 except ValueError:
                     raise ResultsError(f"{path}:{reader.line_num}: column {c!r} should be a number, "
                                        f"got {text!r}") from None
+            if row["pass"] == "decode" and not row["cache"]:
+                row["cache"] = "dynamic"  # (a row written before the column existed)
             rows.append(row)
     return rows
 
 
 def latest_rows(rows: list[dict]) -> list[dict]:
-    """The row of the latest run (largest run_id) of each (model, impl, pass), in first-seen order."""
+    """The row of the latest run (largest run_id) of each (model, impl, pass, cache), in first-seen order."""
     latest: dict[tuple, dict] = {}
     for r in rows:
-        key = (r["model"], r["impl"], r["pass"])
+        key = (r["model"], r["impl"], r["pass"], r.get("cache") or "")
         if key not in latest or str(r["run_id"]) >= str(latest[key]["run_id"]):
             latest[key] = r
     return list(latest.values())
@@ -502,7 +540,7 @@ def _shape_of(row: dict) -> str:
 
 def generate_tables(rows: list[dict]) -> str:
     """Markdown from ``generate/runs.csv`` rows (the latest of each (model, impl, pass) is used):
-    per model, a decode table (tokens/s and × SDPA, by the median call and by the fastest, time to
+    per model, a decode table per KV cache (tokens/s and × SDPA, by the median call and by the fastest, time to
     first token, ms per decode step, the
     share of tokens equal to SDPA's, peak memory) and a training table (step ms and × SDPA,
     tokens/s, peak memory). × SDPA is above 1 when the impl is faster, and compares an impl's row
@@ -514,17 +552,20 @@ def generate_tables(rows: list[dict]) -> str:
     rows = latest_rows(rows)
     parts = []
     for model in sorted({r["model"] for r in rows}, key=lambda m: (m not in MODEL_TITLES, m)):
-        for pass_ in PASSES:
-            at = sorted((r for r in rows if r["model"] == model and r["pass"] == pass_),
-                        key=lambda r: _impl_order(r["impl"]))
+        for pass_, cache in [("decode", c) for c in CACHES] + [("train", "")]:
+            def same(r, pass_=pass_, cache=cache):
+                return r["model"] == model and r["pass"] == pass_ and (r.get("cache") or "") == cache
+
+            at = sorted((r for r in rows if same(r)), key=lambda r: _impl_order(r["impl"]))
             if not at:
                 continue
-            refs = {r["run_id"]: r for r in every
-                    if r["model"] == model and r["pass"] == pass_ and r["impl"] == REFERENCE}
+            refs = {r["run_id"]: r for r in every if same(r) and r["impl"] == REFERENCE}
             r0 = at[0]
             title = MODEL_TITLES.get(model, model)
             if pass_ == "decode":
-                parts.append(f"#### {title} ({_shape_of(r0)}), decode: batch {r0['batch']}, prompt "
+                how = ("static cache, its decode step compiled and replayed as a CUDA graph" if cache == "static"
+                       else "dynamic cache")
+                parts.append(f"#### {title} ({_shape_of(r0)}), decode ({how}): batch {r0['batch']}, prompt "
                              f"{r0['prompt_len']} tokens, {r0['new_tokens']} new tokens, {r0['dtype']}")
                 lines = ["| impl | tokens/s | × SDPA | × SDPA, fastest calls | first token, ms | ms per decode step "
                          "| same tokens as SDPA | peak memory | status |", "|---|--:|--:|--:|--:|--:|--:|--:|---|"]
@@ -582,7 +623,10 @@ def render_block(results_dir, readme_dir=".") -> str:
             "stages through `stages.hf` (`attn_implementation=\"lab_c\"`, ...) and transformers' own SDPA. "
             "Decode: greedy `model.generate()` with the KV cache, a fixed number of new tokens; tokens/s over "
             "the whole call (median of the timed calls), the first token's time (a one-token generate: the "
-            "prompt's prefill and one step) and the time of each later step. Same tokens as SDPA: the share "
+            "prompt's prefill and one step) and the time of each later step. With the dynamic cache "
+            "(transformers' default) every step runs eagerly, its Python and launches included; with a static "
+            "cache `generate` compiles the decode step and replays it as a CUDA graph, and the lab's stages "
+            "read the cache's filled length as a key range. Same tokens as SDPA: the share "
             "of the new tokens equal to SDPA's (random weights give nearly flat logits, so one rounding "
             "difference can change a token and all after it). Training step: forward, loss, backward and "
             "AdamW step, median over the timed steps. × SDPA: above 1 when the impl is faster, against SDPA's "
@@ -613,6 +657,7 @@ def _choice_list(allowed, singular: str, plural: str):
 
 _model_list = _choice_list(MODEL_NAMES, "model", "models")
 _pass_list = _choice_list(PASSES, "pass", "passes")
+_cache_list = _choice_list(CACHES, "cache", "caches")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -628,6 +673,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "transformers' sdpa or eager (default: every stage this machine runs, then sdpa)")
     p.add_argument("--pass", dest="passes", type=_pass_list, default=list(PASSES), metavar="decode,train",
                    help="what to measure (default decode,train)")
+    p.add_argument("--cache", dest="caches", type=_cache_list, default=["dynamic"], metavar="dynamic,static",
+                   help="decode: the KV cache, dynamic (transformers' default, eager steps) and/or static (on a GPU "
+                        "its decode step is compiled and replayed as a CUDA graph); default dynamic")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="model dtype (default bf16 on a GPU, fp32 on a CPU)")
     p.add_argument("--tiny", action=argparse.BooleanOptionalAction, default=None,
@@ -743,7 +791,9 @@ def run(args: argparse.Namespace) -> int:
     rows_written = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
-        task = progress.add_task("measuring", total=calls_per_pass * len(args.passes) * len(shapes))
+        # (decode once per cache)
+        passes = [(p, c) for p in args.passes for c in (args.caches if p == "decode" else [""])]
+        task = progress.add_task("measuring", total=calls_per_pass * len(passes) * len(shapes))
         for name, shape in shapes.items():
             progress.update(task, description=f"{name}: building the model")
             model = build_model(shape, sizes, DTYPES[dtype_name], device, args.seed)
@@ -752,15 +802,17 @@ def run(args: argparse.Namespace) -> int:
                     "head_dim": shape.head_dim, "hidden": shape.hidden, "vocab": shape.vocab}
             progress.console.print(f"  {name}: {shape.describe()}, vocabulary {shape.vocab}, "
                                    f"{sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters")
-            for pass_ in args.passes:
+            for pass_, cache in passes:
                 measure, make_rows = PASS_FUNCTIONS[pass_]
+                what = f"{pass_} ({cache} cache)" if cache else pass_
 
-                def on_call(impl, name=name, pass_=pass_):
-                    progress.update(task, description=f"{name} {pass_}: {impl}")
+                def on_call(impl, name=name, what=what):
+                    progress.update(task, description=f"{name} {what}: {impl}")
                     progress.advance(task)
 
-                runs = measure(model, impls, sizes, on_gpu=on_gpu, seed=args.seed, on_call=on_call)
-                rows = make_rows(runs, base, sizes)
+                kind = {"cache": cache} if cache else {}
+                runs = measure(model, impls, sizes, on_gpu=on_gpu, seed=args.seed, on_call=on_call, **kind)
+                rows = make_rows(runs, base, sizes, **kind)
                 append_rows(out, rows)
                 rows_written += rows
                 for r in rows:
@@ -776,7 +828,7 @@ PASS_FUNCTIONS = {"decode": (measure_decode, decode_rows), "train": (measure_tra
 
 
 def _row_line(r: dict) -> str:
-    what = f"{r['model']} {r['pass']:<6} {r['impl']:>6}"
+    what = f"{r['model']} {r['pass']:<6}{' ' + r['cache'] if r.get('cache') else ''} {r['impl']:>6}"
     if r.get("ms_median") is None:
         return f"{what}  {r['status']}"
     if r["pass"] == "decode":

@@ -212,6 +212,9 @@ class Stage:
     #: step (forward + backward) besides q, k, v, o, dO and the three gradients (A: its saved P).
     bwd_hbm_bytes: Callable[..., HbmTraffic] | None = None
     train_workspace_bytes: Callable[[Problem], int] | None = None
+    #: whether ``attention`` takes ``key_starts``/``key_lengths`` (:func:`validate_key_ranges`): a key
+    #: range per batch entry, what a static KV cache or a left-padded batch needs (``stages/hf.py``)
+    key_ranges: bool = False
 
 
 @dataclass(frozen=True)
@@ -340,6 +343,33 @@ def validate_inputs(
             _PASSED.clear()  # a model's layouts come back within a step; a cleared table refills
         _PASSED[key] = scale
     return scale
+
+
+def validate_key_ranges(q: torch.Tensor, k: torch.Tensor, key_starts, key_lengths) -> tuple:
+    """Check optional per-batch key ranges and return them ready for a kernel (contiguous).
+
+    ``key_starts`` and ``key_lengths``: None or int32 tensors of shape [B] on q's device. Batch
+    entry b attends to keys ``key_starts[b] <= j < key_lengths[b]`` of its Nk (a static KV cache's
+    filled slots, a left-padded prompt), causal aligned to the range's end (query i sees key j iff
+    also ``j <= i + key_lengths[b] - Nq``). Their values live on the device and are not read here
+    (that would wait for the GPU on every call); a kernel clamps them to 0 <= start <= end <= Nk."""
+    B = q.shape[0]
+    checked = []
+    for name, t in (("key_starts", key_starts), ("key_lengths", key_lengths)):
+        if t is None:
+            checked.append(None)
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be None or an int32 tensor of shape [B] = [{B}], got {_describe(t)}")
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be an int32 tensor of shape [B] = [{B}], got dtype "
+                            f"{str(t.dtype).replace('torch.', '')}; convert it with .to(torch.int32)")
+        if tuple(t.shape) != (B,):
+            raise ValueError(f"{name} must have shape [B] = [{B}] (one value per batch entry), got {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+        checked.append(t if t.is_contiguous() else t.contiguous())
+    return tuple(checked)
 
 
 _DTYPES = tuple(DTYPES.values())

@@ -28,16 +28,31 @@ Nk, so the thousandth step costs what the first did.
 hands it to every layer. Which builder it calls is looked up by the attention implementation's
 name in ``AttentionMaskInterface``; a name it does not find there gets *no mask at all*, whatever
 padding the batch has. So an attention implementation registered alone would silently attend to
-padding tokens. :func:`lab_mask` is registered beside each stage under the same name. It looks at
-what the mask would have to express and returns ``None`` exactly when bottom-right causal (or
-unmasked, for a bidirectional model) attention over the keys passed is the whole story: no padding
-in the batch, no sliding window, no extra mask pattern, and the queries are the newest positions of
-the cache (always true of the dynamic cache). That is SDPA's own shortcut
-(``masking_utils.sdpa_mask`` with ``allow_is_causal_skip``) with one difference: SDPA's causal flag
-is aligned to the top left, so for a prefill chunk after a cache SDPA needs a materialized mask,
-while the stages need none. Anything else (padding, a static cache whose unfilled slots must be
-masked, packed sequences) gets SDPA's materialized boolean mask, and the attention function refuses
-it with one line that says what the kernels take and what to use instead.
+padding tokens. :func:`lab_mask` is registered beside each stage under the same name, and it
+returns the least that says what the mask would:
+
+* ``None`` when bottom-right causal (or unmasked, for a bidirectional model) attention over the
+  keys passed is the whole story: no padding in the batch, no sliding window, no extra mask
+  pattern, and the queries are the newest positions of the cache (always true of the dynamic
+  cache). That is SDPA's own shortcut (``masking_utils.sdpa_mask`` with ``allow_is_causal_skip``)
+  with one difference: SDPA's causal flag is aligned to the top left, so for a prefill chunk after
+  a cache SDPA needs a materialized mask, while the stages need none.
+* **key ranges** (:func:`key_ranges_mask`: one start and one end per sequence, int32) when each
+  sequence's keys are one unbroken range: a **static cache** (``cache_implementation="static"``), whose
+  tensors are as long as the longest sequence they will hold while only the first slots are
+  filled, and a **left-padded batch** (prompts of different lengths, padded on the left as
+  ``generate`` wants them), whose pads the starts skip. Stages that take key ranges
+  (``Stage.key_ranges``: stage C) attend to exactly those keys, causal aligned to the range's end.
+  The ranges are computed on the device from transformers' own padding mask and cache position,
+  without waiting for the GPU, so a compiled decode step replays in a CUDA graph; that is what
+  ``generate`` does with a static cache on a GPU, and it takes the host (Python, transformers, the
+  launches) out of each step. They travel as a 4-D int32 tensor [B, 1, 1, 2], because ``generate``
+  builds a static cache's mask before the compiled forward and hands it back to the model as its
+  ``attention_mask``, which transformers passes on untouched only as a 4-D tensor (the masks it
+  makes itself are bool or float, never int32).
+* SDPA's materialized boolean mask for anything else (padding with holes or on the right of a
+  causal model, sliding windows, packed sequences, model-specific patterns), which the attention
+  function refuses with one line that says what the kernels take and what to use instead.
 
 **Under torch.compile.** The stages are custom ops (``stages/ops.py``), so ``torch.compile(model,
 fullgraph=True)`` traces a whole forward and backward. Give the model a cache (``use_cache=True``, the
@@ -85,6 +100,21 @@ _SUPPORTED = "the lab's kernels take causal (bottom-right aligned) or unmasked a
 
 class UnsupportedAttention(ValueError):
     """A model asked a lab attention implementation for something the stages do not compute."""
+
+
+def key_ranges_mask(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The key ranges :func:`lab_mask` hands the attention calls when every sequence's keys are one
+    range: sequence b attends to keys ``starts[b] <= j < lengths[b]`` (int32 [B]), causal aligned to
+    the range's end; a stage whose ``key_ranges`` is True takes them as ``key_starts`` and
+    ``key_lengths``. As a 4-D int32 tensor [B, 1, 1, 2] (start, end), laid out so that each column
+    is contiguous and reaches the kernels without a copy."""
+    return torch.stack([starts, lengths]).to(torch.int32).t().reshape(-1, 1, 1, 2)
+
+
+def is_key_ranges(mask) -> bool:
+    """Whether an attention mask is :func:`key_ranges_mask`'s (an int32 [B, 1, 1, 2] tensor)."""
+    return (isinstance(mask, torch.Tensor) and mask.dtype == torch.int32 and mask.dim() == 4
+            and tuple(mask.shape[1:]) == (1, 1, 2))
 
 
 def implementation_name(stage_name: str) -> str:
@@ -163,8 +193,9 @@ def attention_forward(stage_name: str):
 
     * ``query`` [B, Hq, Nq, D], ``key``/``value`` [B, Hkv, Nk, D]: passed to the stage as they are
       (strided views are part of the stage contract; Hkv < Hq is grouped-query attention);
-    * ``attention_mask``: must be None (:func:`lab_mask` returns None whenever the stages' own
-      causal flag says it all); anything else is refused;
+    * ``attention_mask``: None (:func:`lab_mask` returns None whenever the stages' own causal flag
+      says it all) or key ranges (:func:`key_ranges_mask`; a static cache, a left-padded batch:
+      passed to a stage that takes them, refused by the others); a boolean or float mask is refused;
     * ``dropout``: must be 0 (it is whenever the model is in eval mode or its config sets no dropout);
     * ``scaling``: the softmax scale (``sm_scale``; None means 1/sqrt(D));
     * ``is_causal``: the call's flag if given, else the module's ``is_causal`` (True for decoder
@@ -179,11 +210,23 @@ def attention_forward(stage_name: str):
     def forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                 is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-        check_supported(impl, attention_mask, dropout, kwargs, getattr(module, "config", None))
-        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         # Looked up per call, so a stage re-registered under the same name (a notebook's own kernel) is used.
         stage = get_stage(stage_name)
-        out = stage.attention(query, key, value, causal=causal, sm_scale=scaling)
+        ranges = None
+        if is_key_ranges(attention_mask):
+            if not stage.key_ranges:
+                raise _refuse(impl, f"the keys of each sequence are a range (a static cache's filled slots, a "
+                                    f"left-padded batch), and stage {stage_name!r} takes no key ranges",
+                              'use attn_implementation="lab_c", the default dynamic cache with a pad-free batch, '
+                              'or attn_implementation="sdpa"')
+            ranges, attention_mask = attention_mask, None
+        check_supported(impl, attention_mask, dropout, kwargs, getattr(module, "config", None))
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        if ranges is None:
+            out = stage.attention(query, key, value, causal=causal, sm_scale=scaling)
+        else:
+            out = stage.attention(query, key, value, causal=causal, sm_scale=scaling, key_starts=ranges[:, 0, 0, 0],
+                                  key_lengths=ranges[:, 0, 0, 1])
         # (Eager only: a traced output carries no grad_fn to look at, and the tracer refuses an op without a
         # backward itself.)
         if (not torch.compiler.is_compiling() and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)
@@ -206,17 +249,55 @@ def attention_forward(stage_name: str):
 
 def _no_padding(padding_mask: torch.Tensor | None, kv_length: int, kv_offset: int) -> bool:
     """True when no key among the ``kv_length`` ones from ``kv_offset`` on is masked out by the 2-D
-    ``padding_mask`` [B, >= kv_offset + kv_length] (True = a real token)."""
+    ``padding_mask`` [B, >= kv_offset + kv_length] (True = a real token). False while tracing
+    (the mask's values are not known then)."""
     from transformers.utils.import_utils import is_tracing
 
     if padding_mask is None:
         return True
     if is_tracing(padding_mask):
-        # Under torch.compile/export the mask's values are not known while tracing; a branch on them
-        # would be baked into the graph. Pass attention_mask=None (a pad-free batch) to compile.
         return False
     window = padding_mask[:, kv_offset:kv_offset + kv_length]
     return bool(window.sum() == window.numel())
+
+
+def _key_ranges(padding_mask: torch.Tensor | None, batch_size: int, q_length: int, kv_length: int, q_offset,
+                kv_offset: int, causal: bool, device, check_on_host: bool) -> torch.Tensor | None:
+    """The keys each sequence sees as one range per sequence (:func:`key_ranges_mask`), or None where
+    the padding mask leaves holes a range cannot express. ``check_on_host``: read that check on the
+    host (a clear error, at the cost of waiting for the GPU); otherwise a device-side assert stops
+    the program where a range would attend to the wrong keys, and nothing waits.
+
+    Causal: sequence b sees the keys from its first real token (its left padding skipped) to the
+    newest query's position, ``q_offset + q_length`` (the same end for every sequence; a static
+    cache's slots past it are unfilled). The mask past that end does not matter (causality hides
+    it). Bidirectional: from the first real token to the last."""
+    end = q_offset + q_length - kv_offset  # (a 0-d tensor under a static cache: its filled length)
+    if isinstance(end, torch.Tensor):
+        lengths = end.to(device=device, dtype=torch.int32).reshape(1).expand(batch_size).contiguous()
+    else:
+        lengths = torch.full((batch_size,), end, dtype=torch.int32, device=device)
+    if padding_mask is None:
+        return key_ranges_mask(torch.zeros_like(lengths), lengths)
+    real = padding_mask[:, kv_offset:kv_offset + kv_length].to(device=device, dtype=torch.bool)
+    j = torch.arange(kv_length, device=device)
+    any_real = real.any(dim=-1)
+    # First real key (argmax of the first True), or the end for a sequence of pads only.
+    starts = torch.where(any_real, real.to(torch.int32).argmax(dim=-1), lengths).to(torch.int32)
+    if causal:
+        expected = j[None, :] >= starts[:, None]
+        fits = (expected == real) | (j[None, :] >= lengths[:, None])
+    else:
+        last = kv_length - 1 - real.flip(-1).to(torch.int32).argmax(dim=-1)
+        lengths = torch.where(any_real, last + 1, starts).to(torch.int32)
+        fits = (j[None, :] >= starts[:, None]) & (j[None, :] < lengths[:, None]) == real
+    if check_on_host:
+        if not bool(fits.all()):
+            return None
+    else:
+        torch._assert_async(fits.all(), "stages.hf: a padding mask with holes (or right padding in a causal model) "
+                                        "cannot be expressed as one key range per sequence")
+    return key_ranges_mask(starts, lengths)
 
 
 def lab_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
@@ -226,34 +307,48 @@ def lab_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
 
     Called once per forward pass by transformers' ``create_causal_mask`` (or
     ``create_bidirectional_mask``) with the sizes of the attention calls to come: ``q_length``
-    queries at positions ``q_offset``.., ``kv_length`` keys at positions ``kv_offset``.., the 2-D
-    ``attention_mask`` [B, tokens so far] (True or 1 = a real token, False or 0 = padding) and
-    ``local_size`` (a sliding window's size). Returns None, meaning "the stage's own causal flag
-    says it all", when
+    queries at positions ``q_offset``.. (a 0-d tensor under a static cache), ``kv_length`` keys at
+    positions ``kv_offset``.., the 2-D ``attention_mask`` [B, tokens so far] (True or 1 = a real
+    token, False or 0 = padding), ``local_size`` (a sliding window's size) and ``mask_function``
+    (transformers' causal or bidirectional rule, or a composition of it with a model's own
+    pattern, packed sequences or a block overlay). Returns
 
-    * no key in the window is padding, no window limits it, and the builder did not add a pattern of
-      its own (``allow_is_causal_skip`` / ``allow_is_bidirectional_skip`` say so), and
-    * for causal attention, the queries are the newest positions (``q_offset + q_length ==
-      kv_offset + kv_length``): then bottom-right alignment is the true mask. The dynamic cache
-      always satisfies it; a static cache, whose tensors are longer than the tokens written into
-      them, does not.
-
-    Otherwise it returns SDPA's materialized boolean mask [B, 1, q_length, kv_length] (through
-    ``masking_utils.sdpa_mask``), which :func:`attention_forward` refuses with a clear error.
+    * None when the stage's own causal flag says it all: no padding, no window, the plain causal
+      or bidirectional rule, and (causal) the queries are the newest positions (``q_offset +
+      q_length == kv_offset + kv_length``, always true of the dynamic cache);
+    * key ranges (:func:`key_ranges_mask`) when the plain rule over one range of keys per sequence
+      does: a static cache (the queries are not the newest slots: the ones after them are
+      unfilled), left padding. A static cache's call (``q_offset`` a tensor) waits for nothing: its
+      ranges are checked by a device-side assert, so a compiled step can be replayed as a CUDA
+      graph; a dynamic cache's padding was already read on the host, and a mask that no range
+      can express gets the refusal below;
+    * otherwise SDPA's materialized boolean mask [B, 1, q_length, kv_length] (through
+      ``masking_utils.sdpa_mask``), which :func:`attention_forward` refuses with a clear error.
     """
-    from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
+    from transformers.masking_utils import (bidirectional_mask_function, causal_mask_function, prepare_padding_mask,
+                                            sdpa_mask)
 
     if mask_function is None:  # (not `or`: under torch.compile a mask function is not a bool)
         mask_function = causal_mask_function
+    causal = mask_function is causal_mask_function
+    plain = causal or mask_function is bidirectional_mask_function
     padding_mask = prepare_padding_mask(attention_mask, kv_length, kv_offset)
-    unpadded = _no_padding(padding_mask, kv_length, kv_offset)
     unwindowed = local_size is None or kv_length < local_size  # a window no longer than the keys changes nothing
-    if unpadded and unwindowed:
-        newest = q_offset + q_length == kv_offset + kv_length
-        if allow_is_causal_skip and bool(newest):
+    if plain and unwindowed:
+        from transformers.utils.import_utils import is_tracing
+
+        static = isinstance(q_offset, torch.Tensor)  # (a static cache's filled length, on the device)
+        newest = not static and q_offset + q_length == kv_offset + kv_length
+        if not static and (newest or not causal) and _no_padding(padding_mask, kv_length, kv_offset):
             return None
-        if allow_is_bidirectional_skip:
-            return None
+        device = kwargs.get("device") or (padding_mask.device if padding_mask is not None else None)
+        if device is None and static:
+            device = q_offset.device
+        on_host = not static and not (padding_mask is not None and is_tracing(padding_mask))
+        ranges = _key_ranges(padding_mask, batch_size, q_length, kv_length, q_offset, kv_offset, causal, device,
+                             on_host)
+        if ranges is not None:
+            return ranges
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                      local_size=local_size, allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
@@ -300,4 +395,4 @@ def register(names: list[str] | tuple[str, ...] | str | None = None) -> list[str
 
 
 __all__ = ["PREFIX", "UNSUPPORTED_KWARGS", "UnsupportedAttention", "attention_forward", "check_supported",
-           "implementation_name", "lab_mask", "register", "runnable_stage_names"]
+           "implementation_name", "is_key_ranges", "key_ranges_mask", "lab_mask", "register", "runnable_stage_names"]

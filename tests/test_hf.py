@@ -231,6 +231,79 @@ def test_generate_with_kv_cache_matches_sdpa(kind, stage):
     assert mine.shape == (2, 5) and torch.equal(mine, ref)
 
 
+def pad_left(ids: torch.Tensor, pads: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ids`` with its first ``pads[b]`` tokens of sequence b turned into padding, and the mask."""
+    mask = torch.ones_like(ids)
+    for b, n in enumerate(pads):
+        mask[b, :n] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_left_padded_batch_matches_sdpa(kind):
+    """Prompts of different lengths padded on the left: each sequence's real tokens get SDPA's logits
+    (the pads are skipped by a key range per sequence; the pads' own rows are not compared)."""
+    model = make_model(kind)
+    ids, mask = pad_left(token_ids(batch=3), [3, 0, 7])
+    mine, ref = logits(model, "lab_c", ids, attention_mask=mask), logits(model, "sdpa", ids, attention_mask=mask)
+    real = mask.bool()
+    assert rel_err(mine[real], ref[real]) < LOGITS_REL_ERR[torch.float32]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+def test_generate_with_a_static_cache_or_left_padding_matches_sdpa(kind, cache, padded):
+    """A static cache (its K/V as long as prompt + new tokens, the filled length a key range) and a
+    left-padded batch (the pads skipped), in greedy generation: SDPA's tokens."""
+    model = make_model(kind)
+    ids, mask = pad_left(token_ids(), [4, 0] if padded else [0, 0])
+    options = {"cache_implementation": "static"} if cache == "static" else {}
+
+    def greedy(impl):
+        model.set_attn_implementation(impl)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False,
+                             pad_token_id=0, **options)
+        return out[:, ids.shape[1]:]
+
+    assert torch.equal(greedy("lab_c"), greedy("sdpa"))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_static_cache_generate_compiles_its_decode_step_into_one_graph(kind):
+    """What ``generate`` does with a static cache on a GPU, with the ``aot_eager`` backend here: the
+    decode step compiled with ``fullgraph=True`` (the stage a custom op, the key ranges tensors), one
+    graph for every step (the growing length is data, not a shape), SDPA's tokens."""
+    model = make_model(kind)
+    ids, mask = pad_left(token_ids(), [4, 0])
+    compile_config = transformers.CompileConfig(backend="aot_eager", fullgraph=True, mode=None)
+    compile_config._compile_all_devices = True  # (transformers compiles only on accelerators otherwise)
+    graphs = []
+    real_compile = torch.compile
+
+    def counting_compile(fn, **kwargs):
+        backend = kwargs.pop("backend")
+
+        def count(gm, example_inputs):
+            graphs.append(gm)
+            return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+        return real_compile(fn, backend=count, **kwargs)
+
+    def greedy(impl, **options):
+        model.set_attn_implementation(impl)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False,
+                             pad_token_id=0, cache_implementation="static", **options)
+        return out[:, ids.shape[1]:]
+
+    torch._dynamo.reset()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "compile", counting_compile)
+        mine = greedy("lab_c", compile_config=compile_config)
+    assert len(graphs) == 1, f"{len(graphs)} graphs for 4 decode steps"
+    assert any(node.target is torch.ops.attention_lab.c_forward.default for node in graphs[0].graph.nodes)
+    assert torch.equal(mine, greedy("sdpa"))
+
+
 def test_prompt_in_two_chunks_matches_sdpa():
     """The second chunk's 5 queries against 12 keys: causal bottom-right (query i sees the 7 cached
     keys and its own chunk up to i). SDPA needs a materialized mask here; the lab mask needs none."""
@@ -260,13 +333,47 @@ def test_mask_is_none_without_padding_and_for_the_growing_cache():
     assert hf.lab_mask(2, 5, 12, q_offset=7, attention_mask=ones) is None       # a chunk after a cache
 
 
-def test_mask_is_materialized_for_padding_and_a_static_cache():
+def ranges_of(mask) -> list[tuple[int, int]]:
+    assert hf.is_key_ranges(mask), mask
+    return [tuple(r) for r in mask[:, 0, 0].tolist()]
+
+
+def test_left_padding_and_a_static_cache_are_key_ranges():
     padded = torch.ones(2, 12, dtype=torch.bool)
     padded[0, :3] = False
-    mask = hf.lab_mask(2, 12, 12, attention_mask=padded)
-    assert mask is not None and mask.shape == (2, 1, 12, 12) and not mask[0, 0, :, :3].any()
-    # a static cache: 16 slots of which the first 12 hold tokens; bottom-right alignment would be wrong
-    assert hf.lab_mask(2, 12, 16, attention_mask=torch.ones(2, 12, dtype=torch.bool)) is not None
+    assert ranges_of(hf.lab_mask(2, 12, 12, attention_mask=padded)) == [(3, 12), (0, 12)]
+    assert ranges_of(hf.lab_mask(2, 1, 13, q_offset=12, attention_mask=torch.cat(  # a decode step after it
+        [padded, torch.ones(2, 1, dtype=torch.bool)], dim=1))) == [(3, 13), (0, 13)]
+    # A static cache: 16 slots, the first 12 filled; its length is a device tensor (so nothing waits for it).
+    filled = torch.tensor(11)
+    assert ranges_of(hf.lab_mask(2, 1, 16, q_offset=filled, attention_mask=torch.ones(2, 12, dtype=torch.bool))) == [
+        (0, 12), (0, 12)]
+    assert ranges_of(hf.lab_mask(2, 1, 16, q_offset=filled, attention_mask=padded)) == [(3, 12), (0, 12)]
+    # A bidirectional model's right padding: each sequence's range ends at its last real token.
+    right = torch.ones(2, 12, dtype=torch.bool)
+    right[1, 9:] = False
+    assert ranges_of(hf.lab_mask(2, 12, 12, attention_mask=right,
+                                 mask_function=transformers.masking_utils.bidirectional_mask_function)) == [
+        (0, 12), (0, 9)]
+
+
+def test_mask_is_materialized_for_holes_and_right_padding_of_a_causal_model():
+    holes = torch.ones(2, 12, dtype=torch.bool)
+    holes[0, 5] = False
+    mask = hf.lab_mask(2, 12, 12, attention_mask=holes)
+    assert mask.dtype == torch.bool and mask.shape == (2, 1, 12, 12) and not mask[0, 0, :, 5].any()
+    right = torch.ones(2, 12, dtype=torch.bool)
+    right[1, 9:] = False
+    assert hf.lab_mask(2, 12, 12, attention_mask=right).dtype == torch.bool
+
+
+def test_a_static_cache_mask_with_holes_stops_on_the_device():
+    """A static cache's ranges are not read on the host (that would wait for the GPU every step): a
+    mask they cannot express trips a device-side assert instead (on the CPU, at once)."""
+    holes = torch.ones(2, 12, dtype=torch.bool)
+    holes[0, 5] = False
+    with pytest.raises(RuntimeError, match="cannot be expressed as one key range per sequence"):
+        hf.lab_mask(2, 1, 16, q_offset=torch.tensor(11), attention_mask=holes)
 
 
 # ------------------------------------------------------------------------------------------ the refusals
@@ -277,16 +384,29 @@ def one_line_error(excinfo) -> str:
     return text
 
 
-def test_padding_mask_is_refused_in_one_line():
+def test_a_mask_with_holes_is_refused_in_one_line():
     model = make_model("llama")
     ids = token_ids()
     mask = torch.ones_like(ids)
-    mask[0, :3] = 0
+    mask[0, 4] = 0
     model.set_attn_implementation("lab_c")
     with pytest.raises(hf.UnsupportedAttention) as excinfo:
         model(ids, attention_mask=mask)
     text = one_line_error(excinfo)
     assert "lab_c" in text and "without padding" in text and "pad-free" in text and '"sdpa"' in text
+
+
+@pytest.mark.parametrize("stage", ["b", "a"])
+def test_a_stage_without_key_ranges_refuses_padding_in_one_line(stage):
+    model = make_model("llama")
+    ids = token_ids()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    model.set_attn_implementation(f"lab_{stage}")
+    with pytest.raises(hf.UnsupportedAttention) as excinfo:
+        model(ids, attention_mask=mask)
+    text = one_line_error(excinfo)
+    assert f"lab_{stage}" in text and "takes no key ranges" in text and '"lab_c"' in text
 
 
 def test_dropout_in_training_is_refused():
@@ -367,3 +487,25 @@ def test_cuda_twins_serve_a_model_and_refuse_to_train_it(kind):
         with pytest.raises(hf.UnsupportedAttention, match="no backward"):
             gradients(model, f"lab_{twin}", ids)
         model.eval()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_gpu_static_cache_generate_replays_cuda_graphs(kind):
+    """On a GPU, ``generate`` with a static cache compiles the decode step (inductor,
+    ``mode="reduce-overhead"``: CUDA graphs) by itself: with stage C (a custom op taking the filled
+    length as a key range) it runs, with a left-padded batch too, and gives SDPA's tokens (fp32, so
+    that rounding cannot flip a greedy choice); a second call replays what the first captured."""
+    model = make_model(kind)
+    ids, mask = pad_left(token_ids(), [4, 0])
+
+    def greedy(impl):
+        model.set_attn_implementation(impl)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                             pad_token_id=0, cache_implementation="static")
+        return out[:, ids.shape[1]:]
+
+    torch._dynamo.reset()
+    first = greedy("lab_c")
+    assert torch.equal(greedy("lab_c"), first)
+    assert torch.equal(first, greedy("sdpa"))

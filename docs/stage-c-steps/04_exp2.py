@@ -90,7 +90,7 @@ def optimized_attention_kernel(
                                   qk_scale, BLOCK_D, BLOCK_N, CAUSAL, True, DOT_PRECISION)
 
     if CAUSAL:
-        # A row that saw no key (causal, Nq > Nk) has l = 0 and acc = 0: output 0, not 0/0.
+        # A row that saw no key (causal, Nq > Nk; an empty key range) has l = 0 and acc = 0: output 0, not 0/0.
         out = (acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]).to(O.dtype.element_ty)
     else:
         out = (acc / l_i[:, None]).to(O.dtype.element_ty)

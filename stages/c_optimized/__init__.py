@@ -52,6 +52,7 @@ STAGE = register(Stage(
     compile=compile,
     bwd_hbm_bytes=getattr(_backward, "bwd_hbm_bytes", None),
     train_workspace_bytes=getattr(_backward, "train_workspace_bytes", None),
+    key_ranges=True,
 ))
 
 __all__ = ["STAGE", "SWITCHES", "VARIANTS", "WS_LADDER", "Config", "attention", "attention_with_lse",

@@ -191,6 +191,20 @@ def per_call_config(group: int, Nq: int, D: int, forced: int | None = None) -> S
     return _config(split_tiles(group, Nq, D), 0, 0, forced)
 
 
+@triton.jit
+def key_range(KEY_STARTS, KEY_LENGTHS, b, N_K):
+    """Batch entry ``b``'s keys [first, end): ``KEY_STARTS[b]`` and ``KEY_LENGTHS[b]`` (None: 0 and
+    Nk), clamped so that 0 <= first <= end <= Nk (the host cannot check the values without waiting
+    for the GPU; out-of-range ones are cut to the keys that exist, never read past them)."""
+    first = 0
+    end = N_K
+    if KEY_STARTS is not None:
+        first = tl.minimum(tl.maximum(tl.load(KEY_STARTS + b), 0), N_K)
+    if KEY_LENGTHS is not None:
+        end = tl.minimum(tl.maximum(tl.load(KEY_LENGTHS + b), first), N_K)
+    return first, end
+
+
 #: Sizes are runtime values (``do_not_specialize``): a KV cache that grows by one key per call changes
 #: N_K, CAUSAL_OFFSET and the chunk at every call, and Triton would compile a kernel whenever one of
 #: them became 1 or a multiple of 16. Strides keep their divisibility facts (16-byte vector loads).
@@ -202,12 +216,15 @@ def split_kv_attention_kernel(
     stride_vb, stride_vh, stride_vn,
     Hq, Hkv, N_Q, N_K, CAUSAL_OFFSET, CHUNK, ROWS_TOTAL,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr, KEY_STARTS, KEY_LENGTHS,
 ):
     """Program (split, b·Hkv + kv head, row block): the online softmax of its rows over one chunk of
     keys; writes the chunk's normalized O (fp32) and base-2 log-sum-exp per row (module docstring).
     With a single chunk (a short cache) that is the answer: it goes straight to O (and LSE), and
-    no merge runs."""
+    no merge runs. ``KEY_STARTS``/``KEY_LENGTHS`` (int32 [B], or None): batch entry b attends to
+    keys [KEY_STARTS[b], KEY_LENGTHS[b]) only, its causal diagonal aligned to the range's end (a
+    static KV cache's filled slots); a chunk outside the range finds no key and the merge gives
+    it no weight."""
     split = tl.program_id(0)
     b = tl.program_id(1) // Hkv
     kv_h = tl.program_id(1) % Hkv
@@ -226,9 +243,15 @@ def split_kv_attention_kernel(
 
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, N_K)
+    causal_offset = CAUSAL_OFFSET
+    if KEY_STARTS is not None or KEY_LENGTHS is not None:
+        first, end = key_range(KEY_STARTS, KEY_LENGTHS, b, N_K)
+        lo = tl.maximum(lo, first)  # (the loop starts at the range: no tile before it is read)
+        hi = tl.minimum(hi, end)
+        causal_offset = end - N_Q
     if CAUSAL:
         # No row of this program sees a key past its last row's diagonal: stop there.
-        hi = tl.minimum(hi, tl.max(tl.where(row_ok, i, -1)) + CAUSAL_OFFSET + 1)
+        hi = tl.minimum(hi, tl.max(tl.where(row_ok, i, -1)) + causal_offset + 1)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -241,7 +264,7 @@ def split_kv_attention_kernel(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         valid = cols[None, :] < hi
         if CAUSAL:
-            valid = valid & (cols[None, :] <= i[:, None] + CAUSAL_OFFSET)
+            valid = valid & (cols[None, :] <= i[:, None] + causal_offset)
         qk = tl.where(valid, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
         # A row that has seen no key yet keeps m = -inf; subtract 0 instead (-inf - -inf is NaN).

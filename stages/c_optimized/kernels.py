@@ -55,10 +55,12 @@ import triton
 import triton.language as tl
 
 from .. import contract, ops
-from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_output, padded_head_dim, validate_inputs
+from ..contract import (DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_output, padded_head_dim, validate_inputs,
+                        validate_key_ranges)
 from ..launch import (FastLaunch, Launch, compiles_without_interpreter, descriptor_on, descriptor_over,
                       layout_fields)
 from . import decode, hopper_ws
+from .decode import key_range
 from .configs import (BASELINE, Config, choose_config, device_arch, shape_aware_config, shared_memory_bytes,
                       sm_count, with_deep_q, ws_rung_config, ws_shapes)
 
@@ -139,7 +141,7 @@ def optimized_attention_kernel(
     H, N_Q, N_K, CAUSAL_OFFSET,
     D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, CAUSAL_SKIP: tl.constexpr, USE_TMA: tl.constexpr, EXP2: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr, KEY_STARTS, KEY_LENGTHS,
 ):
     bh = tl.program_id(1)
     if CAUSAL and CAUSAL_SKIP:
@@ -168,7 +170,21 @@ def optimized_attention_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
 
-    if CAUSAL and CAUSAL_SKIP:
+    if KEY_STARTS is not None or KEY_LENGTHS is not None:
+        # A key range per batch entry (a static KV cache's filled slots, a left-padded prompt): keys
+        # [first, end) of this entry's Nk, the causal diagonal aligned to its end. The tiles start
+        # at the range's first key (where it falls: no tile reads a key before it) and are all
+        # masked, against the range's end and the diagonal; only ranged calls compile this branch.
+        first, end = key_range(KEY_STARTS, KEY_LENGTHS, b, N_K)
+        offset = end - N_Q
+        if CAUSAL:
+            hi = tl.maximum(tl.minimum(start_m + BLOCK_M + offset, end), 0)
+        else:
+            hi = end
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, K_bh, V_bh, k_desc, v_desc, b, kv_h, stride_kn, stride_vn,
+                                      rows, first, hi, end, offset, qk_scale, D, BLOCK_D, BLOCK_N,
+                                      CAUSAL, True, USE_TMA, EXP2, DOT_PRECISION)
+    elif CAUSAL and CAUSAL_SKIP:
         # Row i sees keys j <= i + CAUSAL_OFFSET (Nk - Nq). This tile's last row sees up to
         # `hi`; its first row sees every key below `mid`, so the whole tiles below it need no mask.
         hi = tl.maximum(tl.minimum(start_m + BLOCK_M + CAUSAL_OFFSET, N_K), 0)
@@ -195,8 +211,8 @@ def optimized_attention_kernel(
                                       stride_vn, rows, n_full, N_K, N_K, CAUSAL_OFFSET, qk_scale, D, BLOCK_D,
                                       BLOCK_N, CAUSAL, True, USE_TMA, EXP2, DOT_PRECISION)
 
-    if CAUSAL:
-        # A row that saw no key (causal, Nq > Nk) has l = 0 and acc = 0: output 0, not 0/0.
+    if CAUSAL or KEY_STARTS is not None or KEY_LENGTHS is not None:
+        # A row that saw no key (causal, Nq > Nk; an empty key range) has l = 0 and acc = 0: output 0, not 0/0.
         out = (acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]).to(O.dtype.element_ty)
     else:
         out = (acc / l_i[:, None]).to(O.dtype.element_ty)
@@ -274,7 +290,7 @@ def select(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: torch.dty
            sms: int, *, tma_ok: bool = True, config: Config | None = None, split_kv: int | None = None,
            store_lse: bool = False, tuned_tiles: bool = True, pipelining: bool = True, tma: bool = True,
            exp2: bool = True, causal_skip: bool = True, warp_specialization: bool = True,
-           ws_rung: int | None = None) -> Choice:
+           ws_rung: int | None = None, key_range: bool = False) -> Choice:
     """The path and config for a problem, from its shapes only (the plan and the traffic model share it).
 
     1. ``split_kv`` >= 2 forces the split-KV path with that many splits; ``split_kv=1`` rules it
@@ -294,8 +310,14 @@ def select(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: torch.dty
     ``Nk=None``: a decoding call (``decode.is_decoding``) of any cache length. Its choice
     does not depend on Nk, so the host path caches one choice for the whole of a decode loop; the
     split path's config then leaves the count of chunks to each call (``splits = 0``).
+
+    ``key_range``: the call attends to a key range per batch entry (``key_starts``/``key_lengths``),
+    which the ``tl`` and split kernels take and the warp-specialized one does not.
     """
     group = Hq // Hkv
+    if key_range and (ws_rung is not None or (config is not None and config.ws)):
+        raise ValueError(f"key_starts/key_lengths run on the tl and split-KV kernels, not the warp-specialized one "
+                         f"(got ws_rung={ws_rung}, config={config}); leave both None")
     if ws_rung is not None:
         return _ws_rung_choice(B, Hq, Nq, Nk, D, dtype, causal, arch, sms, tma_ok, config, split_kv, store_lse,
                                ws_rung, tuned_tiles=tuned_tiles, pipelining=pipelining, tma=tma, exp2=exp2,
@@ -314,7 +336,7 @@ def select(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: torch.dty
                 return Choice("split", split)
     ws_allowed = (_ws_switches_on(causal, tuned_tiles=tuned_tiles, pipelining=pipelining, tma=tma, exp2=exp2,
                                   causal_skip=causal_skip, warp_specialization=warp_specialization)
-                  and hopper_ws.supported(dtype, D, arch) and tma_ok and Nq == Nk)
+                  and hopper_ws.supported(dtype, D, arch) and tma_ok and Nq == Nk and not key_range)
     if config is None:
         if tuned_tiles:
             config = choose_config(D, dtype, causal, arch, Nq, ws_allowed)
@@ -505,16 +527,17 @@ def _kernel_config(choice: Choice):
 
 @lru_cache(maxsize=1024)
 def _recipe(path: str, config, dtype: torch.dtype, D: int, group: int, causal: bool, arch: int, sms: int,
-            use_tma: bool, store_lse: bool, switches: tuple, ws_rung: int | None, even_n: bool) -> _Recipe:
+            use_tma: bool, store_lse: bool, switches: tuple, ws_rung: int | None, even_n: bool,
+            ranges: tuple = (False, False)) -> _Recipe:
     """The launches for one kernel key: what changes the compiled kernels (path and config, dtype,
     head dim, GQA group, causal, the GPU, TMA or pointers, whether the log-sum-exp is stored, the
-    ablation switches; for the warp-specialized kernel whether N is a whole number of K/V tiles),
-    never the sizes themselves. Cached: a call looks its recipe up and computes only its runtime
-    arguments."""
+    ablation switches; for the warp-specialized kernel whether N is a whole number of K/V tiles;
+    ``ranges``: whether the call passes key starts and key lengths), never the sizes themselves.
+    Cached: a call looks its recipe up and computes only its runtime arguments."""
     on = dict(zip(SWITCH_NAMES, switches))
     dot_precision = "ieee" if dtype == torch.float32 else "tf32"  # fp32 inputs get exact fp32 products
     if path == "split":
-        return _split_recipe(config, dtype, D, group, causal, dot_precision, store_lse, sms)
+        return _split_recipe(config, dtype, D, group, causal, dot_precision, store_lse, sms, ranges)
     if path == "ws":
         options = config.ws_options(ws_rung)
         # Tiles as wide as the padded head dim, or its main part and a narrow tail (tile_widths): TMA
@@ -547,6 +570,7 @@ def _recipe(path: str, config, dtype: torch.dtype, D: int, group: int, causal: b
         descs = ()
         static.update(q_desc=None, k_desc=None, v_desc=None, o_desc=None)  # the pointer path is compiled
     tensors = _lse_argument((("Q", "q"), ("K", "k"), ("V", "v"), ("O", "o")), static, store_lse)
+    tensors += _range_arguments(ranges, static)
     launch = _LaunchRecipe(optimized_attention_kernel, tuple(static.items()), tensors, descs, _TL_INTS,
                            config.num_warps, config.num_stages,
                            # exp2 folds log2(e) into the scale once; exp keeps the natural scale.
@@ -563,12 +587,24 @@ def _lse_argument(tensors: tuple, static: dict, store_lse: bool) -> tuple:
     return tensors
 
 
-def _split_recipe(split, dtype, D, group, causal, dot_precision, store_lse, sms) -> _Recipe:
+def _range_arguments(ranges: tuple, static: dict) -> tuple:
+    """The key-range pointer arguments a call passes (appended to a recipe's tensors); those it does
+    not pass are None in ``static`` (compiled out)."""
+    passed = []
+    for name, role, given in (("KEY_STARTS", "key_starts", ranges[0]), ("KEY_LENGTHS", "key_lengths", ranges[1])):
+        if given:
+            passed.append((name, role))
+        else:
+            static[name] = None
+    return tuple(passed)
+
+
+def _split_recipe(split, dtype, D, group, causal, dot_precision, store_lse, sms, ranges=(False, False)) -> _Recipe:
     BD = padded_head_dim(D)
     tensors = (("Q", "q"), ("K", "k"), ("V", "v"), ("O_PART", "o_part"), ("LSE_PART", "lse_part"), ("O", "o"))
     static = dict(GROUP=group, D=D, BLOCK_D=BD, BLOCK_M=split.block_m, BLOCK_N=split.block_n, CAUSAL=causal,
                   DOT_PRECISION=dot_precision, STORE_LSE=store_lse)
-    tensors = _lse_argument(tensors, static, store_lse)
+    tensors = _lse_argument(tensors, static, store_lse) + _range_arguments(ranges, static)
     first = _LaunchRecipe(decode.split_kv_attention_kernel, tuple(static.items()), tensors, (), _SPLIT_INTS,
                           split.num_warps, split.num_stages)
     merge_rows, splits_per_step = decode.merge_shape()
@@ -596,7 +632,7 @@ def _desc_template(block: tuple, gluon: bool, dtype: torch.dtype) -> tuple:
 def _plan_call(q, k, v, o, lse, causal: bool, arch: int, sms: int, config: Config | None = None,
                split_kv: int | None = None, tuned_tiles: bool = True, pipelining: bool = True, tma: bool = True,
                exp2: bool = True, causal_skip: bool = True, warp_specialization: bool = True,
-               ws_rung: int | None = None) -> tuple[Choice, _Recipe]:
+               ws_rung: int | None = None, ranges: tuple = (False, False)) -> tuple[Choice, _Recipe]:
     """The choice for this call (path and config, from its sizes) and the cached recipe of its kernel
     key (``plan``'s keywords). The sizes pick a config; only the config, never the sizes, picks the
     compiled kernel."""
@@ -616,25 +652,26 @@ def _plan_call(q, k, v, o, lse, causal: bool, arch: int, sms: int, config: Confi
     # choice serves every step of a decode loop, where the exact Nk would miss the cache every call.
     nk_key = None if decode.is_decoding(Hq // Hkv, Nq, Nk) else Nk
     choice = _select(B, Hq, Hkv, Nq, nk_key, D, q.dtype, causal, arch, sms, tma_ok, config, split_kv, store_lse,
-                     switches, ws_rung)
+                     switches, ws_rung, any(ranges))
     even_n = choice.path == "ws" and Nq % choice.config.block_n == 0
     recipe = _recipe(choice.path, _kernel_config(choice), q.dtype, D, Hq // Hkv, causal, arch, sms,
-                     tma and tma_ok, store_lse, switches, choice.ws_rung, even_n)
+                     tma and tma_ok, store_lse, switches, choice.ws_rung, even_n, ranges)
     return choice, recipe
 
 
 @lru_cache(maxsize=4096)
 def _select(B, Hq, Hkv, Nq, Nk, D, dtype, causal, arch, sms, tma_ok, config, split_kv, store_lse, switches,
-            ws_rung) -> Choice:
+            ws_rung, key_range=False) -> Choice:
     """``select`` with the call's arguments, cached (a fixed-shape loop asks it the same question)."""
     return select(B, Hq, Hkv, Nq, Nk, D, dtype, causal, arch, sms, tma_ok=tma_ok, config=config,
-                  split_kv=split_kv, store_lse=store_lse, ws_rung=ws_rung, **dict(zip(SWITCH_NAMES, switches)))
+                  split_kv=split_kv, store_lse=store_lse, ws_rung=ws_rung, key_range=key_range,
+                  **dict(zip(SWITCH_NAMES, switches)))
 
 
-def _call_tensors(workspace: tuple, q, k, v, o, lse) -> dict:
+def _call_tensors(workspace: tuple, q, k, v, o, lse, key_starts=None, key_lengths=None) -> dict:
     """The call's tensors by role, with the fp32 workspace the recipe asks for (the split path's
     partials: one allocation, cut into the buffers; a shape of None: an unused fp32 argument)."""
-    tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse}
+    tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse, "key_starts": key_starts, "key_lengths": key_lengths}
     sizes = [math.prod(shape) for _, shape in workspace if shape is not None]
     flat = torch.empty(sum(sizes), dtype=torch.float32, device=q.device) if sizes else None
     offset = 0
@@ -661,7 +698,8 @@ def _stand_in_fp32(o: torch.Tensor) -> torch.Tensor:
 def plan(q, k, v, o, *, causal: bool, scale: float, arch: int, config: Config | None = None, lse=None,
          split_kv: int | None = None, sms: int | None = None, tuned_tiles: bool = True, pipelining: bool = True,
          tma: bool = True, exp2: bool = True, causal_skip: bool = True,
-         warp_specialization: bool = True, ws_rung: int | None = None) -> list[Launch]:
+         warp_specialization: bool = True, ws_rung: int | None = None, key_starts=None,
+         key_lengths=None) -> list[Launch]:
     """The launches that compute ``o`` (and, given an fp32 ``lse`` [B, Hq, Nq], the row
     log-sum-exps) for these tensors on an sm_``arch`` GPU with ``sms`` SMs (default: the device's,
     ``configs.DEFAULT_SMS`` off a GPU), as data: what a call runs, for ``compile`` and the tests.
@@ -670,9 +708,10 @@ def plan(q, k, v, o, *, causal: bool, scale: float, arch: int, config: Config | 
         sms = sm_count(q.device)
     choice, recipe = _plan_call(q, k, v, o, lse, causal, arch, sms, config=config, split_kv=split_kv,
                                 tuned_tiles=tuned_tiles, pipelining=pipelining, tma=tma, exp2=exp2,
-                                causal_skip=causal_skip, warp_specialization=warp_specialization, ws_rung=ws_rung)
+                                causal_skip=causal_skip, warp_specialization=warp_specialization, ws_rung=ws_rung,
+                                ranges=(key_starts is not None, key_lengths is not None))
     workspace, runs = recipe.runtime(q, k, v, o, choice)
-    tensors = _call_tensors(workspace, q, k, v, o, lse)
+    tensors = _call_tensors(workspace, q, k, v, o, lse, key_starts, key_lengths)
     return [r.bind(grid, tensors, ints, scale) for r, (grid, ints) in zip(recipe.launches, runs)]
 
 
@@ -721,10 +760,12 @@ def _parse_config(text: str) -> Config:
 
 
 def _forward(q, k, v, causal: bool, scale: float, store_lse: bool, config, split_kv, ws_rung, tuned_tiles,
-             pipelining, tma, exp2, causal_skip, warp_specialization, deterministic):
+             pipelining, tma, exp2, causal_skip, warp_specialization, deterministic, key_starts=None,
+             key_lengths=None):
     """The forward: O and the fp32 row log-sum-exp [B, Hq, Nq] (base 2) when ``store_lse`` (None
     otherwise). The custom op's implementation and the eager path alike; ``deterministic``
-    is the backward's, carried here so the autograd formula sees it among the inputs."""
+    is the backward's, carried here so the autograd formula sees it among the inputs;
+    ``key_starts``/``key_lengths``: int32 [B] key ranges, checked by ``attention``."""
     if isinstance(config, str):
         config = _parse_config(config)
     o = new_output(q)
@@ -743,19 +784,23 @@ def _forward(q, k, v, causal: bool, scale: float, store_lse: bool, config, split
     # specialization of every pointer follow from these, so the layout's bound launches can too.
     qa, ka, va = q.data_ptr(), k.data_ptr(), v.data_ptr()
     arch, sms = _arch_and_sms(q)
+    # A key range's tensors: whether each is passed, and its pointer's alignment (Triton specializes on it).
+    ranges = (key_starts is not None, key_lengths is not None)
+    range_key = ranges if not (ranges[0] or ranges[1]) else (
+        *ranges, *(t.data_ptr() % 16 == 0 for t in (key_starts, key_lengths) if t is not None))
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), qa % 16 == 0, ka % 16 == 0, va % 16 == 0, q.dtype,
-           arch, sms, causal, store_lse, config, split_kv, switches, ws_rung)
+           arch, sms, causal, store_lse, config, split_kv, switches, ws_rung, range_key)
     planned = _LAYOUT_PLANS.get(key)
     if planned is None:
-        planned = _plan_layout(q, k, v, o, lse, causal, arch, sms, config, split_kv, switches, ws_rung)
+        planned = _plan_layout(q, k, v, o, lse, causal, arch, sms, config, split_kv, switches, ws_rung, ranges)
         if len(_LAYOUT_PLANS) >= _LAYOUT_PLANS_MAX:
             _LAYOUT_PLANS.clear()  # a model's layouts come back within a step; a cleared table refills
         _LAYOUT_PLANS[key] = planned
     bound = planned.bound
     if bound and bound.open():
-        bound.launch(q, k, v, o, lse, qa, ka, va, scale)
+        bound.launch(q, k, v, o, lse, qa, ka, va, scale, key_starts, key_lengths)
         return o, lse
-    tensors = _call_tensors(planned.workspace, q, k, v, o, lse)
+    tensors = _call_tensors(planned.workspace, q, k, v, o, lse, key_starts, key_lengths)
     for launch, (grid, ints), f in zip(planned.recipe.launches, planned.runs, planned.facts):
         launch.launch(grid, tensors, ints, scale, facts=f)
     if len(planned.runs) < len(planned.recipe.launches):
@@ -783,8 +828,10 @@ class _LayoutPlan:
     bound: object = None
 
 
-def _plan_layout(q, k, v, o, lse, causal, arch, sms, config, split_kv, switches, ws_rung) -> _LayoutPlan:
-    choice, recipe = _plan_call(q, k, v, o, lse, causal, arch, sms, config, split_kv, *switches, ws_rung=ws_rung)
+def _plan_layout(q, k, v, o, lse, causal, arch, sms, config, split_kv, switches, ws_rung,
+                 ranges=(False, False)) -> _LayoutPlan:
+    choice, recipe = _plan_call(q, k, v, o, lse, causal, arch, sms, config, split_kv, *switches, ws_rung=ws_rung,
+                                ranges=ranges)
     workspace, runs = recipe.runtime(q, k, v, o, choice)
     facts = tuple(launch.integer_facts(ints) for launch, (_, ints) in zip(recipe.launches, runs))
     return _LayoutPlan(recipe, workspace, tuple(runs), facts)
@@ -828,10 +875,15 @@ class _BoundLayout:
         """Whether the bound launches may run now (one check for all: they were bound on one device)."""
         return self.launches[0][0].open()
 
-    def launch(self, q, k, v, o, lse, qa: int, ka: int, va: int, scale: float) -> None:
+    def launch(self, q, k, v, o, lse, qa: int, ka: int, va: int, scale: float, key_starts=None,
+               key_lengths=None) -> None:
         addresses = {"q": qa, "k": ka, "v": va, "o": o.data_ptr()}
         if lse is not None:
             addresses["lse"] = lse.data_ptr()
+        if key_starts is not None:
+            addresses["key_starts"] = key_starts.data_ptr()
+        if key_lengths is not None:
+            addresses["key_lengths"] = key_lengths.data_ptr()
         # (held until the launches are queued: freed before them, its memory could go to another tensor)
         flat = torch.empty(self.floats, dtype=torch.float32, device=q.device) if self.floats else None
         for role, offset in self.workspace:
@@ -862,10 +914,11 @@ def _prepare_merge(recipe: _Recipe, runs: tuple, tensors: dict, scale: float) ->
 @torch.library.custom_op(f"{ops.LIBRARY}::c_forward", mutates_args=(), device_types=None)
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, store_lse: bool,
                 config: str | None, split_kv: int | None, ws_rung: int | None, tuned_tiles: bool, pipelining: bool,
-                tma: bool, exp2: bool, causal_skip: bool, warp_specialization: bool,
-                deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                tma: bool, exp2: bool, causal_skip: bool, warp_specialization: bool, deterministic: bool,
+                key_starts: torch.Tensor | None = None,
+                key_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     o, lse = _forward(q, k, v, causal, scale, store_lse, config, split_kv, ws_rung, tuned_tiles, pipelining, tma,
-                      exp2, causal_skip, warp_specialization, deterministic)
+                      exp2, causal_skip, warp_specialization, deterministic, key_starts, key_lengths)
     return o, (lse if lse is not None else q.new_empty(0, dtype=torch.float32))  # an op returns tensors
 
 
@@ -900,8 +953,9 @@ def _(do, q, k, v, o, lse, *options):
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, causal, scale, store_lse, config, split_kv, ws_rung, tuned_tiles, pipelining, tma, exp2, causal_skip, \
-        warp_specialization, deterministic = inputs
+        warp_specialization, deterministic, *_key_ranges = inputs
     o, lse = output
+    ctx.inputs = len(inputs)
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.mark_non_differentiable(lse)
     # The ablation switches that the backward has too (the forward's tiles and TMA do not carry
@@ -918,7 +972,7 @@ def _grad(ctx, do, dlse):
         dq, dk, dv = _backward_op(do, q, k, v, o, lse, *ctx.args)
     else:
         dq, dk, dv = _backward(do, q, k, v, o, lse, *ctx.args)
-    return dq, dk, dv, *(None,) * 13
+    return dq, dk, dv, *(None,) * (ctx.inputs - 3)
 
 
 _forward_op.register_autograd(_grad, setup_context=_setup_context)
@@ -930,7 +984,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               sm_scale: float | None = None, config: Config | str | None = None, tuned_tiles: bool = True,
               pipelining: bool = True, tma: bool = True, exp2: bool = True,
               causal_skip: bool = True, warp_specialization: bool = True, split_kv: int | None = None,
-              deterministic: bool = False, ws_rung: int | None = None) -> torch.Tensor:
+              deterministic: bool = False, ws_rung: int | None = None, key_starts: torch.Tensor | None = None,
+              key_lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Optimized fused attention. q ``[B, Hq, Nq, D]``, k and v ``[B, Hkv, Nk, D]``; returns O
     ``[B, Hq, Nq, D]``, differentiable (``o.backward(do)`` runs ``backward.py``'s kernels).
 
@@ -941,6 +996,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ``ws_rung`` k (1..6) runs the warp-specialized kernel with rungs 1..k of its ladder on
     (``hopper_ws.LADDER``; sm_90, fp16/bf16, D 40-256, Nq == Nk: a ValueError elsewhere).
 
+    ``key_starts``, ``key_lengths`` (int32 [B] on q's device, each optional): batch entry b attends
+    to keys ``key_starts[b] <= j < key_lengths[b]`` only, causal aligned to the range's end. This
+    is what a static KV cache needs (its tensors are as long as the longest sequence it will hold;
+    the lengths say how many slots are filled) and a left-padded batch (the starts skip the pads).
+    The values stay on the GPU, so a loop whose lengths grow per step neither waits for the GPU
+    nor compiles or plans anything new, and CUDA graphs can replay it. Runs on the ``tl`` and
+    split-KV kernels; forward only (a ValueError if gradients are wanted).
+
     Traced (``torch.compile``, ``torch.export``) the call is the custom op
     ``torch.ops.attention_lab.c_forward``; eager, the same implementation without the dispatcher
     (``stages/ops.py`` says why).
@@ -949,6 +1012,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     _check_options(split_kv, deterministic, ws_rung)
     _check_config(config)
     store_lse = ops.needs_grad(q, k, v)
+    if key_starts is not None or key_lengths is not None:
+        key_starts, key_lengths = validate_key_ranges(q, k, key_starts, key_lengths)
+        if store_lse:
+            raise ValueError("key_starts/key_lengths are for inference (a KV cache, a padded batch): the backward "
+                             "does not take key ranges; call under torch.no_grad(), or train on unpadded batches "
+                             "without them")
+        if ops.traced(q, k, v, *(t for t in (key_starts, key_lengths) if t is not None)):
+            name = None if config is None else str(config)
+            return _forward_op(q, k, v, causal, scale, False, name, split_kv, ws_rung, tuned_tiles, pipelining,
+                               tma, exp2, causal_skip, warp_specialization, deterministic, key_starts,
+                               key_lengths)[0]
+        return _forward(q, k, v, causal, scale, False, config, split_kv, ws_rung, tuned_tiles, pipelining, tma,
+                        exp2, causal_skip, warp_specialization, deterministic, key_starts, key_lengths)[0]
     if ops.traced(q, k, v):
         name = None if config is None else str(config)
         return _forward_op(q, k, v, causal, scale, store_lse, name, split_kv, ws_rung, tuned_tiles, pipelining,
@@ -982,13 +1058,18 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cau
 @compiles_without_interpreter
 def compile(problem: Problem, arch: int, **switches) -> list[CompiledKernel]:
     """Compile for ``problem`` on an sm_``arch`` GPU without one; ``switches`` as for ``attention``
-    (plus ``store_lse=True`` for the training forward)."""
+    (plus ``store_lse=True`` for the training forward, ``key_ranges=True`` for a call with key
+    starts and lengths)."""
     store_lse = switches.pop("store_lse", False)
+    key_ranges = switches.pop("key_ranges", False)
     dtype = DTYPES[problem.dtype]
     q = torch.empty((problem.B, problem.H, problem.N, problem.D), dtype=dtype, device="meta")
     k, v = (torch.empty((problem.B, problem.Hkv, problem.Nk, problem.D), dtype=dtype, device="meta")
             for _ in range(2))
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device="meta") if store_lse else None
+    if key_ranges:
+        switches["key_starts"], switches["key_lengths"] = (
+            torch.empty(problem.B, dtype=torch.int32, device="meta") for _ in range(2))
     launches = plan(q, k, v, torch.empty_like(q), causal=problem.causal, scale=problem.D ** -0.5, arch=arch,
                     lse=lse, **switches)
     return [launch.compile(arch) for launch in launches]

@@ -134,10 +134,15 @@ def what_it_changes(step: Step) -> str:
 # The kernel of a step.
 # --------------------------------------------------------------------------------------------------
 
+#: What the ablation's calls leave out: no key ranges (a static cache's filled lengths, the pads of a
+#: batch), so a step's page does not show the branch that only ranged calls compile.
+NO_KEY_RANGES = {"KEY_STARTS": None, "KEY_LENGTHS": None}
+
+
 @functools.lru_cache(maxsize=None)
 def resolved_kernel(step: Step) -> str:
-    """The ``tl`` kernel's source as this step compiles it on the H200 (switches fixed)."""
-    return resolve_functions(KERNELS_PY.read_text(), TL_FUNCTIONS, ladder.switch_values(step))
+    """The ``tl`` kernel's source as this step compiles it on the H200 (switches fixed, no key ranges)."""
+    return resolve_functions(KERNELS_PY.read_text(), TL_FUNCTIONS, {**ladder.switch_values(step), **NO_KEY_RANGES})
 
 
 def kernel_module(step: Step) -> str:
