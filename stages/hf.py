@@ -219,6 +219,10 @@ def attention_forward(stage_name: str):
                                     f"left-padded batch), and stage {stage_name!r} takes no key ranges",
                               'use attn_implementation="lab_c", the default dynamic cache with a pad-free batch, '
                               'or attn_implementation="sdpa"')
+            if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+                raise _refuse(impl, "the batch is padded (each sequence's keys a range), and the kernels' backward "
+                                    "takes no key ranges", "train on unpadded batches (sequences of one length, or "
+                                                           'packed), or use attn_implementation="sdpa"')
             ranges, attention_mask = attention_mask, None
         check_supported(impl, attention_mask, dropout, kwargs, getattr(module, "config", None))
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))

@@ -396,6 +396,17 @@ def test_a_mask_with_holes_is_refused_in_one_line():
     assert "lab_c" in text and "without padding" in text and "pad-free" in text and '"sdpa"' in text
 
 
+def test_training_on_a_padded_batch_is_refused_in_one_line():
+    """Key ranges are forward-only: a padded batch trains with SDPA, not silently without its mask."""
+    model = make_model("llama").train()
+    ids, mask = pad_left(token_ids(), [3, 0])
+    model.set_attn_implementation("lab_c")
+    with pytest.raises(hf.UnsupportedAttention) as excinfo:
+        model(ids, attention_mask=mask, labels=ids).loss.backward()
+    text = one_line_error(excinfo)
+    assert "lab_c" in text and "padded" in text and "backward takes no key ranges" in text and '"sdpa"' in text
+
+
 @pytest.mark.parametrize("stage", ["b", "a"])
 def test_a_stage_without_key_ranges_refuses_padding_in_one_line(stage):
     model = make_model("llama")

@@ -184,3 +184,23 @@ def test_gpu_key_ranges(path):
             o = kernels.attention(q, k, v, causal=True, key_starts=int32(starts), key_lengths=int32(lengths),
                                   **PATHS[path])
         check_ranges(o, q, k, v, starts, lengths, causal=True, dtype_name="bf16")
+
+
+def test_the_splits_share_out_the_range_not_the_cache():
+    """A static cache far longer than its filled range: the split kernel divides the range among its
+    splits (chunks of Nk would leave the first split all the work and the rest none). Read from
+    the splits' partial log-sum-exps: finite wherever a split found keys."""
+    q, k, v = make_qkv(2, 4, 1, 32, torch.float32, DEVICE, Hkv=2, Nk=2048)
+    lengths = int32([300, 2048])
+    o = torch.empty_like(q)
+    launches = kernels.plan(q, k, v, o, causal=True, scale=32 ** -0.5, arch=90, split_kv=4, key_lengths=lengths)
+    first = launches[0]
+    first.run()
+    lse_part = first.args["LSE_PART"].view(4, 2, 4)  # [splits, batch, query heads]
+    # 300 keys in whole 64-key tiles over 4 splits: chunks of 128, three splits with keys (chunks of
+    # Nk, 512 keys each, would give the first split all 300 and the others none).
+    assert torch.isfinite(lse_part[:, 0]).all(dim=1).tolist() == [True, True, True, False]
+    assert torch.isfinite(lse_part[:, 1]).all()
+    for launch in launches[1:]:
+        launch.run()
+    check_ranges(o, q, k, v, None, [300, 2048], causal=True, dtype_name="fp32")

@@ -245,9 +245,13 @@ def split_kv_attention_kernel(
     hi = tl.minimum(lo + CHUNK, N_K)
     causal_offset = CAUSAL_OFFSET
     if KEY_STARTS is not None or KEY_LENGTHS is not None:
+        # The splits share out the range, not Nk: a static cache is as long as the longest sequence
+        # it will hold, and chunks of Nk would put a short filled range in the first split alone.
+        # Chunks stay whole tiles; a split past the range's end finds no key.
         first, end = key_range(KEY_STARTS, KEY_LENGTHS, b, N_K)
-        lo = tl.maximum(lo, first)  # (the loop starts at the range: no tile before it is read)
-        hi = tl.minimum(hi, end)
+        chunk = tl.cdiv(tl.cdiv(end - first, tl.num_programs(0)), BLOCK_N) * BLOCK_N
+        lo = first + split * chunk
+        hi = tl.minimum(lo + chunk, end)
         causal_offset = end - N_Q
     if CAUSAL:
         # No row of this program sees a key past its last row's diagonal: stop there.
