@@ -60,6 +60,23 @@ def test_each_batch_entry_is_the_contract_on_its_range(path, causal, B, Hq, Hkv,
     check_ranges(o, q, k, v, starts, lengths, causal=causal, dtype_name="fp32")
 
 
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_keys_outside_the_range_are_never_read(path, causal):
+    """NaN in K and V before each range's start and from its end on (a static cache's unfilled slots,
+    a reused buffer, may hold anything): the output must not see them. Reading them and masking the
+    scores is not enough, since P = 0 times a NaN value is NaN."""
+    q, k, v = make_qkv(3, 4, 5, 32, torch.float32, DEVICE, Hkv=2, Nk=200)
+    starts, lengths = [0, 37, 5], [61, 200, 6]
+    for b, (first, end) in enumerate(zip(starts, lengths)):
+        for t in (k, v):
+            t[b, :, :first] = float("nan")
+            t[b, :, end:] = float("nan")
+    o = kernels.attention(q, k, v, causal=causal, key_starts=int32(starts), key_lengths=int32(lengths),
+                          **PATHS[path])
+    check_ranges(o, q, k, v, starts, lengths, causal=causal, dtype_name="fp32")
+
+
 @pytest.mark.parametrize("dtype_name", ["fp16", "bf16"])
 @pytest.mark.parametrize("path", ["tl", "split"])
 def test_half_precision_and_huge_logits(dtype_name, path):
@@ -175,11 +192,16 @@ def test_ranged_kernels_compile_without_spills(arch, N, Nk):
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", list(PATHS))
 def test_gpu_key_ranges(path):
-    """On the GPU (TMA descriptors on sm_90, the lean and bound launches): ranges in bf16, GQA,
-    decode and a prompt, three calls so the bound launch runs too."""
+    """On the GPU (the lean and bound launches; a ranged call loads K and V by pointers, not TMA):
+    ranges in bf16, GQA, decode and a prompt, NaN outside the ranges, three calls so the bound
+    launch runs too."""
     for Nq in (1, 130):
         q, k, v = make_qkv(3, 8, Nq, 128, torch.bfloat16, "cuda", Hkv=2, Nk=1000)
         starts, lengths = [0, 17, 999], [1000, 515, 999]
+        for b, (first, end) in enumerate(zip(starts, lengths)):  # never read (see above)
+            for t in (k, v):
+                t[b, :, :first] = float("nan")
+                t[b, :, end:] = float("nan")
         for _ in range(3):
             o = kernels.attention(q, k, v, causal=True, key_starts=int32(starts), key_lengths=int32(lengths),
                                   **PATHS[path])
@@ -204,3 +226,31 @@ def test_the_splits_share_out_the_range_not_the_cache():
     for launch in launches[1:]:
         launch.run()
     check_ranges(o, q, k, v, None, [300, 2048], causal=True, dtype_name="fp32")
+
+
+@pytest.mark.gpu
+def test_gpu_a_captured_decode_step_follows_its_lengths():
+    """What a static cache's compiled decode step does: one ranged call captured in a CUDA graph, then
+    replayed after the cache (K, V) and the lengths changed in place. Each replay attends to the
+    lengths of that moment, and never reads past them."""
+    q, k, v = make_qkv(2, 16, 1, 128, torch.bfloat16, "cuda", Hkv=4, Nk=2048)
+    lengths = int32([100, 7])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        for _ in range(2):  # warm-up outside the capture: compilation, the kept and bound launches
+            kernels.attention(q, k, v, causal=True, key_lengths=lengths)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        out = kernels.attention(q, k, v, causal=True, key_lengths=lengths)
+    for n0, n1 in [(101, 8), (1500, 2048), (1, 1)]:
+        with torch.no_grad():
+            for t in (q, k, v):
+                t.copy_(torch.randn_like(t))
+            k[0, :, n0:] = float("nan")  # past the range: a replay that read these would give NaN
+            v[0, :, n0:] = float("nan")
+        lengths.copy_(int32([n0, n1]))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_ranges(out, q, k, v, None, [n0, n1], causal=True, dtype_name="bf16")

@@ -262,7 +262,9 @@ def split_kv_attention_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for start_n in tl.range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (cols[:, None] < N_K) & d_ok[None, :]
+        # Rows from the chunk's end on are never read (a key range's unfilled slots may hold anything;
+        # a NaN there would survive P = 0 in P·V).
+        kv_mask = (cols[:, None] < hi) & d_ok[None, :]
         k = tl.load(K_bh + cols[:, None] * stride_kn + ds[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V_bh + cols[:, None] * stride_vn + ds[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)

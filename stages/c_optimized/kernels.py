@@ -654,8 +654,10 @@ def _plan_call(q, k, v, o, lse, causal: bool, arch: int, sms: int, config: Confi
     choice = _select(B, Hq, Hkv, Nq, nk_key, D, q.dtype, causal, arch, sms, tma_ok, config, split_kv, store_lse,
                      switches, ws_rung, any(ranges))
     even_n = choice.path == "ws" and Nq % choice.config.block_n == 0
+    # A ranged call loads K and V by pointers: a TMA box would bring in the rows past a range's end
+    # (a static cache's unfilled slots may hold anything, and a NaN there survives P = 0 in P·V).
     recipe = _recipe(choice.path, _kernel_config(choice), q.dtype, D, Hq // Hkv, causal, arch, sms,
-                     tma and tma_ok, store_lse, switches, choice.ws_rung, even_n, ranges)
+                     tma and tma_ok and not any(ranges), store_lse, switches, choice.ws_rung, even_n, ranges)
     return choice, recipe
 
 
