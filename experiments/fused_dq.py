@@ -21,6 +21,7 @@ default's max: dK and dV must agree to rounding, dQ to the atomics' summation or
     LAB_FUSED_DQ_AHEAD=1 python experiments/fused_dq.py --D 128 --gqa no   # each tile's dQ product issued a tile ahead
     python experiments/fused_dq.py --variants plain,stagger   # each program's Q tiles in its own order, and not
     python experiments/fused_dq.py --D 128 --variants plain,lag     # each tile's dQ slice formed during the next tile
+    python experiments/fused_dq.py --D 128 --variants plain,compact  # row statistics spread right before use
     python experiments/fused_dq.py --D 128 --causal no --gqa no
 """
 
@@ -43,8 +44,13 @@ from stages.c_optimized.configs import device_arch  # noqa: E402
 from stages.c_optimized.tune_backward import _inputs, _write_csv, ws_candidates  # noqa: E402
 
 ROUNDS = 5
-#: --variants: the fused kernel's switches, (FUSED_DQ_STAGGER, FUSED_DQ_LAG), by name
-VARIANTS = {"plain": (False, False), "stagger": (True, False), "lag": (False, True), "stagger+lag": (True, True)}
+#: --variants: the dK/dV kernel's switches, (FUSED_DQ_STAGGER, FUSED_DQ_LAG, COMPACT_ROW_STATS), by name.
+#: The first two concern fused dQ only; a variant with compact row statistics also times the kernel
+#: without fused dQ that way.
+VARIANTS = {"plain": (False, False, False), "stagger": (True, False, False), "lag": (False, True, False),
+            "stagger+lag": (True, True, False), "compact": (False, False, True),
+            "compact+stagger+lag": (True, True, True)}
+SWITCHES = ("FUSED_DQ_STAGGER", "FUSED_DQ_LAG", "COMPACT_ROW_STATS")
 
 
 def bench(fn) -> float:
@@ -80,7 +86,7 @@ def main(argv=None) -> int:
                     help="the fused dK/dV kernel's switches to time side by side (the dkdv rows; the whole backwards "
                          "take the module's): 'default' (as the module has them), or some of "
                          f"{','.join(VARIANTS)} ('plain': all off; 'stagger': hopper_bwd.FUSED_DQ_STAGGER; 'lag': "
-                         "hopper_bwd.FUSED_DQ_LAG)")
+                         "hopper_bwd.FUSED_DQ_LAG; 'compact': hopper_bwd.COMPACT_ROW_STATS, also without fused dQ)")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or device_arch(torch.device("cuda")) != 90:
@@ -90,7 +96,7 @@ def main(argv=None) -> int:
     cells = [(dt, int(D), c, None) for dt in args.dtype.split(",") for D in args.D.split(",") for c in causals]
     if args.gqa == "yes":
         cells += [(dt, 128, c, (2, 32, 8)) for dt in args.dtype.split(",") for c in causals]
-    default = (hopper_bwd.FUSED_DQ_STAGGER, hopper_bwd.FUSED_DQ_LAG)
+    default = tuple(getattr(hopper_bwd, name) for name in SWITCHES)
     names = args.variants.split(",")
     unknown = [n for n in names if n != "default" and n not in VARIANTS]
     if unknown:
@@ -112,7 +118,8 @@ def main(argv=None) -> int:
         flops = 2.5 * 4.0 * B * H * N * N * D / (2 if causal else 1)
         cell = dict(dtype=dtype_name, D=D, causal=int(causal), N=N, B=B, Hq=H, Hkv=k.shape[1],
                     atomics=hopper_bwd.FUSED_DQ_ATOMICS + ("+ahead" if hopper_bwd.FUSED_DQ_AHEAD else "")
-                    + ("+stagger" if default[0] else "") + ("+lag" if default[1] else ""))
+                    + ("+stagger" if default[0] else "") + ("+lag" if default[1] else "")
+                    + ("+compact" if default[2] else ""))
         # (how fused dQ adds: LAB_FUSED_DQ_ATOMICS, and LAB_FUSED_DQ_AHEAD)
         scale = D ** -0.5
         plan = bwd.backward_plan(D, q.dtype, 90, causal)
@@ -120,16 +127,19 @@ def main(argv=None) -> int:
         print(f"{dtype_name} D{D} causal{int(causal)} B{B} Hq{H} Hkv{k.shape[1]} N{N}: default plan {plan}", flush=True)
         fused_ok = []
         for ws in (c for c in ws_candidates(D, q.element_size()) if bwd.fused_dq_fits(c)):
-            for fused, (variant, switches) in [(False, ("plain", (False, False)))] + [(True, v) for v in variants]:
+            unfused = [(False, ("plain", (False, False, False)))]
+            unfused += [(False, (n, (False, False, True))) for n, sw in variants if sw[2] and n != "default"]
+            for fused, (variant, switches) in unfused + [(True, v) for v in variants]:
                 status, ms, diffs = "ok", None, None
-                hopper_bwd.FUSED_DQ_STAGGER, hopper_bwd.FUSED_DQ_LAG = switches
+                for name, on in zip(SWITCHES, switches):
+                    setattr(hopper_bwd, name, on)
                 bwd._KEPT.clear()  # (a layout planned with other switches)
-                name = f"{ws}{'+fused' if fused else ''}" + (f"+{variant}" if fused and variant not in ("default", "plain")
+                name = f"{ws}{'+fused' if fused else ''}" + (f"+{variant}" if variant not in ("default", "plain")
                                                              else "")
                 try:
-                    if fused:
+                    if fused or switches[2]:
                         grads = bwd.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, ws_config=ws,
-                                                       ws_dq_config=bwd.FUSED_DQ)
+                                                       ws_dq_config=bwd.FUSED_DQ if fused else None)
                         torch.cuda.synchronize()
                         diffs = relative_difference(grads, ref)
                         if not max(diffs) < 0.02:
@@ -148,7 +158,8 @@ def main(argv=None) -> int:
                 print(f"  dK/dV {name}: "
                       + (f"{ms:.3f} ms" if ms else "") + ("" if status == "ok" else f" {status}")
                       + (f" (dq/dk/dv diff {' '.join(f'{d:.1e}' for d in diffs)})" if diffs else ""), flush=True)
-        hopper_bwd.FUSED_DQ_STAGGER, hopper_bwd.FUSED_DQ_LAG = default
+        for name, on in zip(SWITCHES, default):
+            setattr(hopper_bwd, name, on)
         bwd._KEPT.clear()
         fns = {"c_default": lambda: bwd.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale)}
         for ws in fused_ok:

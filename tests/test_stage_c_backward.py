@@ -544,6 +544,34 @@ def test_staggered_q_tiles_change_only_the_fused_kernel(monkeypatch):
     assert "rem.s32" not in ptx[False, "fused"] and "rem.s32" in ptx[True, "fused"]
 
 
+def test_compact_row_statistics_go_through_shared_memory_and_cut_the_causal_spills(monkeypatch):
+    """``COMPACT_ROW_STATS``: each consumer loads a Q tile's log-sum-exps and Δs one per thread and
+    spreads them through shared memory (a 4-byte store, 16-byte loads) right before their use. At
+    D 128 with 64-row Q tiles, causal, that is what spills (hundreds of bytes per thread); the switch
+    must leave fewer, with and without fused dQ, and compile at every width (a tail at D 96)."""
+    from harness.inspect_code import run_ptxas
+    from stages.c_optimized import hopper_bwd
+
+    monkeypatch.setenv("LAB_FUSED_DQ_ATOMICS", "pair")
+    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_ATOMICS", "pair")
+    spills, ptx = {}, {}
+    for on in (False, True):
+        monkeypatch.setenv("LAB_COMPACT_ROW_STATS", "1" if on else "0")  # (a compile in a child process)
+        monkeypatch.setattr(hopper_bwd, "COMPACT_ROW_STATS", on)
+        for dq in (None, "fused"):
+            kernel = bwd.compile_backward(Problem(4, 16, 4096, 128, "bf16", True), 90, ws_config="ws-M64-c2-s2",
+                                          ws_dq_config=dq)[1]
+            ptx[on, dq] = kernel.asm["ptx"]
+            facts = run_ptxas(ptx[on, dq], "sm_90a")
+            assert "ptxas_error" not in facts, facts
+            spills[on, dq] = facts["spill_stores"] + facts["spill_loads"]
+        assert bwd.compile_backward(Problem(1, 4, 200, 96, "bf16", True, Hkv=2, Nk=300), 90,
+                                    ws_config="ws-M64-c2-s2")[1].name == "ws_bwd_dkdv_kernel"
+    for dq in (None, "fused"):
+        assert spills[True, dq] < spills[False, dq], spills
+        assert ptx[True, dq].count("ld.shared.v4.b32") > ptx[False, dq].count("ld.shared.v4.b32")
+
+
 def test_hopper_dkdv_config_errors_name_the_argument(device):
     with pytest.raises(ValueError, match="ws-M64-c2-s2"):
         bwd.WsConfig.parse("M64-c2")

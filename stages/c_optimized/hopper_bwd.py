@@ -33,6 +33,8 @@ the program's 128 keys is one product 128 keys deep and one bulk reduce by the c
 the tuner keeps it at D 64 (performance-log entries 48 and 54). Two switches reorder it, each program's
 Q tiles from its own one on (:data:`FUSED_DQ_STAGGER`) and each tile's dQ slice formed during the next
 (:data:`FUSED_DQ_LAG`); measured beside cuDNN's kernel under Nsight Compute, neither is on (entry 61).
+A third, for fused dQ or not, keeps the row statistics compact until their use
+(:data:`COMPACT_ROW_STATS`: fewer spills at D 128 with 64-row Q tiles, entry 63; off until timed).
 Row statistics: the forward's base-2 log-sum-exp and the pre-pass's Δ = rowsum(dO ∘ O), loaded per Q tile by the
 consumers (64 floats, from L2). Masks: keys past Nk and (causal, bottom-right) keys after a query are
 zeroed in Pᵀ after the exponential, only on the tiles that need it (a runtime branch); query rows
@@ -110,6 +112,14 @@ FUSED_DQ_LAG = os.environ.get("LAB_FUSED_DQ_LAG", "0") == "1"
 #: its count), so the programs of one head that run side by side, which all add into that head's dQ,
 #: add into different tiles of it at any moment instead of all into the same one (``LAB_FUSED_DQ_STAGGER``).
 FUSED_DQ_STAGGER = os.environ.get("LAB_FUSED_DQ_STAGGER", "0") == "1"
+#: The consumers' row statistics (the Q tile's 64 log-sum-exps and Δs) loaded one per thread before the
+#: tile's wait (their latency still hidden) and spread to the 16 columns of Sᵀ each thread holds only
+#: right before their use, through 256 bytes of shared memory (a store, the warpgroup's barrier, four
+#: 16-byte loads), instead of living in 2 × 16 registers per thread the whole tile long. Compiled for
+#: sm_90a at D 128 (64-row Q tiles) the dK/dV kernel spills 28 bytes per thread instead of 48 (16
+#: instead of 232 causal), with fused dQ 80 instead of 248 (76 instead of 368). Off until measured on
+#: a GPU (``LAB_COMPACT_ROW_STATS=1``).
+COMPACT_ROW_STATS = os.environ.get("LAB_COMPACT_ROW_STATS", "0") == "1"
 if FUSED_DQ_ATOMICS not in FUSED_DQ_ATOMICS_CHOICES:
     raise ValueError(f"LAB_FUSED_DQ_ATOMICS must be one of {', '.join(FUSED_DQ_ATOMICS_CHOICES)}, "
                      f"got {FUSED_DQ_ATOMICS!r}")
@@ -332,7 +342,7 @@ def _store_halves(dk, dv, k_bufs, v_bufs, bars, dk_desc, dv_desc, b, h_kv, start
 @gluon.jit
 def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
               ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr, AHEAD: gl.constexpr, STAGGER: gl.constexpr,
-              LAG: gl.constexpr):
+              LAG: gl.constexpr, COMPACT_STATS: gl.constexpr):
     """One warpgroup: dK and dV of its 64 K/V rows, over every Q tile of the group's query heads; with
     a dQ accumulator (``DQ_ACC``, fused dQ), also each Q tile's share of dQ from these rows. With
     ``SPLIT_D`` = 2 two consumers share one 64-row K/V tile and each keeps the dK and dV columns of
@@ -369,6 +379,7 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
                                                           instr_shape=[16, DT, 16])  # (fused dQ's tail columns)
     key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)   # one value per K/V row of Sᵀ
     query_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (column of Sᵀ)
+    stat_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # (COMPACT_STATS: one value per thread)
     # Fused dQ: the share dS·K of this pair, DQ_COLS columns at a time (so only a 64-row × DQ_COLS
     # fp32 tile is ever live beside dK and dV), added into the fp32 accumulator by the L2's atomics.
     DQ_COLS: gl.constexpr = 64 if D > 64 else D
@@ -405,8 +416,13 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
             row0 = _q_tile_row(first, j, n_tiles, start_n, ROWS * KV_TILES, BLOCK_M, STAGGER)
             queries = row0 + gl.arange(0, BLOCK_M, layout=query_layout)
             # Asked for before the wait on the tile, so their latency hides behind it.
-            lse = gl.load(LSE + bh * Nq + queries, mask=queries < Nq, other=float("inf"))
-            delta = gl.load(DELTA + bh * Nq + queries, mask=queries < Nq, other=0.0)
+            if COMPACT_STATS:
+                qc = row0 + gl.arange(0, BLOCK_M, layout=stat_layout)
+                lse_c = gl.load(LSE + bh * Nq + qc, mask=qc < Nq, other=float("inf"))
+                delta_c = gl.load(DELTA + bh * Nq + qc, mask=qc < Nq, other=0.0)
+            else:
+                lse = gl.load(LSE + bh * Nq + queries, mask=queries < Nq, other=float("inf"))
+                delta = gl.load(DELTA + bh * Nq + queries, mask=queries < Nq, other=0.0)
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             q_t = q_bufs.index(s).reshape([BLOCK_M, D])
@@ -444,6 +460,8 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
             need_mask = ragged
             if CAUSAL:
                 need_mask = need_mask | (row0 < unmasked)
+            if COMPACT_STATS:
+                lse = gl.convert_layout(lse_c, query_layout)
             pt = _probabilities_t(st, lse, keys, queries, qk_scale, need_mask, Nk, offset, CAUSAL)
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
             dv = warpgroup_mma(pt_op, do_half, dv, is_async=True)
@@ -451,6 +469,8 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
                 pt_t = gl.convert_layout(pt.to(dtype), t_op_layout)
                 dv_t = warpgroup_mma(pt_t, do_tt, dv_t, is_async=True)
             dpt = warpgroup_mma_wait(AFTER, deps=(dpt, ))  # dPᵀ is done; dV's product may still be running
+            if COMPACT_STATS:
+                delta = gl.convert_layout(delta_c, query_layout)
             dst = pt * (dpt - gl.expand_dims(delta, 0))
             dst_op = gl.convert_layout(dst.to(dtype), op_layout)
             dk = warpgroup_mma(dst_op, q_half, dk, is_async=True)
@@ -642,7 +662,7 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
                        STAGES: gl.constexpr, CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                        HEAD_DIM: gl.constexpr, ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr,
                        SHARE_SCORES: gl.constexpr, AHEAD: gl.constexpr, STAGGER: gl.constexpr, LAG: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                       COMPACT_STATS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Grid (K/V tiles of ``CONSUMERS / SPLIT_D × 64`` rows, B · Hkv). ``q_tail_desc`` ... ``dv_tail_desc``:
     None, or the head-dim tail's descriptors (the columns from the main tiles' width on); with fused
     dQ, ``DQ_TAIL_ACC`` the fp32 accumulator's tail descriptor. See the module docstring."""
@@ -712,13 +732,16 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif CONSUMERS == 1:
         gl.warp_specialize([
-            (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG)),
+            (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG,
+                         COMPACT_STATS)),
             (_producer, producer_args),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG)),
-            (_consumer, (args, tail, 1, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG)),
+            (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG,
+                         COMPACT_STATS)),
+            (_consumer, (args, tail, 1, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG,
+                         COMPACT_STATS)),
             (_producer, producer_args),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -817,7 +840,7 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 sm_scale=sm_scale, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, STAGES=stages, CONSUMERS=consumers,
                 GROUP=Hq // Hkv, CAUSAL=causal, HEAD_DIM=q.shape[-1], ATOMICS=atomics, SPLIT_D=split,
                 SHARE_SCORES=share_scores, AHEAD=FUSED_DQ_AHEAD,
-                STAGGER=FUSED_DQ_STAGGER and dq_acc is not None, LAG=FUSED_DQ_LAG,
+                STAGGER=FUSED_DQ_STAGGER and dq_acc is not None, LAG=FUSED_DQ_LAG, COMPACT_STATS=COMPACT_ROW_STATS,
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
     grid = (cdiv(Nk, ROWS_PER_CONSUMER * consumers // split), B * Hkv)
     return Launch(ws_bwd_dkdv_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)
