@@ -29,6 +29,15 @@ def int32(values) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
 
+def poison_outside(k, v, starts, lengths) -> None:
+    """NaN in K and V before each sequence's range and from its end on: a kernel that read them would
+    give NaN (P = 0 times NaN is NaN), where one that masks only the scores would not notice zeros."""
+    for b, (first, end) in enumerate(zip(starts, lengths)):
+        for t in (k, v):
+            t[b, :, :first] = float("nan")
+            t[b, :, end:] = float("nan")
+
+
 def check_ranges(o, q, k, v, starts, lengths, *, causal, dtype_name, factor=2.0):
     """Each batch entry of ``o`` against the contract on its slice of the keys (the kernel's clamping
     applied: 0 <= start <= end <= Nk); an empty range gives zeros."""
@@ -68,10 +77,7 @@ def test_keys_outside_the_range_are_never_read(path, causal):
     scores is not enough, since P = 0 times a NaN value is NaN."""
     q, k, v = make_qkv(3, 4, 5, 32, torch.float32, DEVICE, Hkv=2, Nk=200)
     starts, lengths = [0, 37, 5], [61, 200, 6]
-    for b, (first, end) in enumerate(zip(starts, lengths)):
-        for t in (k, v):
-            t[b, :, :first] = float("nan")
-            t[b, :, end:] = float("nan")
+    poison_outside(k, v, starts, lengths)
     o = kernels.attention(q, k, v, causal=causal, key_starts=int32(starts), key_lengths=int32(lengths),
                           **PATHS[path])
     check_ranges(o, q, k, v, starts, lengths, causal=causal, dtype_name="fp32")
@@ -198,10 +204,7 @@ def test_gpu_key_ranges(path):
     for Nq in (1, 130):
         q, k, v = make_qkv(3, 8, Nq, 128, torch.bfloat16, "cuda", Hkv=2, Nk=1000)
         starts, lengths = [0, 17, 999], [1000, 515, 999]
-        for b, (first, end) in enumerate(zip(starts, lengths)):  # never read (see above)
-            for t in (k, v):
-                t[b, :, :first] = float("nan")
-                t[b, :, end:] = float("nan")
+        poison_outside(k, v, starts, lengths)
         for _ in range(3):
             o = kernels.attention(q, k, v, causal=True, key_starts=int32(starts), key_lengths=int32(lengths),
                                   **PATHS[path])
@@ -248,8 +251,7 @@ def test_gpu_a_captured_decode_step_follows_its_lengths():
         with torch.no_grad():
             for t in (q, k, v):
                 t.copy_(torch.randn_like(t))
-            k[0, :, n0:] = float("nan")  # past the range: a replay that read these would give NaN
-            v[0, :, n0:] = float("nan")
+            poison_outside(k, v, [0, 0], [n0, n1])
         lengths.copy_(int32([n0, n1]))
         graph.replay()
         torch.cuda.synchronize()

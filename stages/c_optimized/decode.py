@@ -36,6 +36,14 @@ padding, which costs nothing here: decoding is limited by reading K and V, not b
 last rows see (nearly) every key. The mask is applied per row on every tile; a program stops at
 the last key any of its rows sees.
 
+**Key ranges.** A static KV cache is as long as the longest sequence it will hold; only its first
+slots are filled, and how many is data on the GPU (``key_lengths``; ``key_starts`` skips a
+left-padded prompt's pads). Each program reads its batch entry's range [first, end) and the splits
+share out that range, not Nk (chunks of Nk would leave a short filled range to the first split and
+nothing to the others); the causal diagonal is aligned to the range's end, and no key outside the
+range is loaded (unfilled slots may hold anything, and a NaN survives P = 0 in P·V). A split past
+the range's end finds no key: L_s = −inf, and the merge gives it no weight.
+
 The traffic: K and V once per (batch, KV head, row block), Q once, and the partials written in fp32
 and read back once by the merge: ``splits·B·Hq·Nq·(D + 1)·4`` bytes each way, small beside K and V
 when Nk is long (the only case this path is chosen for).
@@ -222,9 +230,7 @@ def split_kv_attention_kernel(
     keys; writes the chunk's normalized O (fp32) and base-2 log-sum-exp per row (module docstring).
     With a single chunk (a short cache) that is the answer: it goes straight to O (and LSE), and
     no merge runs. ``KEY_STARTS``/``KEY_LENGTHS`` (int32 [B], or None): batch entry b attends to
-    keys [KEY_STARTS[b], KEY_LENGTHS[b]) only, its causal diagonal aligned to the range's end (a
-    static KV cache's filled slots); a chunk outside the range finds no key and the merge gives
-    it no weight."""
+    keys [KEY_STARTS[b], KEY_LENGTHS[b]) only (module docstring, "Key ranges")."""
     split = tl.program_id(0)
     b = tl.program_id(1) // Hkv
     kv_h = tl.program_id(1) % Hkv

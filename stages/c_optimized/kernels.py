@@ -787,9 +787,11 @@ def _forward(q, k, v, causal: bool, scale: float, store_lse: bool, config, split
     qa, ka, va = q.data_ptr(), k.data_ptr(), v.data_ptr()
     arch, sms = _arch_and_sms(q)
     # A key range's tensors: whether each is passed, and its pointer's alignment (Triton specializes on it).
-    ranges = (key_starts is not None, key_lengths is not None)
-    range_key = ranges if not (ranges[0] or ranges[1]) else (
-        *ranges, *(t.data_ptr() % 16 == 0 for t in (key_starts, key_lengths) if t is not None))
+    if key_starts is None and key_lengths is None:
+        ranges, range_key = _NO_RANGES, None
+    else:
+        ranges = (key_starts is not None, key_lengths is not None)
+        range_key = tuple(None if t is None else t.data_ptr() % 16 == 0 for t in (key_starts, key_lengths))
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), qa % 16 == 0, ka % 16 == 0, va % 16 == 0, q.dtype,
            arch, sms, causal, store_lse, config, split_kv, switches, ws_rung, range_key)
     planned = _LAYOUT_PLANS.get(key)
@@ -812,6 +814,7 @@ def _forward(q, k, v, causal: bool, scale: float, store_lse: bool, config, split
     return o, lse
 
 
+_NO_RANGES = (False, False)  # (neither key_starts nor key_lengths)
 #: layout -> its :class:`_LayoutPlan`: ``_forward``'s memo of the last layouts seen
 _LAYOUT_PLANS: dict = {}
 _LAYOUT_PLANS_MAX = 1024
