@@ -42,7 +42,8 @@ returns the least that says what the mask would:
   tensors are as long as the longest sequence they will hold while only the first slots are
   filled, and a **left-padded batch** (prompts of different lengths, padded on the left as
   ``generate`` wants them), whose pads the starts skip. Stages that take key ranges
-  (``Stage.key_ranges``: stage C) attend to exactly those keys, causal aligned to the range's end.
+  (``Stage.key_ranges``: stage C) attend to exactly those keys, causal aligned to the range's end,
+  and stage C's backward takes them too, so a left-padded batch also trains.
   The ranges are computed on the device from transformers' own padding mask and cache position,
   without waiting for the GPU, so a compiled decode step replays in a CUDA graph; that is what
   ``generate`` does with a static cache on a GPU, and it takes the host (Python, transformers, the
@@ -219,10 +220,6 @@ def attention_forward(stage_name: str):
                                     f"left-padded batch), and stage {stage_name!r} takes no key ranges",
                               'use attn_implementation="lab_c", the default dynamic cache with a pad-free batch, '
                               'or attn_implementation="sdpa"')
-            if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-                raise _refuse(impl, "the batch is padded (each sequence's keys a range), and the kernels' backward "
-                                    "takes no key ranges", "train on unpadded batches (sequences of one length, or "
-                                                           'packed), or use attn_implementation="sdpa"')
             ranges, attention_mask = attention_mask, None
         check_supported(impl, attention_mask, dropout, kwargs, getattr(module, "config", None))
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))

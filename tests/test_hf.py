@@ -396,15 +396,25 @@ def test_a_mask_with_holes_is_refused_in_one_line():
     assert "lab_c" in text and "without padding" in text and "pad-free" in text and '"sdpa"' in text
 
 
-def test_training_on_a_padded_batch_is_refused_in_one_line():
-    """Key ranges are forward-only: a padded batch trains with SDPA, not silently without its mask."""
-    model = make_model("llama").train()
-    ids, mask = pad_left(token_ids(), [3, 0])
-    model.set_attn_implementation("lab_c")
-    with pytest.raises(hf.UnsupportedAttention) as excinfo:
-        model(ids, attention_mask=mask, labels=ids).loss.backward()
-    text = one_line_error(excinfo)
-    assert "lab_c" in text and "padded" in text and "backward takes no key ranges" in text and '"sdpa"' in text
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_left_padded_batch_trains_with_sdpa_s_gradients(kind):
+    """A left-padded batch in training: the key ranges go through stage C's backward (keys outside a
+    range get zero gradients), and every parameter's gradient equals SDPA's on the same loss over
+    the real tokens."""
+    model = make_model(kind)
+    ids, mask = pad_left(token_ids(batch=3), [3, 0, 6])
+    labels = ids.masked_fill(mask == 0, -100)  # the pads take no part in the loss
+
+    def grads(impl):
+        model.set_attn_implementation(impl)
+        model.zero_grad(set_to_none=True)
+        model(ids, attention_mask=mask, labels=labels).loss.backward()
+        return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    mine, ref = grads("lab_c"), grads("sdpa")
+    assert mine.keys() == ref.keys()
+    worst = max(rel_err(mine[n], ref[n]) for n in ref)
+    assert worst < GRAD_REL_ERR[torch.float32], worst
 
 
 @pytest.mark.parametrize("stage", ["b", "a"])

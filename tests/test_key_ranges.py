@@ -4,8 +4,9 @@ causal aligned to the range's end, so each batch entry must equal the plain cont
 slice of the keys: that is the reference (float64, through ``check_against_reference``), and a
 batch entry whose range is empty must be all zeros. Every path that takes ranges (the ``tl``
 kernel, the split-KV kernel and its merge) with odd sizes, GQA, Nq = 1 and Nq past the range,
-ranges that start late, end early, are empty or point past the keys; the errors; no new plan or
-trace when the lengths change; the custom op under ``torch.compile``; the compiled code.
+ranges that start late, end early, are empty or point past the keys; the gradients (the ``tl``
+backward kernels) the same way; the errors; no new plan or trace when the lengths change; the
+custom op under ``torch.compile``; the compiled code.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from stages import interpreted
 from stages.c_optimized import kernels
 from stages.contract import Problem
-from tests.helpers import check_against_reference, make_qkv
+from tests.helpers import check_against_reference, check_gradients, make_qkv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -129,13 +130,50 @@ def test_bad_key_ranges_are_named():
         kernels.attention(q, k, v, key_lengths=[1, 2, 3])
 
 
-def test_key_ranges_are_forward_only():
-    q, k, v = make_qkv(2, 2, 3, 16, torch.float32, DEVICE, Nk=10)
-    q.requires_grad_(True)
-    with pytest.raises(ValueError, match=r"backward does not take key ranges; call under torch.no_grad\(\)"):
-        kernels.attention(q, k, v, key_lengths=int32([5, 6]))
-    with torch.no_grad():
-        kernels.attention(q, k, v, key_lengths=int32([5, 6]))
+def embedded(first: int, end: int, Nk: int, **options):
+    """Stage C with a key range, as a function of only the range's keys: they are placed at
+    [first, end) of Nk keys whose others are NaN, so ``check_gradients`` holds the call to the
+    contract on those keys alone (and any read outside the range would show as NaN)."""
+    def attention(q, k, v, *, causal, sm_scale=None):
+        def outside(n):
+            return torch.full((k.shape[0], k.shape[1], n, k.shape[3]), float("nan"), dtype=k.dtype, device=k.device)
+        kf = torch.cat([outside(first), k, outside(Nk - end)], dim=2)
+        vf = torch.cat([outside(first), v, outside(Nk - end)], dim=2)
+        return kernels.attention(q, kf, vf, causal=causal, sm_scale=sm_scale, key_starts=int32([first]),
+                                 key_lengths=int32([end]), **options)
+    return attention
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "dq-kernel"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("first,end,Nq,Nk", [(3, 40, 9, 50), (0, 17, 20, 64), (10, 11, 1, 30), (5, 70, 70, 70)])
+def test_gradients_on_the_range_are_the_contract_s(deterministic, causal, first, end, Nq, Nk):
+    """The backward with a key range: dQ, and dK and dV of the range's keys, equal float64 autograd on
+    those keys alone (within check_gradients' bounds), with GQA, Nq past the range, one key, and
+    the atomic-dQ and dQ-kernel plans."""
+    q, k, v = make_qkv(1, 4, Nq, 16, torch.float32, DEVICE, Hkv=2, Nk=end - first)
+    check_gradients(embedded(first, end, Nk, deterministic=deterministic), q, k, v, causal=causal,
+                    dtype_name="fp32")
+
+
+@pytest.mark.parametrize("dtype_name", ["fp16", "bf16"])
+def test_half_precision_gradients_on_a_range(dtype_name):
+    q, k, v = make_qkv(1, 4, 24, 32, DTYPES[dtype_name], DEVICE, Hkv=2, Nk=37)
+    check_gradients(embedded(6, 43, 60), q, k, v, causal=True, dtype_name=dtype_name)
+
+
+def test_keys_outside_the_ranges_get_zero_gradients():
+    """A batch whose sequences have different ranges: the gradients of the keys and values outside
+    each sequence's range are exactly zero, and the rest finite."""
+    q, k, v = make_qkv(3, 4, 6, 16, torch.float32, DEVICE, Hkv=2, Nk=40)
+    starts, lengths = [0, 9, 39], [40, 25, 39]
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    kernels.attention(q, k, v, causal=True, key_starts=int32(starts), key_lengths=int32(lengths)).sum().backward()
+    for b, (first, end) in enumerate(zip(starts, lengths)):
+        for g in (k.grad[b], v.grad[b]):
+            assert not g[:, :first].any() and not g[:, end:].any()
+            assert torch.isfinite(g).all()
+    assert not q.grad[2].any()  # (an empty range: the sequence's output is 0, whatever q)
 
 
 def test_key_ranges_refuse_the_warp_specialized_kernel():
@@ -176,6 +214,25 @@ def test_compiled_call_takes_the_ranges_as_data():
     assert any(node.target is torch.ops.attention_lab.c_forward.default for node in frames[0].graph.nodes)
 
 
+def test_compiled_training_step_with_ranges_equals_eager():
+    """Forward and backward traced with ``aot_eager`` (the custom ops carry the ranges into the
+    backward graph): the same gradients as eager."""
+    torch._dynamo.reset()
+    q, k, v = make_qkv(2, 4, 7, 16, torch.float32, DEVICE, Hkv=2, Nk=30)
+    starts, lengths = int32([2, 0]), int32([30, 19])
+
+    def step(q, k, v):
+        return kernels.attention(q, k, v, causal=True, key_starts=starts, key_lengths=lengths).square().sum()
+
+    grads = {}
+    for name, fn in (("eager", step), ("compiled", torch.compile(step, backend="aot_eager", fullgraph=True))):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        fn(*leaves).backward()
+        grads[name] = [t.grad for t in leaves]
+    for a, b in zip(grads["compiled"], grads["eager"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.skipif(not interpreted() and not torch.cuda.is_available(), reason="needs the interpreter or a GPU")
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("N,Nk", [(1, 4096), (300, 4096)])
@@ -193,6 +250,30 @@ def test_ranged_kernels_compile_without_spills(arch, N, Nk):
     for c in ranged:
         usage = run_ptxas(c.asm["ptx"], f"sm_{arch}a" if arch == 90 else f"sm_{arch}")
         assert usage["spill_stores"] == usage["spill_loads"] == 0, (c.name, usage)
+
+
+@pytest.mark.skipif(not interpreted() and not torch.cuda.is_available(), reason="needs the interpreter or a GPU")
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_ranged_backward_kernels_compile(arch, deterministic):
+    """The backward's ranged variants (the tl dK/dV and dQ kernels, on Hopper too) compile, assemble,
+    and read the two range values. (At D 128 the tl dK/dV kernel spills with ranges or without: 64-116
+    bytes per thread ranged, 64-924 not, on these problems; the dQ kernel does not.)"""
+    from harness.inspect_code import run_ptxas
+    from stages.c_optimized import backward as bwd
+
+    p = Problem(B=4, H=16, Hkv=4, N=1024, D=128, causal=True, dtype="bf16")
+    kernels_ = bwd.compile_backward(p, arch, key_ranges=True, deterministic=deterministic)
+    names = [c.name for c in kernels_]
+    assert "attention_bwd_dkdv_kernel" in names and ("attention_bwd_dq_kernel" in names) == deterministic
+    for c in kernels_:
+        if c.name == "attention_bwd_delta_kernel":
+            continue
+        assert c.asm["ttir"].count("!tt.ptr<i32>") >= 2, c.name
+        usage = run_ptxas(c.asm["ptx"], f"sm_{arch}a" if arch == 90 else f"sm_{arch}")
+        assert "ptxas_error" not in usage, usage
+        if c.name == "attention_bwd_dq_kernel":
+            assert usage["spill_stores"] == usage["spill_loads"] == 0, (c.name, usage)
 
 
 @pytest.mark.gpu
@@ -256,3 +337,12 @@ def test_gpu_a_captured_decode_step_follows_its_lengths():
         graph.replay()
         torch.cuda.synchronize()
         check_ranges(out, q, k, v, None, [n0, n1], causal=True, dtype_name="bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_gradients_on_a_range(causal):
+    """On the GPU (the tl backward kernels, which a ranged call takes on Hopper too): bf16, GQA, a range
+    in the middle of a longer cache whose other keys are NaN."""
+    q, k, v = make_qkv(2, 8, 300, 128, torch.bfloat16, "cuda", Hkv=2, Nk=700)
+    check_gradients(embedded(100, 800, 1000), q, k, v, causal=causal, dtype_name="bf16")

@@ -82,6 +82,7 @@ from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_ou
 from ..launch import KeptLaunch, Launch, compiles_without_interpreter
 from .configs import SHARED_MEMORY_LIMIT, TUNED_DIR, device_arch, gpu_slug
 from . import hopper_ws  # (where the Hopper kernels run: the warp-specialized forward's rule)
+from .decode import key_range
 from .kernels import tma_supported
 
 LOG2E = 1.4426950408889634
@@ -419,10 +420,11 @@ def _dkdv_visit_q_tiles(
     lo, hi, Nq, Nk, causal_offset, qk_scale, dq_scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     MASK_CAUSAL: tl.constexpr, MASK_NK: tl.constexpr, MASK_NQ: tl.constexpr,
-    EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr, first_key, MASK_START: tl.constexpr,
 ):
     """Fold Q tiles [lo, hi) of one query head into dK, dV (transposed formulation: every tile here
-    is [BLOCK_N keys, BLOCK_M queries], so the resident K/V rows are the matmuls' M dimension)."""
+    is [BLOCK_N keys, BLOCK_M queries], so the resident K/V rows are the matmuls' M dimension).
+    ``MASK_START``: keys before ``first_key`` (a key range's start) are masked too."""
     ds = tl.arange(0, D_PAD)
     MASK_D: tl.constexpr = D != D_PAD
     for start_m in range(lo, hi, BLOCK_M):
@@ -443,9 +445,11 @@ def _dkdv_visit_q_tiles(
             p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
         else:
             p_t = tl.exp(qk_t * qk_scale - lse[None, :] * 0.6931471805599453)  # lse arrives in base 2
-        if MASK_CAUSAL or MASK_NK:
+        if MASK_CAUSAL or MASK_NK or MASK_START:
             # After the exponential: a masked score never enters an arithmetic, so no inf − inf.
             valid = cols[:, None] < Nk
+            if MASK_START:
+                valid = valid & (cols[:, None] >= first_key)
             if MASK_CAUSAL:
                 valid = valid & (cols[:, None] <= rows[None, :] + causal_offset)
             p_t = tl.where(valid, p_t, 0.0)
@@ -474,7 +478,7 @@ def _dkdv_visit_group(
     Hq, Nq, Nk, qk_scale, sm_scale,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, CAUSAL_SKIP: tl.constexpr, MASK_NK: tl.constexpr,
-    EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr, first_key, MASK_START: tl.constexpr,
 ):
     """Fold every Q tile of every query head of the K/V head's group into dK, dV. Each head's Q tiles
     split at run time into the masked ones (the diagonal band, the ragged last tile) and the
@@ -502,25 +506,30 @@ def _dkdv_visit_group(
             dk, dv = _dkdv_visit_q_tiles(dk, dv, k, v, cols, Q_h, DO_h, LSE_h, DELTA_h, DQ_h,
                                          stride_qn, stride_don, first, tl.minimum(unmasked, Nq), Nq, Nk,
                                          causal_offset, qk_scale, sm_scale, D, D_PAD, BLOCK_M,
-                                         True, MASK_NK, True, EXP2, DOT_PRECISION)
+                                         True, MASK_NK, True, EXP2, DOT_PRECISION, first_key,
+                                         MASK_START)
             dk, dv = _dkdv_visit_q_tiles(dk, dv, k, v, cols, Q_h, DO_h, LSE_h, DELTA_h, DQ_h,
                                          stride_qn, stride_don, unmasked, nq_full, Nq, Nk,
                                          causal_offset, qk_scale, sm_scale, D, D_PAD, BLOCK_M,
-                                         False, MASK_NK, False, EXP2, DOT_PRECISION)
+                                         False, MASK_NK, False, EXP2, DOT_PRECISION, first_key,
+                                         MASK_START)
             dk, dv = _dkdv_visit_q_tiles(dk, dv, k, v, cols, Q_h, DO_h, LSE_h, DELTA_h, DQ_h,
                                          stride_qn, stride_don, tl.maximum(unmasked, nq_full), Nq, Nq, Nk,
                                          causal_offset, qk_scale, sm_scale, D, D_PAD, BLOCK_M,
-                                         False, MASK_NK, True, EXP2, DOT_PRECISION)
+                                         False, MASK_NK, True, EXP2, DOT_PRECISION, first_key,
+                                         MASK_START)
         else:
             # Every Q tile, masked like stage B when causal; the ragged last one with the Nq mask.
             dk, dv = _dkdv_visit_q_tiles(dk, dv, k, v, cols, Q_h, DO_h, LSE_h, DELTA_h, DQ_h,
                                          stride_qn, stride_don, 0, nq_full, Nq, Nk,
                                          causal_offset, qk_scale, sm_scale, D, D_PAD, BLOCK_M,
-                                         CAUSAL, MASK_NK, False, EXP2, DOT_PRECISION)
+                                         CAUSAL, MASK_NK, False, EXP2, DOT_PRECISION, first_key,
+                                         MASK_START)
             dk, dv = _dkdv_visit_q_tiles(dk, dv, k, v, cols, Q_h, DO_h, LSE_h, DELTA_h, DQ_h,
                                          stride_qn, stride_don, nq_full, Nq, Nq, Nk,
                                          causal_offset, qk_scale, sm_scale, D, D_PAD, BLOCK_M,
-                                         CAUSAL, MASK_NK, True, EXP2, DOT_PRECISION)
+                                         CAUSAL, MASK_NK, True, EXP2, DOT_PRECISION, first_key,
+                                         MASK_START)
     return dk, dv
 
 
@@ -538,7 +547,7 @@ def attention_bwd_dkdv_kernel(
     Hq, Hkv, Nq, Nk,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, CAUSAL_SKIP: tl.constexpr,
-    EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr, KEY_STARTS, KEY_LENGTHS,
 ):
     pid_n, bh = tl.program_id(0), tl.program_id(1)
     b, h_kv = bh // Hkv, bh % Hkv
@@ -546,24 +555,37 @@ def attention_bwd_dkdv_kernel(
     cols = start_n + tl.arange(0, BLOCK_N)
     ds = tl.arange(0, D_PAD)
     MASK_D: tl.constexpr = D != D_PAD
-    # The K and V tiles are loaded once per program: masked always (cheap here); the Nk mask of the
-    # inner loop, per score, only in the one program whose tile is ragged.
-    k = _load_tile(K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh + cols[:, None] * stride_kn
-                   + ds[None, :], cols, Nk, ds, D, True, MASK_D)
-    v = _load_tile(V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh + cols[:, None] * stride_vn
-                   + ds[None, :], cols, Nk, ds, D, True, MASK_D)
+    K_tile = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh + cols[:, None] * stride_kn + ds[None, :]
+    V_tile = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh + cols[:, None] * stride_vn + ds[None, :]
     dk = tl.zeros((BLOCK_N, D_PAD), tl.float32)
     dv = tl.zeros((BLOCK_N, D_PAD), tl.float32)
-    if start_n + BLOCK_N <= Nk:
+    if KEY_STARTS is not None or KEY_LENGTHS is not None:
+        # A key range per batch entry (the forward's): keys [first, end) of the Nk, the causal
+        # diagonal aligned to its end. Keys outside it are never loaded (they may hold anything) and
+        # get zero gradients; every score is masked against the range.
+        first, end = key_range(KEY_STARTS, KEY_LENGTHS, b, Nk)
+        in_range = (cols[:, None] >= first) & (cols[:, None] < end) & (ds[None, :] < D)
+        k = tl.load(K_tile, mask=in_range, other=0.0)
+        v = tl.load(V_tile, mask=in_range, other=0.0)
         dk, dv = _dkdv_visit_group(dk, dv, k, v, cols, start_n, b, h_kv, Q, DO, LSE, DELTA, DQ_ACC,
                                    stride_qb, stride_qh, stride_qn, stride_dob, stride_doh, stride_don,
-                                   Hq, Nq, Nk, qk_scale, sm_scale, D, D_PAD, BLOCK_M, BLOCK_N, GROUP, CAUSAL,
-                                   CAUSAL_SKIP, False, EXP2, DOT_PRECISION)
+                                   Hq, Nq, end, qk_scale, sm_scale, D, D_PAD, BLOCK_M, BLOCK_N, GROUP, CAUSAL,
+                                   CAUSAL_SKIP, True, EXP2, DOT_PRECISION, first, True)
     else:
-        dk, dv = _dkdv_visit_group(dk, dv, k, v, cols, start_n, b, h_kv, Q, DO, LSE, DELTA, DQ_ACC,
-                                   stride_qb, stride_qh, stride_qn, stride_dob, stride_doh, stride_don,
-                                   Hq, Nq, Nk, qk_scale, sm_scale, D, D_PAD, BLOCK_M, BLOCK_N, GROUP, CAUSAL,
-                                   CAUSAL_SKIP, True, EXP2, DOT_PRECISION)
+        # The K and V tiles are loaded once per program: masked always (cheap here); the Nk mask of the
+        # inner loop, per score, only in the one program whose tile is ragged.
+        k = _load_tile(K_tile, cols, Nk, ds, D, True, MASK_D)
+        v = _load_tile(V_tile, cols, Nk, ds, D, True, MASK_D)
+        if start_n + BLOCK_N <= Nk:
+            dk, dv = _dkdv_visit_group(dk, dv, k, v, cols, start_n, b, h_kv, Q, DO, LSE, DELTA, DQ_ACC,
+                                       stride_qb, stride_qh, stride_qn, stride_dob, stride_doh, stride_don,
+                                       Hq, Nq, Nk, qk_scale, sm_scale, D, D_PAD, BLOCK_M, BLOCK_N, GROUP, CAUSAL,
+                                       CAUSAL_SKIP, False, EXP2, DOT_PRECISION, 0, False)
+        else:
+            dk, dv = _dkdv_visit_group(dk, dv, k, v, cols, start_n, b, h_kv, Q, DO, LSE, DELTA, DQ_ACC,
+                                       stride_qb, stride_qh, stride_qn, stride_dob, stride_doh, stride_don,
+                                       Hq, Nq, Nk, qk_scale, sm_scale, D, D_PAD, BLOCK_M, BLOCK_N, GROUP, CAUSAL,
+                                       CAUSAL_SKIP, True, EXP2, DOT_PRECISION, 0, False)
 
     dk = dk * sm_scale  # dK = scale · dS^T Q: the scale once per element, not once per tile pair
     dk_ptrs = DK + b.to(tl.int64) * stride_dkb + h_kv.to(tl.int64) * stride_dkh + cols[:, None] * stride_dkn + ds[None, :]
@@ -615,7 +637,7 @@ def attention_bwd_dq_kernel(
     Hq, Nq, Nk,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, CAUSAL_SKIP: tl.constexpr,
-    EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr, KEY_STARTS, KEY_LENGTHS,
 ):
     """Deterministic dQ: one program per (Q tile of BLOCK_M rows, batch·query head), K/V tiles of
     BLOCK_N rows visited in a fixed order."""
@@ -641,7 +663,18 @@ def attention_bwd_dq_kernel(
     dq = tl.zeros((BLOCK_M, D_PAD), tl.float32)
     causal_offset = Nk - Nq
     n_full = Nk // BLOCK_N * BLOCK_N  # whole K/V tiles; the ragged rest needs the Nk mask
-    if CAUSAL and CAUSAL_SKIP:
+    if KEY_STARTS is not None or KEY_LENGTHS is not None:
+        # A key range (the forward's): the tiles start at its first key, so none reads a key before
+        # it, and are all masked against its end and the diagonal aligned to that end.
+        first, end = key_range(KEY_STARTS, KEY_LENGTHS, b, Nk)
+        offset = end - Nq
+        hi = end
+        if CAUSAL:
+            hi = tl.maximum(tl.minimum(start_m + BLOCK_M + offset, end), 0)
+        dq = _dq_visit_kv_tiles(dq, q, do, lse, delta, rows, K_h, V_h, stride_kn, stride_vn,
+                                first, hi, end, offset, qk_scale, D, D_PAD, BLOCK_N, CAUSAL, True, EXP2,
+                                DOT_PRECISION)
+    elif CAUSAL and CAUSAL_SKIP:
         # Every row of the tile sees keys j ≤ start_m + offset: whole tiles below that run mask-free;
         # tiles up to the last row's last key (start_m + BLOCK_M − 1 + offset) are masked.
         unmasked = tl.minimum(tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N * BLOCK_N, n_full)
@@ -710,14 +743,16 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
                   deterministic: bool = False, tuned_tiles: bool = True, pipelining: bool = True,
                   exp2: bool = True, causal_skip: bool = True, tma: bool = True,
                   config: BwdConfig | None = None, dq_config: BwdConfig | None = None,
-                  ws: WsConfig | None = None, ws_dq: WsConfig | None = None) -> list[Launch]:
+                  ws: WsConfig | None = None, ws_dq: WsConfig | None = None, key_starts=None,
+                  key_lengths=None) -> list[Launch]:
     """The backward's launches in order: Δ pre-pass, dK/dV (+ atomic dQ into ``dq_acc``), and with
     ``deterministic`` the dQ kernel writing ``dq``. ``dq_acc`` is None in deterministic mode. ``tma``
     is accepted and ignored (pointer loads everywhere, see the module docstring). ``config`` forces the
     dK/dV kernel's tiles, ``dq_config`` the dQ kernel's (default: ``config`` the other way round).
     ``ws``: dK/dV from the Hopper kernel with these tiles (``choose_ws``; needs ``deterministic``,
     the separate dQ kernel, unless ``ws_dq`` is :data:`FUSED_DQ`: dQ added into ``dq_acc`` by the
-    Hopper dK/dV kernel itself); ``ws_dq``: dQ from the Hopper dQ kernel (``deterministic`` too)."""
+    Hopper dK/dV kernel itself); ``ws_dq``: dQ from the Hopper dQ kernel (``deterministic`` too).
+    ``key_starts``/``key_lengths``: the forward's key ranges (the ``tl`` kernels take them)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     D_pad = padded_head_dim(D)
@@ -732,6 +767,9 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
                          f"dK/dV config with 64-row Q tiles, or 32-row ones with two consumers (ws_config, e.g. "
                          f"'ws-M64-c2-s2' or 'ws-M32-c2-s3'), deterministic off and the fp32 accumulator; got "
                          f"ws_config={ws}, deterministic={deterministic}")
+    if (key_starts is not None or key_lengths is not None) and (ws is not None or ws_dq is not None):
+        raise ValueError("key_starts/key_lengths run on the tl backward kernels, not the Hopper ones: leave "
+                         "ws_config and ws_dq_config None")
     if (ws is not None or ws_dq is not None) and not deterministic and not fused:
         raise ValueError("the Hopper kernels form dQ in a kernel of its own: plan_backward needs deterministic=True "
                          "with ws or ws_dq")
@@ -765,7 +803,8 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
                  stride_dob=do.stride(0), stride_doh=do.stride(1), stride_don=do.stride(2),
                  stride_dkb=dk.stride(0), stride_dkh=dk.stride(1), stride_dkn=dk.stride(2),
                  stride_dvb=dv.stride(0), stride_dvh=dv.stride(1), stride_dvn=dv.stride(2),
-                 Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, BLOCK_M=BM, BLOCK_N=BN, **common),
+                 Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, BLOCK_M=BM, BLOCK_N=BN, KEY_STARTS=key_starts,
+                 KEY_LENGTHS=key_lengths, **common),
             num_warps=config.num_warps, num_stages=config.num_stages))
     if fused:
         pass  # (dQ is in dq_acc once the dK/dV kernel is done)
@@ -785,7 +824,8 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
                  stride_vb=v.stride(0), stride_vh=v.stride(1), stride_vn=v.stride(2),
                  stride_dob=do.stride(0), stride_doh=do.stride(1), stride_don=do.stride(2),
                  stride_dqb=dq.stride(0), stride_dqh=dq.stride(1), stride_dqn=dq.stride(2),
-                 Hq=Hq, Nq=Nq, Nk=Nk, BLOCK_M=dq_config.block_n, BLOCK_N=dq_config.block_m, **common),
+                 Hq=Hq, Nq=Nq, Nk=Nk, BLOCK_M=dq_config.block_n, BLOCK_N=dq_config.block_m, KEY_STARTS=key_starts,
+                 KEY_LENGTHS=key_lengths, **common),
             num_warps=dq_config.num_warps, num_stages=dq_config.num_stages))
     return launches
 
@@ -795,7 +835,8 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                        tuned_tiles: bool = True, pipelining: bool = True, exp2: bool = True,
                        causal_skip: bool = True, tma: bool = True, warp_specialization: bool = True,
                        config: BwdConfig | None = None, dq_config: BwdConfig | None = None,
-                       ws_config: WsConfig | str | None = None, ws_dq_config: WsConfig | str | None = None):
+                       ws_config: WsConfig | str | None = None, ws_dq_config: WsConfig | str | None = None,
+                       key_starts: torch.Tensor | None = None, key_lengths: torch.Tensor | None = None):
     """Gradients (dq, dk, dv) of attention, in the input dtypes, shaped like q, k, v (contiguous).
 
     ``o`` is the forward's output and ``lse`` its fp32 ``[B, Hq, Nq]`` row log-sum-exp in base 2 of
@@ -806,6 +847,8 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     dK/dV kernel and its tiles (``hopper_bwd.py``), ``ws_dq_config`` the Hopper dQ kernel; each
     otherwise runs where the tuner measured it faster; ``warp_specialization=False`` keeps to the ``tl`` kernels. ``do`` may come in any layout
     (the gradient of ``o.sum()`` is an expanded tensor): it is made contiguous where the kernels need that.
+    ``key_starts``/``key_lengths``: the forward's key ranges (int32 [B], checked by ``attention``): keys
+    outside a sequence's range get zero gradients; the ``tl`` kernels run them.
     """
     if isinstance(do, torch.Tensor):
         do = ops.maybe_contiguous(do)
@@ -815,20 +858,23 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     # tensors to the kept launches (stages/launch.py, KeptLaunch). Keyed on everything the launches'
     # other arguments depend on: shapes, strides, dtype, alignment, the scale, the options.
     aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | do.data_ptr() | o.data_ptr()) % 16 == 0
+    ranges = None if key_starts is None and key_lengths is None else tuple(
+        None if t is None else t.data_ptr() % 16 == 0 for t in (key_starts, key_lengths))
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), q.dtype, q.device,
            aligned, causal, scale, deterministic, tuned_tiles, pipelining, exp2, causal_skip, tma,
-           warp_specialization, config, dq_config, ws_config, ws_dq_config)
+           warp_specialization, config, dq_config, ws_config, ws_dq_config, ranges)
     kept = _KEPT.get(key)
     if kept is None:
         kept = _plan_layout(do, q, k, v, o, lse, causal=causal, scale=scale, deterministic=deterministic,
                             tuned_tiles=tuned_tiles, pipelining=pipelining, exp2=exp2, causal_skip=causal_skip,
                             tma=tma, warp_specialization=warp_specialization, config=config, dq_config=dq_config,
-                            ws_config=ws_config, ws_dq_config=ws_dq_config)
+                            ws_config=ws_config, ws_dq_config=ws_dq_config, key_starts=key_starts,
+                            key_lengths=key_lengths)
         if len(_KEPT) >= _KEPT_MAX:
             _KEPT.clear()  # a model's layouts come back every step; a cleared table refills
         _KEPT[key] = kept
     tensors = _allocate(q, k, v, kept.separate)
-    tensors.update(do=do, q=q, k=k, v=v, o=o, lse=lse)
+    tensors.update(do=do, q=q, k=k, v=v, o=o, lse=lse, key_starts=key_starts, key_lengths=key_lengths)
     bound = kept.bound
     if bound and all(b.open() for b in bound):
         # The leanest path: launches bound at this layout's first call (launch.BoundKeptLaunch): per call
@@ -867,7 +913,8 @@ class KeptLayout:
 _ROLES = {"Q": "q", "K": "k", "V": "v", "O": "o", "DO": "do", "DQ": "dq", "DK": "dk", "DV": "dv", "LSE": "lse",
           "DELTA": "delta", "DQ_ACC": "dq_acc", "q_desc": "q", "k_desc": "k", "v_desc": "v", "do_desc": "do",
           "dq_desc": "dq", "dk_desc": "dk", "dv_desc": "dv", "q_tail_desc": "q", "k_tail_desc": "k",
-          "v_tail_desc": "v", "do_tail_desc": "do", "dq_tail_desc": "dq", "dk_tail_desc": "dk", "dv_tail_desc": "dv", "DQ_TAIL_ACC": "dq_acc"}
+          "v_tail_desc": "v", "do_tail_desc": "do", "dq_tail_desc": "dq", "dk_tail_desc": "dk", "dv_tail_desc": "dv", "DQ_TAIL_ACC": "dq_acc",
+          "KEY_STARTS": "key_starts", "KEY_LENGTHS": "key_lengths"}
 
 
 def _allocate(q, k, v, separate: bool) -> dict:
@@ -886,13 +933,16 @@ def _allocate(q, k, v, separate: bool) -> dict:
 
 
 def _plan_layout(do, q, k, v, o, lse, *, causal, scale, deterministic, tuned_tiles, pipelining, exp2, causal_skip,
-                 tma, warp_specialization, config, dq_config, ws_config, ws_dq_config) -> tuple:
-    """The :class:`KeptLayout` of a layout: the plan, the Hopper kernels' choice, the launches."""
+                 tma, warp_specialization, config, dq_config, ws_config, ws_dq_config, key_starts=None,
+                 key_lengths=None) -> tuple:
+    """The :class:`KeptLayout` of a layout: the plan, the Hopper kernels' choice, the launches (key ranges:
+    the ``tl`` kernels, whatever the plan)."""
     D = q.shape[-1]
     arch = device_arch(q.device)
     plan = backward_plan(D, q.dtype, arch, causal, deterministic=deterministic, tuned_tiles=tuned_tiles,
                          pipelining=pipelining, warp_specialization=warp_specialization)
-    switches_on = tuned_tiles and pipelining and exp2 and causal_skip and warp_specialization
+    ranged = key_starts is not None or key_lengths is not None
+    switches_on = tuned_tiles and pipelining and exp2 and causal_skip and warp_specialization and not ranged
     auto = config is None and dq_config is None  # forced tl tiles: the tl kernels, unless a Hopper one is forced too
     ws = choose_ws(plan.ws if auto else None, ws_config, q, k, v, do, arch, switches_on=switches_on)
     ws_dq = choose_ws(plan.ws_dq if auto else None, ws_dq_config, q, k, v, do, arch, switches_on=switches_on,
@@ -908,7 +958,7 @@ def _plan_layout(do, q, k, v, o, lse, *, causal, scale, deterministic, tuned_til
     launches = plan_backward(do, q, k, v, o, lse, t["delta"], t["dq"], t["dk"], t["dv"], t["dq_acc"], causal=causal,
                              scale=scale, arch=arch, deterministic=separate, tuned_tiles=tuned_tiles,
                              pipelining=pipelining, exp2=exp2, causal_skip=causal_skip, tma=tma, config=config,
-                             dq_config=dq_config, ws=ws, ws_dq=ws_dq)
+                             dq_config=dq_config, ws=ws, ws_dq=ws_dq, key_starts=key_starts, key_lengths=key_lengths)
     return KeptLayout(separate, tuple(KeptLaunch(launch, _ROLES) for launch in launches))
 
 
@@ -916,8 +966,12 @@ def _plan_layout(do, q, k, v, o, lse, *, causal, scale, deterministic, tuned_til
 def compile_backward(problem: Problem, arch: int, **switches) -> list[CompiledKernel]:
     """Compile the backward kernels for ``problem`` on an sm_``arch`` GPU without one (storage-free
     ``meta`` tensors); ``switches`` as for ``attention_backward`` (``deterministic`` and ``ws_config``
-    included: the Hopper dK/dV kernel is compiled only when ``ws_config`` names its tiles)."""
+    included: the Hopper dK/dV kernel is compiled only when ``ws_config`` names its tiles; ``key_ranges=True``:
+    the kernels a call with key starts and lengths runs)."""
     dtype = DTYPES[problem.dtype]
+    if switches.pop("key_ranges", False):
+        switches["key_starts"], switches["key_lengths"] = (
+            torch.empty(problem.B, dtype=torch.int32, device="meta") for _ in range(2))
 
     def meta(*shape, dt=dtype):
         return torch.empty(shape, dtype=dt, device="meta")

@@ -934,21 +934,24 @@ def _(q, k, v, causal, scale, store_lse, *options):
 
 
 def _backward(do, q, k, v, o, lse, causal: bool, scale: float, deterministic: bool, tuned_tiles: bool,
-              pipelining: bool, exp2: bool, causal_skip: bool, warp_specialization: bool):
+              pipelining: bool, exp2: bool, causal_skip: bool, warp_specialization: bool, key_starts=None,
+              key_lengths=None):
     from .backward import attention_backward  # imported here: the forward does not need it
 
     return attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale,
                               deterministic=deterministic, tuned_tiles=tuned_tiles, pipelining=pipelining,
-                              exp2=exp2, causal_skip=causal_skip, warp_specialization=warp_specialization)
+                              exp2=exp2, causal_skip=causal_skip, warp_specialization=warp_specialization,
+                              key_starts=key_starts, key_lengths=key_lengths)
 
 
 @torch.library.custom_op(f"{ops.LIBRARY}::c_backward", mutates_args=(), device_types=None)
 def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                  lse: torch.Tensor, causal: bool, scale: float, deterministic: bool, tuned_tiles: bool,
-                 pipelining: bool, exp2: bool, causal_skip: bool,
-                 warp_specialization: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 pipelining: bool, exp2: bool, causal_skip: bool, warp_specialization: bool,
+                 key_starts: torch.Tensor | None = None,
+                 key_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward(do, q, k, v, o, lse, causal, scale, deterministic, tuned_tiles, pipelining, exp2, causal_skip,
-                     warp_specialization)
+                     warp_specialization, key_starts, key_lengths)
 
 
 @_backward_op.register_fake
@@ -958,10 +961,11 @@ def _(do, q, k, v, o, lse, *options):
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, causal, scale, store_lse, config, split_kv, ws_rung, tuned_tiles, pipelining, tma, exp2, causal_skip, \
-        warp_specialization, deterministic, *_key_ranges = inputs
+        warp_specialization, deterministic, *key_ranges = inputs
     o, lse = output
     ctx.inputs = len(inputs)
-    ctx.save_for_backward(q, k, v, o, lse)
+    key_starts, key_lengths = key_ranges or (None, None)  # (the eager call passes none when it has none)
+    ctx.save_for_backward(q, k, v, o, lse, key_starts, key_lengths)
     ctx.mark_non_differentiable(lse)
     # The ablation switches that the backward has too (the forward's tiles and TMA do not carry
     # over: the backward has its own configs; warp_specialization=False keeps it to the tl kernels).
@@ -969,14 +973,14 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _grad(ctx, do, dlse):
-    q, k, v, o, lse = ctx.saved_tensors
+    q, k, v, o, lse, key_starts, key_lengths = ctx.saved_tensors
     if lse.numel() == 0 and q.numel():
         raise RuntimeError("attention_lab::c_forward ran with store_lse=False, so it kept no row log-sum-exp for "
                            "the backward to rebuild P from: call it with store_lse=True when gradients are wanted")
     if ops.traced(do, q):
-        dq, dk, dv = _backward_op(do, q, k, v, o, lse, *ctx.args)
+        dq, dk, dv = _backward_op(do, q, k, v, o, lse, *ctx.args, key_starts, key_lengths)
     else:
-        dq, dk, dv = _backward(do, q, k, v, o, lse, *ctx.args)
+        dq, dk, dv = _backward(do, q, k, v, o, lse, *ctx.args, key_starts, key_lengths)
     return dq, dk, dv, *(None,) * (ctx.inputs - 3)
 
 
@@ -1007,7 +1011,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     the lengths say how many slots are filled) and a left-padded batch (the starts skip the pads).
     The values stay on the GPU, so a loop whose lengths grow per step neither waits for the GPU
     nor compiles or plans anything new, and CUDA graphs can replay it. Runs on the ``tl`` and
-    split-KV kernels; forward only (a ValueError if gradients are wanted).
+    split-KV kernels, and the ``tl`` backward kernels (keys outside a range get zero gradients).
 
     Traced (``torch.compile``, ``torch.export``) the call is the custom op
     ``torch.ops.attention_lab.c_forward``; eager, the same implementation without the dispatcher
@@ -1019,17 +1023,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     store_lse = ops.needs_grad(q, k, v)
     if key_starts is not None or key_lengths is not None:
         key_starts, key_lengths = validate_key_ranges(q, k, key_starts, key_lengths)
-        if store_lse:
-            raise ValueError("key_starts/key_lengths are for inference (a KV cache, a padded batch): the backward "
-                             "does not take key ranges; call under torch.no_grad(), or train on unpadded batches "
-                             "without them")
+        args = (q, k, v, causal, scale, store_lse, config, split_kv, ws_rung, tuned_tiles, pipelining, tma, exp2,
+                causal_skip, warp_specialization, deterministic, key_starts, key_lengths)
         if ops.traced(q, k, v, *(t for t in (key_starts, key_lengths) if t is not None)):
-            name = None if config is None else str(config)
-            return _forward_op(q, k, v, causal, scale, False, name, split_kv, ws_rung, tuned_tiles, pipelining,
-                               tma, exp2, causal_skip, warp_specialization, deterministic, key_starts,
-                               key_lengths)[0]
-        return _forward(q, k, v, causal, scale, False, config, split_kv, ws_rung, tuned_tiles, pipelining, tma,
-                        exp2, causal_skip, warp_specialization, deterministic, key_starts, key_lengths)[0]
+            return _forward_op(*args[:6], None if config is None else str(config), *args[7:])[0]
+        if store_lse:
+            return _Attention.apply(*args)[0]
+        return _forward(*args)[0]
     if ops.traced(q, k, v):
         name = None if config is None else str(config)
         return _forward_op(q, k, v, causal, scale, store_lse, name, split_kv, ws_rung, tuned_tiles, pipelining,
