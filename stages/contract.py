@@ -372,6 +372,14 @@ def validate_key_ranges(q: torch.Tensor, k: torch.Tensor, key_starts, key_length
     return tuple(checked)
 
 
+def key_ranges_alignment(key_starts, key_lengths) -> tuple | None:
+    """What a layout key must hold of a call's key ranges: None without them, else each one's 16-byte
+    alignment (None for one not passed); Triton specializes a pointer on nothing else."""
+    if key_starts is None and key_lengths is None:
+        return None
+    return tuple(None if t is None else t.data_ptr() % 16 == 0 for t in (key_starts, key_lengths))
+
+
 _DTYPES = tuple(DTYPES.values())
 #: layouts of GPU inputs that passed :func:`validate_inputs` -> the scale it returned
 _PASSED: dict = {}

@@ -78,7 +78,7 @@ import triton.language as tl
 
 from .. import ops
 from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_output, padded_head_dim, \
-    validate_backward_inputs
+    key_ranges_alignment, validate_backward_inputs
 from ..launch import KeptLaunch, Launch, compiles_without_interpreter
 from .configs import SHARED_MEMORY_LIMIT, TUNED_DIR, device_arch, gpu_slug
 from . import hopper_ws  # (where the Hopper kernels run: the warp-specialized forward's rule)
@@ -858,8 +858,7 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     # tensors to the kept launches (stages/launch.py, KeptLaunch). Keyed on everything the launches'
     # other arguments depend on: shapes, strides, dtype, alignment, the scale, the options.
     aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | do.data_ptr() | o.data_ptr()) % 16 == 0
-    ranges = None if key_starts is None and key_lengths is None else tuple(
-        None if t is None else t.data_ptr() % 16 == 0 for t in (key_starts, key_lengths))
+    ranges = key_ranges_alignment(key_starts, key_lengths)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), q.dtype, q.device,
            aligned, causal, scale, deterministic, tuned_tiles, pipelining, exp2, causal_skip, tma,
            warp_specialization, config, dq_config, ws_config, ws_dq_config, ranges)

@@ -55,8 +55,8 @@ import triton
 import triton.language as tl
 
 from .. import contract, ops
-from ..contract import (DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_output, padded_head_dim, validate_inputs,
-                        validate_key_ranges)
+from ..contract import (DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, key_ranges_alignment, new_output,
+                        padded_head_dim, validate_inputs, validate_key_ranges)
 from ..launch import (FastLaunch, Launch, compiles_without_interpreter, descriptor_on, descriptor_over,
                       layout_fields)
 from . import decode, hopper_ws
@@ -786,12 +786,8 @@ def _forward(q, k, v, causal: bool, scale: float, store_lse: bool, config, split
     # specialization of every pointer follow from these, so the layout's bound launches can too.
     qa, ka, va = q.data_ptr(), k.data_ptr(), v.data_ptr()
     arch, sms = _arch_and_sms(q)
-    # A key range's tensors: whether each is passed, and its pointer's alignment (Triton specializes on it).
-    if key_starts is None and key_lengths is None:
-        ranges, range_key = _NO_RANGES, None
-    else:
-        ranges = (key_starts is not None, key_lengths is not None)
-        range_key = tuple(None if t is None else t.data_ptr() % 16 == 0 for t in (key_starts, key_lengths))
+    range_key = key_ranges_alignment(key_starts, key_lengths)
+    ranges = _NO_RANGES if range_key is None else (key_starts is not None, key_lengths is not None)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), qa % 16 == 0, ka % 16 == 0, va % 16 == 0, q.dtype,
            arch, sms, causal, store_lse, config, split_kv, switches, ws_rung, range_key)
     planned = _LAYOUT_PLANS.get(key)
@@ -964,7 +960,7 @@ def _setup_context(ctx, inputs, output) -> None:
         warp_specialization, deterministic, *key_ranges = inputs
     o, lse = output
     ctx.inputs = len(inputs)
-    key_starts, key_lengths = key_ranges or (None, None)  # (the eager call passes none when it has none)
+    key_starts, key_lengths = key_ranges or (None, None)  # (a caller that passes the op no ranges)
     ctx.save_for_backward(q, k, v, o, lse, key_starts, key_lengths)
     ctx.mark_non_differentiable(lse)
     # The ablation switches that the backward has too (the forward's tiles and TMA do not carry
@@ -1021,24 +1017,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     _check_options(split_kv, deterministic, ws_rung)
     _check_config(config)
     store_lse = ops.needs_grad(q, k, v)
+    ranges = ()
     if key_starts is not None or key_lengths is not None:
         key_starts, key_lengths = validate_key_ranges(q, k, key_starts, key_lengths)
-        args = (q, k, v, causal, scale, store_lse, config, split_kv, ws_rung, tuned_tiles, pipelining, tma, exp2,
-                causal_skip, warp_specialization, deterministic, key_starts, key_lengths)
-        if ops.traced(q, k, v, *(t for t in (key_starts, key_lengths) if t is not None)):
-            return _forward_op(*args[:6], None if config is None else str(config), *args[7:])[0]
-        if store_lse:
-            return _Attention.apply(*args)[0]
-        return _forward(*args)[0]
-    if ops.traced(q, k, v):
-        name = None if config is None else str(config)
-        return _forward_op(q, k, v, causal, scale, store_lse, name, split_kv, ws_rung, tuned_tiles, pipelining,
-                           tma, exp2, causal_skip, warp_specialization, deterministic)[0]
+        ranges = tuple(t for t in (key_starts, key_lengths) if t is not None)
+    args = (q, k, v, causal, scale, store_lse, config, split_kv, ws_rung, tuned_tiles, pipelining, tma, exp2,
+            causal_skip, warp_specialization, deterministic, key_starts, key_lengths)
+    if ops.traced(q, k, v, *ranges):
+        return _forward_op(*args[:6], None if config is None else str(config), *args[7:])[0]
     if store_lse:
-        return _Attention.apply(q, k, v, causal, scale, True, config, split_kv, ws_rung, tuned_tiles, pipelining,
-                                tma, exp2, causal_skip, warp_specialization, deterministic)[0]
-    return _forward(q, k, v, causal, scale, False, config, split_kv, ws_rung, tuned_tiles, pipelining, tma, exp2,
-                    causal_skip, warp_specialization, deterministic)[0]
+        return _Attention.apply(*args)[0]
+    return _forward(*args)[0]
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
