@@ -51,9 +51,19 @@ returns the least that says what the mask would:
   builds a static cache's mask before the compiled forward and hands it back to the model as its
   ``attention_mask``, which transformers passes on untouched only as a 4-D tensor (the masks it
   makes itself are bool or float, never int32).
-* SDPA's materialized boolean mask for anything else (padding with holes or on the right of a
-  causal model, sliding windows, packed sequences, model-specific patterns), which the attention
-  function refuses with one line that says what the kernels take and what to use instead.
+* None again for a causal model's **right padding** (a training batch padded at the end, as data
+  collators do it): causality already hides a sequence's trailing pads from each of its real
+  tokens, so plain causal attention gives every real token SDPA's output, in every stage. Only the
+  pads' own rows differ, and no implementation agrees on those (SDPA attends them to the real
+  keys, transformers' FlashAttention-2 path writes zeros, the lab attends them causally, pads
+  included); no real token reads them, and a loss that leaves the pads out (labels of -100) gives
+  them no gradient, so the logits of the real tokens and every parameter's gradient are SDPA's.
+  (A loss over the pads' positions too, or a model's auxiliary loss over every token, would see
+  the difference.) Generating after a right-padded prompt puts the new tokens behind the pads, a
+  hole, which is refused.
+* SDPA's materialized boolean mask for anything else (padding with holes, sliding windows, packed
+  sequences, model-specific patterns), which the attention function refuses with one line that
+  says what the kernels take and what to use instead.
 
 **Under torch.compile.** The stages are custom ops (``stages/ops.py``), so ``torch.compile(model,
 fullgraph=True)`` traces a whole forward and backward. Give the model a cache (``use_cache=True``, the
@@ -96,7 +106,8 @@ UNSUPPORTED_KWARGS: dict[str, str] = {
 }
 
 #: what the stages compute, for the error messages
-_SUPPORTED = "the lab's kernels take causal (bottom-right aligned) or unmasked attention without padding"
+_SUPPORTED = ("the lab's kernels take causal (bottom-right aligned) or unmasked attention over one unbroken "
+              "range of keys per sequence (padding on one side, never holes)")
 
 
 class UnsupportedAttention(ValueError):
@@ -142,7 +153,7 @@ def check_supported(impl: str, attention_mask, dropout: float, kwargs: dict, con
         shape = "x".join(map(str, getattr(attention_mask, "shape", ()))) or type(attention_mask).__name__
         raise _refuse(impl, f"got an attention mask ({shape}: padding in the batch, a static cache's unfilled "
                             f"slots, packed sequences or a model-specific mask pattern), but {_SUPPORTED}",
-                      'use a pad-free batch (equal-length sequences, the default dynamic cache) or '
+                      'pad each sequence on one side only (a pad-free batch always works), or use '
                       'attn_implementation="sdpa"')
     if dropout:
         raise _refuse(impl, f"attention dropout p={dropout:g} (the model is in training mode), but the kernels "
@@ -248,57 +259,40 @@ def attention_forward(stage_name: str):
 
 # ------------------------------------------------------------------------------------------ mask function
 
-def _no_padding(padding_mask: torch.Tensor | None, kv_length: int, kv_offset: int) -> bool:
-    """True when no key among the ``kv_length`` ones from ``kv_offset`` on is masked out by the 2-D
-    ``padding_mask`` [B, >= kv_offset + kv_length] (True = a real token). False while tracing
-    (the mask's values are not known then)."""
-    from transformers.utils.import_utils import is_tracing
-
-    if padding_mask is None:
-        return True
-    if is_tracing(padding_mask):
-        return False
-    window = padding_mask[:, kv_offset:kv_offset + kv_length]
-    return bool(window.sum() == window.numel())
-
-
 def _key_ranges(padding_mask: torch.Tensor | None, batch_size: int, q_length: int, kv_length: int, q_offset,
-                kv_offset: int, causal: bool, device, check_on_host: bool) -> torch.Tensor | None:
-    """The keys each sequence sees as one range per sequence (:func:`key_ranges_mask`), or None where
-    the padding mask leaves holes a range cannot express. ``check_on_host``: read that check on the
-    host (a clear error, at the cost of waiting for the GPU); otherwise a device-side assert stops
-    the program where a range would attend to the wrong keys, and nothing waits.
+                kv_offset: int, causal: bool, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys each sequence sees as one range per sequence (:func:`key_ranges_mask`), with two
+    0-d bool tensors on the device: ``fits``, whether the padding mask is one unbroken run of real
+    tokens per sequence (else a range would attend to the wrong keys), and ``whole``, whether every
+    range is all the keys (then the plain causal or bidirectional rule says it all). Nothing here
+    waits for the GPU; the caller reads or asserts the flags.
 
     Causal: sequence b sees the keys from its first real token (its left padding skipped) to the
     newest query's position, ``q_offset + q_length`` (the same end for every sequence; a static
-    cache's slots past it are unfilled). The mask past that end does not matter (causality hides
-    it). Bidirectional: from the first real token to the last."""
+    cache's slots past it are unfilled). Its right padding, the pads after its last real token,
+    stays in the range: causality already hides those keys from every real token, and only the
+    pads' own query rows see them. Bidirectional: from the first real token to the last."""
     end = q_offset + q_length - kv_offset  # (a 0-d tensor under a static cache: its filled length)
     if isinstance(end, torch.Tensor):
         lengths = end.to(device=device, dtype=torch.int32).reshape(1).expand(batch_size).contiguous()
     else:
         lengths = torch.full((batch_size,), end, dtype=torch.int32, device=device)
-    if padding_mask is None:
-        return key_ranges_mask(torch.zeros_like(lengths), lengths)
-    real = padding_mask[:, kv_offset:kv_offset + kv_length].to(device=device, dtype=torch.bool)
     j = torch.arange(kv_length, device=device)
+    if padding_mask is None:
+        real = torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
+    else:
+        real = padding_mask[:, kv_offset:kv_offset + kv_length].to(device=device, dtype=torch.bool)
+    if causal:  # (a static cache's unfilled slots: no query sees them)
+        real = real & (j[None, :] < lengths[:, None])
     any_real = real.any(dim=-1)
-    # First real key (argmax of the first True), or the end for a sequence of pads only.
+    # First real key and one past the last (argmax finds the first True), both the end for pads only.
     starts = torch.where(any_real, real.to(torch.int32).argmax(dim=-1), lengths).to(torch.int32)
+    ends = torch.where(any_real, kv_length - real.flip(-1).to(torch.int32).argmax(dim=-1), starts).to(torch.int32)
+    fits = (((j[None, :] >= starts[:, None]) & (j[None, :] < ends[:, None])) == real).all()
     if causal:
-        expected = j[None, :] >= starts[:, None]
-        fits = (expected == real) | (j[None, :] >= lengths[:, None])
-    else:
-        last = kv_length - 1 - real.flip(-1).to(torch.int32).argmax(dim=-1)
-        lengths = torch.where(any_real, last + 1, starts).to(torch.int32)
-        fits = (j[None, :] >= starts[:, None]) & (j[None, :] < lengths[:, None]) == real
-    if check_on_host:
-        if not bool(fits.all()):
-            return None
-    else:
-        torch._assert_async(fits.all(), "stages.hf: a padding mask with holes (or right padding in a causal model) "
-                                        "cannot be expressed as one key range per sequence")
-    return key_ranges_mask(starts, lengths)
+        ends = lengths
+    whole = (starts == 0).all() & (ends == kv_length).all()
+    return key_ranges_mask(starts, ends), fits, whole
 
 
 def lab_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
@@ -314,15 +308,17 @@ def lab_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
     (transformers' causal or bidirectional rule, or a composition of it with a model's own
     pattern, packed sequences or a block overlay). Returns
 
-    * None when the stage's own causal flag says it all: no padding, no window, the plain causal
-      or bidirectional rule, and (causal) the queries are the newest positions (``q_offset +
-      q_length == kv_offset + kv_length``, always true of the dynamic cache);
+    * None when the stage's own causal flag says it all: no padding (or, causal, only right
+      padding, which causality hides from every real token: see the module's docstring), no
+      window, the plain causal or bidirectional rule, and (causal) the queries are the newest
+      positions (``q_offset + q_length == kv_offset + kv_length``, always true of the dynamic
+      cache);
     * key ranges (:func:`key_ranges_mask`) when the plain rule over one range of keys per sequence
       does: a static cache (the queries are not the newest slots: the ones after them are
       unfilled), left padding. A static cache's call (``q_offset`` a tensor) waits for nothing: its
       ranges are checked by a device-side assert, so a compiled step can be replayed as a CUDA
-      graph; a dynamic cache's padding was already read on the host, and a mask that no range
-      can express gets the refusal below;
+      graph; a dynamic cache's eager call reads the padding's verdict on the host once, and a mask
+      that no range can express gets the refusal below;
     * otherwise SDPA's materialized boolean mask [B, 1, q_length, kv_length] (through
       ``masking_utils.sdpa_mask``), which :func:`attention_forward` refuses with a clear error.
     """
@@ -340,16 +336,22 @@ def lab_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
 
         static = isinstance(q_offset, torch.Tensor)  # (a static cache's filled length, on the device)
         newest = not static and q_offset + q_length == kv_offset + kv_length
-        if not static and (newest or not causal) and _no_padding(padding_mask, kv_length, kv_offset):
+        if padding_mask is None and not static and (newest or not causal):
             return None
         device = kwargs.get("device") or (padding_mask.device if padding_mask is not None else None)
         if device is None and static:
             device = q_offset.device
-        on_host = not static and not (padding_mask is not None and is_tracing(padding_mask))
-        ranges = _key_ranges(padding_mask, batch_size, q_length, kv_length, q_offset, kv_offset, causal, device,
-                             on_host)
-        if ranges is not None:
+        ranges, fits, whole = _key_ranges(padding_mask, batch_size, q_length, kv_length, q_offset, kv_offset,
+                                          causal, device)
+        if static or (padding_mask is not None and is_tracing(padding_mask)):
+            # A compiled or captured step: nothing may wait for the GPU, so a device-side assert
+            # stops the program where a range would attend to the wrong keys.
+            torch._assert_async(fits, "stages.hf: a padding mask with holes cannot be expressed as one key range "
+                                      "per sequence")
             return ranges
+        fits, whole = torch.stack([fits, whole]).tolist()  # (eager, dynamic cache: the one read on the host)
+        if fits:
+            return None if whole else ranges
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                      local_size=local_size, allow_is_causal_skip=False, allow_is_bidirectional_skip=False,

@@ -2,7 +2,7 @@
 and GPT-2 models whose attention runs through ``attn_implementation="lab_<stage>"``, checked against
 transformers' own ``"sdpa"`` on the same weights and tokens: logits, every parameter's gradient,
 greedy ``generate()`` with the KV cache, a prompt fed in two chunks; and the clear refusals
-(padding, dropout, sliding windows, a stage without a backward).
+(padding with holes, dropout, sliding windows, a stage without a backward).
 
 CPU: the stages run in the Triton interpreter, so the models are tiny (2 layers, hidden 64, head
 dim 16, a dozen tokens).
@@ -357,14 +357,30 @@ def test_left_padding_and_a_static_cache_are_key_ranges():
         (0, 12), (0, 9)]
 
 
-def test_mask_is_materialized_for_holes_and_right_padding_of_a_causal_model():
+def test_mask_is_materialized_for_holes():
     holes = torch.ones(2, 12, dtype=torch.bool)
     holes[0, 5] = False
     mask = hf.lab_mask(2, 12, 12, attention_mask=holes)
     assert mask.dtype == torch.bool and mask.shape == (2, 1, 12, 12) and not mask[0, 0, :, 5].any()
-    right = torch.ones(2, 12, dtype=torch.bool)
+    # A decode step after a right-padded prompt: the new token sits behind the pads.
+    after_right = torch.ones(2, 13, dtype=torch.bool)
+    after_right[1, 9:12] = False
+    assert hf.lab_mask(2, 1, 13, q_offset=12, attention_mask=after_right).dtype == torch.bool
+
+
+def test_right_padding_of_a_causal_model_needs_no_mask():
+    """Causality hides a sequence's trailing pads from its real tokens: plain causal attention (None)
+    for right padding alone, one range per sequence (its start) for padding on both sides."""
+    right = torch.ones(3, 12, dtype=torch.bool)
     right[1, 9:] = False
-    assert hf.lab_mask(2, 12, 12, attention_mask=right).dtype == torch.bool
+    right[2, 1:] = False  # (one real token)
+    assert hf.lab_mask(3, 12, 12, attention_mask=right) is None
+    both = right.clone()
+    both[0, :2] = False
+    assert ranges_of(hf.lab_mask(3, 12, 12, attention_mask=both)) == [(2, 12), (0, 12), (0, 12)]
+    # A static cache's prefill of right-padded prompts: the filled slots, each sequence from its start.
+    assert ranges_of(hf.lab_mask(3, 12, 16, q_offset=torch.tensor(0), attention_mask=both)) == [
+        (2, 12), (0, 12), (0, 12)]
 
 
 def test_a_static_cache_mask_with_holes_stops_on_the_device():
@@ -393,16 +409,59 @@ def test_a_mask_with_holes_is_refused_in_one_line():
     with pytest.raises(hf.UnsupportedAttention) as excinfo:
         model(ids, attention_mask=mask)
     text = one_line_error(excinfo)
-    assert "lab_c" in text and "without padding" in text and "pad-free" in text and '"sdpa"' in text
+    assert "lab_c" in text and "never holes" in text and "one side only" in text and '"sdpa"' in text
+
+
+def pad_right(ids: torch.Tensor, pads: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ids`` with its last ``pads[b]`` tokens of sequence b turned into padding, and the mask."""
+    mask = torch.ones_like(ids)
+    for b, n in enumerate(pads):
+        if n:
+            mask[b, -n:] = 0
+    return ids.masked_fill(mask == 0, 0), mask
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_a_left_padded_batch_trains_with_sdpa_s_gradients(kind):
-    """A left-padded batch in training: the key ranges go through stage C's backward (keys outside a
-    range get zero gradients), and every parameter's gradient equals SDPA's on the same loss over
-    the real tokens."""
+@pytest.mark.parametrize("stage", ["c", "b", "a"])
+def test_right_padded_batch_matches_sdpa(kind, stage):
+    """A batch padded on the right, as training batches are: every stage runs it as plain causal
+    attention, and each real token gets SDPA's logits (the pads' own rows differ and are not compared)."""
     model = make_model(kind)
-    ids, mask = pad_left(token_ids(batch=3), [3, 0, 6])
+    ids, mask = pad_right(token_ids(batch=3), [0, 4, 9])
+    mine, ref = logits(model, f"lab_{stage}", ids, attention_mask=mask), logits(model, "sdpa", ids, attention_mask=mask)
+    real = mask.bool()
+    assert rel_err(mine[real], ref[real]) < LOGITS_REL_ERR[torch.float32]
+
+
+def test_a_batch_padded_on_both_sides_matches_sdpa():
+    model = make_model("llama")
+    ids, mask = pad_right(token_ids(batch=3), [3, 0, 5])
+    mask[1:, :2] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    mine, ref = logits(model, "lab_c", ids, attention_mask=mask), logits(model, "sdpa", ids, attention_mask=mask)
+    real = mask.bool()
+    assert rel_err(mine[real], ref[real]) < LOGITS_REL_ERR[torch.float32]
+
+
+def test_generating_after_a_right_padded_prompt_is_refused_in_one_line():
+    """The prompt runs (its real tokens are right); the first new token would follow the pads, a hole."""
+    model = make_model("llama")
+    ids, mask = pad_right(token_ids(), [0, 3])
+    model.set_attn_implementation("lab_c")
+    with pytest.raises(hf.UnsupportedAttention) as excinfo:
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert "never holes" in one_line_error(excinfo)
+
+
+@pytest.mark.parametrize("kind,side,stage", [("llama", "left", "c"), ("gpt2", "left", "c"),
+                                             ("llama", "right", "c"), ("gpt2", "right", "b")])
+def test_a_padded_batch_trains_with_sdpa_s_gradients(kind, side, stage):
+    """A padded batch in training. Left padding: the key ranges go through stage C's backward (keys
+    outside a range get zero gradients). Right padding: plain causal attention, in any stage with a
+    backward; the pads' rows are not SDPA's, and take no part in the loss. Either way every
+    parameter's gradient equals SDPA's on the same loss over the real tokens."""
+    model = make_model(kind)
+    ids, mask = (pad_left if side == "left" else pad_right)(token_ids(batch=3), [3, 0, 6])
     labels = ids.masked_fill(mask == 0, -100)  # the pads take no part in the loss
 
     def grads(impl):
@@ -411,7 +470,7 @@ def test_a_left_padded_batch_trains_with_sdpa_s_gradients(kind):
         model(ids, attention_mask=mask, labels=labels).loss.backward()
         return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    mine, ref = grads("lab_c"), grads("sdpa")
+    mine, ref = grads(f"lab_{stage}"), grads("sdpa")
     assert mine.keys() == ref.keys()
     worst = max(rel_err(mine[n], ref[n]) for n in ref)
     assert worst < GRAD_REL_ERR[torch.float32], worst
