@@ -66,9 +66,12 @@ returns the least that says what the mask would:
   says what the kernels take and what to use instead.
 
 **Under torch.compile.** The stages are custom ops (``stages/ops.py``), so ``torch.compile(model,
-fullgraph=True)`` traces a whole forward and backward. Give the model a cache (``use_cache=True``, the
-default of ``generate``): without one, transformers looks for packed sequences in the position ids,
-which it cannot do while tracing, and so builds a mask, which the attention function refuses.
+fullgraph=True)`` traces a whole forward and backward. Without a cache and a padding mask (a training
+step), transformers looks for packed sequences in the position ids, which it cannot rule out while
+tracing, so it composes the causal rule with a packed-sequence mask; :func:`lab_mask` checks on the
+device that the composition is the plain rule and hands the kernels plain causal attention (a packed
+batch stops at a device-side assert). With a padding mask, the traced call cannot know whether
+anything is padded, so it takes key ranges, which on Hopper run the ``tl`` kernels.
 
 **The attention function** (:func:`attention_forward`) has the signature of transformers'
 ``sdpa_attention_forward`` and returns what it returns: the output transposed to [B, N, H, D] and
@@ -295,6 +298,16 @@ def _key_ranges(padding_mask: torch.Tensor | None, batch_size: int, q_length: in
     return key_ranges_mask(starts, ends), fits, whole
 
 
+def _maybe_packed_while_tracing(mask_function, attention_mask, q_length: int, kv_length: int, q_offset,
+                                kv_offset: int) -> bool:
+    """Whether this is the mask transformers builds for a traced call with neither a cache nor a padding
+    mask: the causal rule and (``and_masks``) a packed-sequence mask from the position ids, which
+    under tracing it cannot rule out (eager, it finds none and passes the plain rule)."""
+    return (torch.compiler.is_compiling() and attention_mask is None and getattr(mask_function, "__name__", "")
+            == "and_mask" and isinstance(q_offset, int) and q_offset == 0 and kv_offset == 0
+            and q_length == kv_length)
+
+
 def lab_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
              mask_function=None, attention_mask: torch.Tensor | None = None, local_size: int | None = None,
              allow_is_causal_skip: bool = True, allow_is_bidirectional_skip: bool = False, **kwargs):
@@ -352,6 +365,20 @@ def lab_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
         fits, whole = torch.stack([fits, whole]).tolist()  # (eager, dynamic cache: the one read on the host)
         if fits:
             return None if whole else ranges
+    elif _maybe_packed_while_tracing(mask_function, attention_mask, q_length, kv_length, q_offset, kv_offset):
+        # Traced without a cache or a padding mask (a compiled training step), transformers cannot tell
+        # whether the position ids pack several sequences into a row, so it always composes the causal
+        # rule with a packed-sequence mask. Check on the device that the composition is the plain rule
+        # (one sequence per row), without waiting for the GPU, and run plain causal attention.
+        device = kwargs.get("device")
+        packed = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=0, kv_offset=0,
+                           mask_function=mask_function, attention_mask=None, allow_is_causal_skip=False,
+                           allow_is_bidirectional_skip=False, **kwargs)
+        i, j = torch.arange(q_length, device=device), torch.arange(kv_length, device=device)
+        torch._assert_async((packed == (j[None, :] <= i[:, None])).all(), "stages.hf: a mask other than the causal "
+                             "rule (packed sequences: position ids that restart inside a row; or a model's own "
+                             "pattern), which the lab's kernels do not take")
+        return None
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                      local_size=local_size, allow_is_causal_skip=False, allow_is_bidirectional_skip=False,

@@ -182,10 +182,10 @@ def test_gradients_match_sdpa(kind, stage, dtype):
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_compiled_training_step_is_one_graph_and_equals_eager(kind):
-    """``torch.compile(fullgraph=True)`` of a transformers model's loss with lab_c: one graph, the stage's
-    custom ops inside it, loss and every gradient as in eager. (``use_cache=True``: without a cache
-    transformers looks for packed sequences in the position ids, which it cannot do while tracing, and
-    builds a mask instead, which the lab's attention refuses.)"""
+    """``torch.compile(fullgraph=True)`` of a transformers model's loss with lab_c, as a training step
+    calls it (no cache, no padding mask: transformers composes a packed-sequence mask it cannot rule out
+    while tracing, which the lab's mask checks on the device): one graph, the stage's custom ops inside
+    it with no key ranges, loss and every gradient as in eager."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
@@ -194,7 +194,7 @@ def test_compiled_training_step_is_one_graph_and_equals_eager(kind):
     ids = token_ids()
 
     def loss(ids):  # (the loss by hand: GPT-2's own loss path logs a one-time warning, which Dynamo cannot trace)
-        logits = model(ids, use_cache=True).logits[:, :-1]
+        logits = model(ids, use_cache=False).logits[:, :-1]
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
     counter = CompileCounterWithBackend("aot_eager")
@@ -205,9 +205,31 @@ def test_compiled_training_step_is_one_graph_and_equals_eager(kind):
     eager = loss(ids)
     eager.backward()
     assert counter.frame_count == 1
+    forwards = [n for n in counter.graphs[0].graph.nodes if n.target is torch.ops.attention_lab.c_forward.default]
+    ranged = [n for n in forwards if n.kwargs.get("key_starts") is not None or any(
+        isinstance(a, torch.fx.Node) for a in n.args[16:])]
+    assert forwards and not ranged, "expected the plain causal call, no key ranges"
     assert torch.equal(compiled, eager)
     for name, p in model.named_parameters():
         torch.testing.assert_close(traced[name], p.grad, rtol=0, atol=0, msg=name)
+    torch._dynamo.reset()
+
+
+def test_a_packed_batch_under_compile_stops_on_the_device():
+    """Position ids that restart inside a row pack two sequences: eager, transformers sees it and the
+    lab refuses its mask in one line; traced, it cannot see it, and the lab's device-side check stops
+    the program (on the CPU, at once) instead of attending across the two sequences."""
+    model = make_model("llama")
+    model.set_attn_implementation("lab_c")
+    ids = token_ids(batch=1)
+    packed = torch.cat([torch.arange(5), torch.arange(TOKENS - 5)])[None].to(DEVICE)
+    with pytest.raises(hf.UnsupportedAttention):
+        model(ids, position_ids=packed, use_cache=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda ids, pos: model(ids, position_ids=pos, use_cache=False).logits,
+                             backend="aot_eager", fullgraph=True)
+    with pytest.raises(RuntimeError, match="packed sequences"):
+        compiled(ids, packed)
     torch._dynamo.reset()
 
 
