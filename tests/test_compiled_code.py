@@ -414,3 +414,39 @@ def test_every_warp_specialized_config_compiles_without_spills(D):
                 machine_code = sass(kernel.asm["ptx"], "sm_90a")
                 if machine_code:
                     assert not _spills_in_tile_loops(machine_code), where
+
+
+# A head dim of 8 mod 16 leaves a contiguous tensor's row stride without Triton's divisible-by-16
+# fact; the host checks the strides instead (stages/c_optimized/aligned.py). Without that, every
+# element was a load of its own and no cp.async was issued (D 72: 192 two-byte loads per thread).
+@pytest.mark.parametrize("D", [40, 72, 200])
+def test_stage_c_loads_16_byte_rows_at_head_dims_of_8_mod_16(D):
+    from stages.c_optimized import backward
+
+    p = Problem(B=2, H=8, N=1000, D=D, dtype="fp16", causal=True)
+    decode = Problem(B=4, H=8, N=1, Hkv=2, Nk=8192, D=D, dtype="bf16")
+    kernels = (STAGES["c"].compile(p, 80) + STAGES["c"].compile(decode, 90) + backward.compile_backward(p, 80)
+               + backward.compile_backward(p, 80, deterministic=True))
+    for kernel in kernels:
+        # (two-byte accesses: single fp16/bf16 elements; the fp32 row statistics are scalars anyway)
+        element_loads = re.findall(r"\b(?:ld|st)\.global(?:\.[\w:]+)*\.b16\b", kernel.asm["ptx"])
+        assert len(element_loads) <= 2, f"{kernel.name}: {len(element_loads)} single-element loads and stores"
+    (forward,) = STAGES["c"].compile(p, 80)
+    assert ops(forward.asm["ptx"])["cp_async"] > 0
+    assert (run_ptxas(forward.asm["ptx"]).get("spill_stores") or 0) <= 128  # (D 200 spilled 1.9 KB per thread)
+
+
+def test_strides_off_16_bytes_compile_without_the_alignment():
+    from stages.c_optimized.aligned import row_alignment
+
+    t = torch.empty(2, 3, 10, 72, dtype=torch.float16, device="meta")
+    assert row_alignment(t, t) == 8
+    assert row_alignment(t.float()) == 4
+    sliced = torch.empty(2, 3, 10, 76, dtype=torch.float16, device="meta")[..., :72]  # rows 152 bytes apart
+    assert row_alignment(t, sliced) == 1
+    assert row_alignment(t.transpose(1, 2)) == 8
+    # Strides Triton itself finds divisible by 16 need no telling (no instructions spent on it):
+    expanded = torch.empty(1, dtype=torch.float16, device="meta").expand(2, 3, 10, 72)  # the gradient of .sum()
+    assert row_alignment(expanded) == 1
+    assert row_alignment(torch.empty(2, 3, 10, 64, dtype=torch.float16, device="meta")) == 1
+    assert row_alignment(t, expanded) == 8

@@ -93,6 +93,30 @@ def test_head_dims_padded_inside_the_kernel(D, device):
         check_against_reference(o, q, k, v, causal=True, dtype_name=dtype)
 
 
+@pytest.mark.parametrize("rows", ["aligned", "off 16 bytes"])
+@pytest.mark.parametrize("path", ["tl", "split"])
+def test_row_alignment_is_what_the_strides_allow(rows, path, device):
+    """D 72: rows 144 bytes apart (16-byte aligned, which the kernels are told: aligned.py) or slices of
+    76-element rows (152 bytes: not, so they are not told; a kernel told so would read the wrong rows),
+    forward and backward against float64."""
+    from .helpers import check_gradients
+
+    D = 72
+    if rows == "aligned":
+        q, k, v = make_qkv(2, 4, 37, D, torch.float16, device, Hkv=2, Nk=70)
+    else:
+        wide = make_qkv(2, 4, 37, D + 4, torch.float16, device, Hkv=2, Nk=70)
+        q, k, v = (t[..., :D] for t in wide)
+    expected = 8 if rows == "aligned" else 1
+    o = contract.new_output(q)
+    launches = c_kernels.plan(q, k, v, o, causal=True, scale=D ** -0.5, arch=80, split_kv=1 if path == "tl" else 3)
+    assert launches[0].args["ALIGN"] == expected
+    options = dict(split_kv=1 if path == "tl" else 3)
+    check_against_reference(attention(q, k, v, causal=True, **options), q, k, v, causal=True, dtype_name="fp16")
+    check_gradients(lambda q, k, v, **kw: attention(q, k, v, **kw, **options), q, k, v, causal=True,
+                    dtype_name="fp16")
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_strided_gqa_inputs(dtype, device):
     q, k, v = make_qkv(2, 4, 45, 48, DTYPES[dtype], device, layout="bnhd", Hkv=2, Nk=60)

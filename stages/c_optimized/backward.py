@@ -82,6 +82,7 @@ from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_ou
 from ..launch import KeptLaunch, Launch, compiles_without_interpreter
 from .configs import SHARED_MEMORY_LIMIT, TUNED_DIR, device_arch, gpu_slug
 from . import hopper_ws  # (where the Hopper kernels run: the warp-specialized forward's rule)
+from .aligned import aligned, row_alignment
 from .decode import key_range
 from .kernels import tma_supported
 
@@ -377,10 +378,14 @@ def attention_bwd_delta_kernel(
     stride_ob, stride_oh, stride_on,
     stride_dob, stride_doh, stride_don,
     H, N,
-    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Δ_i = Σ_d dO_id·O_id in fp32, one program per BLOCK rows of one (batch, query head). With a
-    DQ_ACC (atomic dQ) it also zeroes those rows of the fp32 dQ accumulator."""
+    DQ_ACC (atomic dQ) it also zeroes those rows of the fp32 dQ accumulator. ``ALIGN``: the rows'
+    16-byte alignment as the host checked it (``aligned.row_alignment``)."""
+    stride_ob, stride_oh, stride_on = aligned(stride_ob, ALIGN), aligned(stride_oh, ALIGN), aligned(stride_on, ALIGN)
+    stride_dob, stride_doh, stride_don = (aligned(stride_dob, ALIGN), aligned(stride_doh, ALIGN),
+                                          aligned(stride_don, ALIGN))
     pid, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     rows = pid * BLOCK + tl.arange(0, BLOCK)
@@ -547,8 +552,18 @@ def attention_bwd_dkdv_kernel(
     Hq, Hkv, Nq, Nk,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, CAUSAL_SKIP: tl.constexpr,
-    EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr, KEY_STARTS, KEY_LENGTHS,
+    EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr, KEY_STARTS, KEY_LENGTHS,
 ):
+    # (16-byte rows at every head dim: the host checked the strides, aligned.py)
+    stride_qb, stride_qh, stride_qn = aligned(stride_qb, ALIGN), aligned(stride_qh, ALIGN), aligned(stride_qn, ALIGN)
+    stride_kb, stride_kh, stride_kn = aligned(stride_kb, ALIGN), aligned(stride_kh, ALIGN), aligned(stride_kn, ALIGN)
+    stride_vb, stride_vh, stride_vn = aligned(stride_vb, ALIGN), aligned(stride_vh, ALIGN), aligned(stride_vn, ALIGN)
+    stride_dob, stride_doh, stride_don = (aligned(stride_dob, ALIGN), aligned(stride_doh, ALIGN),
+                                          aligned(stride_don, ALIGN))
+    stride_dkb, stride_dkh, stride_dkn = (aligned(stride_dkb, ALIGN), aligned(stride_dkh, ALIGN),
+                                          aligned(stride_dkn, ALIGN))
+    stride_dvb, stride_dvh, stride_dvn = (aligned(stride_dvb, ALIGN), aligned(stride_dvh, ALIGN),
+                                          aligned(stride_dvn, ALIGN))
     pid_n, bh = tl.program_id(0), tl.program_id(1)
     b, h_kv = bh // Hkv, bh % Hkv
     start_n = pid_n * BLOCK_N
@@ -637,10 +652,18 @@ def attention_bwd_dq_kernel(
     Hq, Nq, Nk,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, CAUSAL_SKIP: tl.constexpr,
-    EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr, KEY_STARTS, KEY_LENGTHS,
+    EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr, KEY_STARTS, KEY_LENGTHS,
 ):
     """Deterministic dQ: one program per (Q tile of BLOCK_M rows, batch·query head), K/V tiles of
     BLOCK_N rows visited in a fixed order."""
+    # (16-byte rows at every head dim: the host checked the strides, aligned.py)
+    stride_qb, stride_qh, stride_qn = aligned(stride_qb, ALIGN), aligned(stride_qh, ALIGN), aligned(stride_qn, ALIGN)
+    stride_kb, stride_kh, stride_kn = aligned(stride_kb, ALIGN), aligned(stride_kh, ALIGN), aligned(stride_kn, ALIGN)
+    stride_vb, stride_vh, stride_vn = aligned(stride_vb, ALIGN), aligned(stride_vh, ALIGN), aligned(stride_vn, ALIGN)
+    stride_dob, stride_doh, stride_don = (aligned(stride_dob, ALIGN), aligned(stride_doh, ALIGN),
+                                          aligned(stride_don, ALIGN))
+    stride_dqb, stride_dqh, stride_dqn = (aligned(stride_dqb, ALIGN), aligned(stride_dqh, ALIGN),
+                                          aligned(stride_dqn, ALIGN))
     bh = tl.program_id(1)
     if CAUSAL and CAUSAL_SKIP:
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # most work first, as in the forward
@@ -783,7 +806,7 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
         dict(O=o, DO=do, DELTA=delta, DQ_ACC=dq_acc,
              stride_ob=o.stride(0), stride_oh=o.stride(1), stride_on=o.stride(2),
              stride_dob=do.stride(0), stride_doh=do.stride(1), stride_don=do.stride(2),
-             H=Hq, N=Nq, D=D, D_PAD=D_pad, BLOCK=DELTA_BLOCK),
+             H=Hq, N=Nq, D=D, D_PAD=D_pad, BLOCK=DELTA_BLOCK, ALIGN=row_alignment(o, do)),
         num_warps=4, num_stages=1)]
     if ws is not None:
         from . import hopper_bwd  # (Gluon: imported only where it runs)
@@ -804,7 +827,7 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
                  stride_dkb=dk.stride(0), stride_dkh=dk.stride(1), stride_dkn=dk.stride(2),
                  stride_dvb=dv.stride(0), stride_dvh=dv.stride(1), stride_dvn=dv.stride(2),
                  Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, BLOCK_M=BM, BLOCK_N=BN, KEY_STARTS=key_starts,
-                 KEY_LENGTHS=key_lengths, **common),
+                 KEY_LENGTHS=key_lengths, ALIGN=row_alignment(q, k, v, do, dk, dv), **common),
             num_warps=config.num_warps, num_stages=config.num_stages))
     if fused:
         pass  # (dQ is in dq_acc once the dK/dV kernel is done)
@@ -825,7 +848,7 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
                  stride_dob=do.stride(0), stride_doh=do.stride(1), stride_don=do.stride(2),
                  stride_dqb=dq.stride(0), stride_dqh=dq.stride(1), stride_dqn=dq.stride(2),
                  Hq=Hq, Nq=Nq, Nk=Nk, BLOCK_M=dq_config.block_n, BLOCK_N=dq_config.block_m, KEY_STARTS=key_starts,
-                 KEY_LENGTHS=key_lengths, **common),
+                 KEY_LENGTHS=key_lengths, ALIGN=row_alignment(q, k, v, do, dq), **common),
             num_warps=dq_config.num_warps, num_stages=dq_config.num_stages))
     return launches
 

@@ -59,6 +59,7 @@ import triton
 import triton.language as tl
 
 from ..contract import cdiv, padded_head_dim
+from .aligned import aligned
 
 #: Each split walks at least this many K/V tiles: fewer would spend more on the merge and the
 #: program's start-up than the split saves.
@@ -224,13 +225,18 @@ def split_kv_attention_kernel(
     stride_vb, stride_vh, stride_vn,
     Hq, Hkv, N_Q, N_K, CAUSAL_OFFSET, CHUNK, ROWS_TOTAL,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr, KEY_STARTS, KEY_LENGTHS,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr, ALIGN: tl.constexpr,
+    KEY_STARTS, KEY_LENGTHS,
 ):
     """Program (split, b·Hkv + kv head, row block): the online softmax of its rows over one chunk of
     keys; writes the chunk's normalized O (fp32) and base-2 log-sum-exp per row (module docstring).
     With a single chunk (a short cache) that is the answer: it goes straight to O (and LSE), and
     no merge runs. ``KEY_STARTS``/``KEY_LENGTHS`` (int32 [B], or None): batch entry b attends to
     keys [KEY_STARTS[b], KEY_LENGTHS[b]) only (module docstring, "Key ranges")."""
+    # (16-byte rows at every head dim: the host checked the strides, aligned.py)
+    stride_qb, stride_qh, stride_qn = aligned(stride_qb, ALIGN), aligned(stride_qh, ALIGN), aligned(stride_qn, ALIGN)
+    stride_kb, stride_kh, stride_kn = aligned(stride_kb, ALIGN), aligned(stride_kh, ALIGN), aligned(stride_kn, ALIGN)
+    stride_vb, stride_vh, stride_vn = aligned(stride_vb, ALIGN), aligned(stride_vh, ALIGN), aligned(stride_vn, ALIGN)
     split = tl.program_id(0)
     b = tl.program_id(1) // Hkv
     kv_h = tl.program_id(1) % Hkv

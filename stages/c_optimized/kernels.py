@@ -60,6 +60,7 @@ from ..contract import (DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, key_r
 from ..launch import (FastLaunch, Launch, compiles_without_interpreter, descriptor_on, descriptor_over,
                       layout_fields)
 from . import decode, hopper_ws
+from .aligned import aligned, row_alignment
 from .decode import key_range
 from .configs import (BASELINE, Config, choose_config, device_arch, shape_aware_config, shared_memory_bytes,
                       sm_count, with_deep_q, ws_rung_config, ws_shapes)
@@ -141,8 +142,15 @@ def optimized_attention_kernel(
     H, N_Q, N_K, CAUSAL_OFFSET,
     D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, CAUSAL_SKIP: tl.constexpr, USE_TMA: tl.constexpr, EXP2: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr, KEY_STARTS, KEY_LENGTHS,
+    DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr, ALIGN: tl.constexpr, KEY_STARTS, KEY_LENGTHS,
 ):
+    if ALIGN > 1:
+        # Every row starts on a 16-byte boundary, which the host checked and Triton cannot see (a head
+        # dim of 8 mod 16, aligned.py): said so, the loads are 16-byte vectors and cp.async copies.
+        stride_qb, stride_qh, stride_qn = aligned(stride_qb, ALIGN), aligned(stride_qh, ALIGN), aligned(stride_qn, ALIGN)
+        stride_kb, stride_kh, stride_kn = aligned(stride_kb, ALIGN), aligned(stride_kh, ALIGN), aligned(stride_kn, ALIGN)
+        stride_vb, stride_vh, stride_vn = aligned(stride_vb, ALIGN), aligned(stride_vh, ALIGN), aligned(stride_vn, ALIGN)
+        stride_ob, stride_oh, stride_on = aligned(stride_ob, ALIGN), aligned(stride_oh, ALIGN), aligned(stride_on, ALIGN)
     bh = tl.program_id(1)
     if CAUSAL and CAUSAL_SKIP:
         # Under causal skipping, later Q tiles have more work: launch the longest first so the
@@ -528,16 +536,17 @@ def _kernel_config(choice: Choice):
 @lru_cache(maxsize=1024)
 def _recipe(path: str, config, dtype: torch.dtype, D: int, group: int, causal: bool, arch: int, sms: int,
             use_tma: bool, store_lse: bool, switches: tuple, ws_rung: int | None, even_n: bool,
-            ranges: tuple = (False, False)) -> _Recipe:
+            ranges: tuple = (False, False), align: int = 1) -> _Recipe:
     """The launches for one kernel key: what changes the compiled kernels (path and config, dtype,
     head dim, GQA group, causal, the GPU, TMA or pointers, whether the log-sum-exp is stored, the
     ablation switches; for the warp-specialized kernel whether N is a whole number of K/V tiles;
-    ``ranges``: whether the call passes key starts and key lengths), never the sizes themselves.
+    ``ranges``: whether the call passes key starts and key lengths; ``align``: the pointer kernels'
+    row alignment, ``aligned.row_alignment``), never the sizes themselves.
     Cached: a call looks its recipe up and computes only its runtime arguments."""
     on = dict(zip(SWITCH_NAMES, switches))
     dot_precision = "ieee" if dtype == torch.float32 else "tf32"  # fp32 inputs get exact fp32 products
     if path == "split":
-        return _split_recipe(config, dtype, D, group, causal, dot_precision, store_lse, sms, ranges)
+        return _split_recipe(config, dtype, D, group, causal, dot_precision, store_lse, sms, ranges, align)
     if path == "ws":
         options = config.ws_options(ws_rung)
         # Tiles as wide as the padded head dim, or its main part and a narrow tail (tile_widths): TMA
@@ -558,7 +567,7 @@ def _recipe(path: str, config, dtype: torch.dtype, D: int, group: int, causal: b
     BM, BN, BD = config.block_m, config.block_n, padded_head_dim(D)
     static = dict(D=D, BLOCK_D=BD, GROUP=group, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=causal,
                   CAUSAL_SKIP=on["causal_skip"], USE_TMA=use_tma, EXP2=on["exp2"],
-                  DOT_PRECISION=dot_precision, STORE_LSE=store_lse)
+                  DOT_PRECISION=dot_precision, STORE_LSE=store_lse, ALIGN=align)
     if use_tma:
         # 4-D descriptors over each tensor's own [B, H, N, D] with its own strides: strided views
         # work, K/V descriptors span the Hkv heads (the kernel asks for head h // GROUP), the N bound
@@ -599,11 +608,12 @@ def _range_arguments(ranges: tuple, static: dict) -> tuple:
     return tuple(passed)
 
 
-def _split_recipe(split, dtype, D, group, causal, dot_precision, store_lse, sms, ranges=(False, False)) -> _Recipe:
+def _split_recipe(split, dtype, D, group, causal, dot_precision, store_lse, sms, ranges=(False, False),
+                  align=1) -> _Recipe:
     BD = padded_head_dim(D)
     tensors = (("Q", "q"), ("K", "k"), ("V", "v"), ("O_PART", "o_part"), ("LSE_PART", "lse_part"), ("O", "o"))
     static = dict(GROUP=group, D=D, BLOCK_D=BD, BLOCK_M=split.block_m, BLOCK_N=split.block_n, CAUSAL=causal,
-                  DOT_PRECISION=dot_precision, STORE_LSE=store_lse)
+                  DOT_PRECISION=dot_precision, STORE_LSE=store_lse, ALIGN=align)
     tensors = _lse_argument(tensors, static, store_lse) + _range_arguments(ranges, static)
     first = _LaunchRecipe(decode.split_kv_attention_kernel, tuple(static.items()), tensors, (), _SPLIT_INTS,
                           split.num_warps, split.num_stages)
@@ -656,8 +666,10 @@ def _plan_call(q, k, v, o, lse, causal: bool, arch: int, sms: int, config: Confi
     even_n = choice.path == "ws" and Nq % choice.config.block_n == 0
     # A ranged call loads K and V by pointers: a TMA box would bring in the rows past a range's end
     # (a static cache's unfilled slots may hold anything, and a NaN there survives P = 0 in P·V).
+    # (the warp-specialized kernel reads by TMA, whose descriptors carry the strides: no alignment key)
+    align = 1 if choice.path == "ws" else row_alignment(q, k, v, o)
     recipe = _recipe(choice.path, _kernel_config(choice), q.dtype, D, Hq // Hkv, causal, arch, sms,
-                     tma and tma_ok and not any(ranges), store_lse, switches, choice.ws_rung, even_n, ranges)
+                     tma and tma_ok and not any(ranges), store_lse, switches, choice.ws_rung, even_n, ranges, align)
     return choice, recipe
 
 

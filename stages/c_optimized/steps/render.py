@@ -137,12 +137,16 @@ def what_it_changes(step: Step) -> str:
 #: What the ablation's calls leave out: no key ranges (a static cache's filled lengths, the pads of a
 #: batch), so a step's page does not show the branch that only ranged calls compile.
 NO_KEY_RANGES = {"KEY_STARTS": None, "KEY_LENGTHS": None}
+#: And their strides (D 64 and 128, contiguous) Triton itself sees to be multiples of 16 bytes, so the
+#: kernel's own telling of it (``ALIGN``, aligned.py) resolves away too.
+ROWS_TRITON_SEES = {"ALIGN": 1}
 
 
 @functools.lru_cache(maxsize=None)
 def resolved_kernel(step: Step) -> str:
     """The ``tl`` kernel's source as this step compiles it on the H200 (switches fixed, no key ranges)."""
-    return resolve_functions(KERNELS_PY.read_text(), TL_FUNCTIONS, {**ladder.switch_values(step), **NO_KEY_RANGES})
+    fixed = {**ladder.switch_values(step), **NO_KEY_RANGES, **ROWS_TRITON_SEES}
+    return resolve_functions(KERNELS_PY.read_text(), TL_FUNCTIONS, fixed)
 
 
 def kernel_module(step: Step) -> str:
