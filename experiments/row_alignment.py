@@ -11,6 +11,13 @@ and the registers and spills ptxas reports.
 
     python experiments/row_alignment.py --csv results/compiled/<date>_row_alignment.csv
     python experiments/row_alignment.py --D 72,200 --arch 80
+
+On a GPU, ``--time`` times what it is worth instead: stage C told and not told, in turns, each call
+replayed from a CUDA graph (the GPU's time alone), at each head dim: a grouped decode step (B 4, 32/8
+heads, Nk 8192: the split-KV kernel), the ``tl`` forward (``warp_specialization=False``; on an A100 the
+only one) and its backward (forward and backward together), bf16, B 4, H 16, N 2048, causal:
+
+    python experiments/row_alignment.py --time --D 64,72,136,200 --time-csv results/<gpu>/experiments/<date>_row_alignment_time.csv
 """
 
 from __future__ import annotations
@@ -62,11 +69,68 @@ def facts(arch: int, D: int, told: bool) -> list[dict]:
     return rows
 
 
+def time_cells(head_dims: list[int], turns: int = 3) -> list[dict]:
+    """GPU ms (median of CUDA-graph replays, in turns) of stage C with the alignment told and not."""
+    import statistics
+
+    import torch
+
+    from harness.timing import samples_graph
+    from stages.c_optimized import kernels
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    rows = []
+    for D in head_dims:
+        decode = (randn(4, 32, 1, D), randn(4, 8, 8192, D), randn(4, 8, 8192, D))
+        prefill = tuple(randn(4, 16, 2048, D) for _ in range(3))
+        do = randn(4, 16, 2048, D)
+
+        def decode_call():
+            return lambda: stages.STAGES["c"].attention(*decode)
+
+        def forward_call():
+            return lambda: stages.STAGES["c"].attention(*prefill, causal=True, warp_specialization=False)
+
+        def training_call():
+            q, k, v = (t.detach().requires_grad_() for t in prefill)
+
+            def step():
+                o = stages.STAGES["c"].attention(q, k, v, causal=True, warp_specialization=False)
+                return torch.autograd.grad(o, (q, k, v), do)
+            return step
+
+        for cell, make_call in (("decode", decode_call), ("tl forward", forward_call),
+                                ("tl forward+backward", training_call)):
+            samples = {False: [], True: []}
+            for turn in range(turns):
+                for told in ((False, True) if turn % 2 == 0 else (True, False)):
+                    aligned.ROW_ALIGNMENT = told
+                    kernels._LAYOUT_PLANS.clear()  # (plans are kept per layout, not per setting)
+                    backward._KEPT.clear()
+                    try:
+                        samples[told] += samples_graph(make_call)
+                    except Exception as e:  # noqa: BLE001  (one cell's failure is a row, not the end)
+                        print(f"D={D} {cell} told={told}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            for told, times in samples.items():
+                rows.append(dict(D=D, cell=cell, aligned=int(told),
+                                 ms=f"{statistics.median(times):.5f}" if times else "",
+                                 status="ok" if times else "error"))
+                print("  ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+    aligned.ROW_ALIGNMENT = True
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--D", default="40,64,72,80,104,136,168,200,232")
     ap.add_argument("--arch", default="80,90")
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--time", action="store_true", help="on a GPU: time stage C told and not (see above)")
+    ap.add_argument("--time-csv", default=None, help="with --time: write the times here")
     args = ap.parse_args(argv)
     try:
         head_dims = [int(d) for d in args.D.split(",")]
@@ -77,6 +141,21 @@ def main(argv=None) -> int:
         ap.error(f"--D: head dims are multiples of 8 from 8 to 256, got {bad}")
     if bad := [a for a in archs if a not in (80, 90)]:
         ap.error(f"--arch: 80 or 90, got {bad}")
+    if args.time:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("--time needs a CUDA GPU; none found", file=sys.stderr)
+            return 2
+        rows = time_cells(head_dims)
+        if args.time_csv:
+            Path(args.time_csv).parent.mkdir(parents=True, exist_ok=True)
+            with open(args.time_csv, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                w.writeheader()
+                w.writerows(rows)
+            print(f"wrote {args.time_csv}")
+        return 0
     rows = []
     for arch in archs:
         for D in head_dims:
