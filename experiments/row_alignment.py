@@ -23,7 +23,6 @@ only one) and its backward (forward and backward together), bf16, B 4, H 16, N 2
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import re
 import sys
@@ -36,6 +35,7 @@ os.environ["TRITON_INTERPRET"] = "0"  # (compile in this process: the switch bel
 import stages  # noqa: E402
 from harness.inspect_code import count_instructions, run_ptxas  # noqa: E402
 from stages.c_optimized import aligned, backward  # noqa: E402
+from stages.c_optimized.tune_backward import _write_csv  # noqa: E402
 from stages.contract import Problem  # noqa: E402
 
 FIELDS = ("arch", "D", "problem", "kernel", "aligned", "element_accesses", "vector_loads", "vector_stores",
@@ -147,14 +147,7 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             print("--time needs a CUDA GPU; none found", file=sys.stderr)
             return 2
-        rows = time_cells(head_dims)
-        if args.time_csv:
-            Path(args.time_csv).parent.mkdir(parents=True, exist_ok=True)
-            with open(args.time_csv, "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=list(rows[0]))
-                w.writeheader()
-                w.writerows(rows)
-            print(f"wrote {args.time_csv}")
+        _write_csv(args.time_csv, time_cells(head_dims))
         return 0
     rows = []
     for arch in archs:
@@ -163,13 +156,7 @@ def main(argv=None) -> int:
                 for r in facts(arch, D, told):
                     rows.append(r)
                     print("  ".join(f"{k}={r[k]}" for k in FIELDS), flush=True)
-    if args.csv:
-        Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=FIELDS)
-            w.writeheader()
-            w.writerows(rows)
-        print(f"wrote {args.csv}")
+    _write_csv(args.csv, rows)
     return 0
 
 

@@ -59,3 +59,9 @@ def aligned(stride, ALIGN: tl.constexpr):
     elif ALIGN == 4:
         stride = (stride >> 2) << 2
     return stride
+
+
+@triton.jit
+def aligned_strides(stride_b, stride_h, stride_n, ALIGN: tl.constexpr):
+    """A tensor's batch, head and row strides through :func:`aligned`."""
+    return aligned(stride_b, ALIGN), aligned(stride_h, ALIGN), aligned(stride_n, ALIGN)

@@ -82,7 +82,7 @@ from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_ou
 from ..launch import KeptLaunch, Launch, compiles_without_interpreter
 from .configs import SHARED_MEMORY_LIMIT, TUNED_DIR, device_arch, gpu_slug
 from . import hopper_ws  # (where the Hopper kernels run: the warp-specialized forward's rule)
-from .aligned import aligned, row_alignment
+from .aligned import aligned_strides, row_alignment
 from .decode import key_range
 from .kernels import tma_supported
 
@@ -383,9 +383,8 @@ def attention_bwd_delta_kernel(
     """Δ_i = Σ_d dO_id·O_id in fp32, one program per BLOCK rows of one (batch, query head). With a
     DQ_ACC (atomic dQ) it also zeroes those rows of the fp32 dQ accumulator. ``ALIGN``: the rows'
     16-byte alignment as the host checked it (``aligned.row_alignment``)."""
-    stride_ob, stride_oh, stride_on = aligned(stride_ob, ALIGN), aligned(stride_oh, ALIGN), aligned(stride_on, ALIGN)
-    stride_dob, stride_doh, stride_don = (aligned(stride_dob, ALIGN), aligned(stride_doh, ALIGN),
-                                          aligned(stride_don, ALIGN))
+    stride_ob, stride_oh, stride_on = aligned_strides(stride_ob, stride_oh, stride_on, ALIGN)
+    stride_dob, stride_doh, stride_don = aligned_strides(stride_dob, stride_doh, stride_don, ALIGN)
     pid, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     rows = pid * BLOCK + tl.arange(0, BLOCK)
@@ -555,15 +554,12 @@ def attention_bwd_dkdv_kernel(
     EXP2: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr, KEY_STARTS, KEY_LENGTHS,
 ):
     # (16-byte rows at every head dim: the host checked the strides, aligned.py)
-    stride_qb, stride_qh, stride_qn = aligned(stride_qb, ALIGN), aligned(stride_qh, ALIGN), aligned(stride_qn, ALIGN)
-    stride_kb, stride_kh, stride_kn = aligned(stride_kb, ALIGN), aligned(stride_kh, ALIGN), aligned(stride_kn, ALIGN)
-    stride_vb, stride_vh, stride_vn = aligned(stride_vb, ALIGN), aligned(stride_vh, ALIGN), aligned(stride_vn, ALIGN)
-    stride_dob, stride_doh, stride_don = (aligned(stride_dob, ALIGN), aligned(stride_doh, ALIGN),
-                                          aligned(stride_don, ALIGN))
-    stride_dkb, stride_dkh, stride_dkn = (aligned(stride_dkb, ALIGN), aligned(stride_dkh, ALIGN),
-                                          aligned(stride_dkn, ALIGN))
-    stride_dvb, stride_dvh, stride_dvn = (aligned(stride_dvb, ALIGN), aligned(stride_dvh, ALIGN),
-                                          aligned(stride_dvn, ALIGN))
+    stride_qb, stride_qh, stride_qn = aligned_strides(stride_qb, stride_qh, stride_qn, ALIGN)
+    stride_kb, stride_kh, stride_kn = aligned_strides(stride_kb, stride_kh, stride_kn, ALIGN)
+    stride_vb, stride_vh, stride_vn = aligned_strides(stride_vb, stride_vh, stride_vn, ALIGN)
+    stride_dob, stride_doh, stride_don = aligned_strides(stride_dob, stride_doh, stride_don, ALIGN)
+    stride_dkb, stride_dkh, stride_dkn = aligned_strides(stride_dkb, stride_dkh, stride_dkn, ALIGN)
+    stride_dvb, stride_dvh, stride_dvn = aligned_strides(stride_dvb, stride_dvh, stride_dvn, ALIGN)
     pid_n, bh = tl.program_id(0), tl.program_id(1)
     b, h_kv = bh // Hkv, bh % Hkv
     start_n = pid_n * BLOCK_N
@@ -657,13 +653,11 @@ def attention_bwd_dq_kernel(
     """Deterministic dQ: one program per (Q tile of BLOCK_M rows, batch·query head), K/V tiles of
     BLOCK_N rows visited in a fixed order."""
     # (16-byte rows at every head dim: the host checked the strides, aligned.py)
-    stride_qb, stride_qh, stride_qn = aligned(stride_qb, ALIGN), aligned(stride_qh, ALIGN), aligned(stride_qn, ALIGN)
-    stride_kb, stride_kh, stride_kn = aligned(stride_kb, ALIGN), aligned(stride_kh, ALIGN), aligned(stride_kn, ALIGN)
-    stride_vb, stride_vh, stride_vn = aligned(stride_vb, ALIGN), aligned(stride_vh, ALIGN), aligned(stride_vn, ALIGN)
-    stride_dob, stride_doh, stride_don = (aligned(stride_dob, ALIGN), aligned(stride_doh, ALIGN),
-                                          aligned(stride_don, ALIGN))
-    stride_dqb, stride_dqh, stride_dqn = (aligned(stride_dqb, ALIGN), aligned(stride_dqh, ALIGN),
-                                          aligned(stride_dqn, ALIGN))
+    stride_qb, stride_qh, stride_qn = aligned_strides(stride_qb, stride_qh, stride_qn, ALIGN)
+    stride_kb, stride_kh, stride_kn = aligned_strides(stride_kb, stride_kh, stride_kn, ALIGN)
+    stride_vb, stride_vh, stride_vn = aligned_strides(stride_vb, stride_vh, stride_vn, ALIGN)
+    stride_dob, stride_doh, stride_don = aligned_strides(stride_dob, stride_doh, stride_don, ALIGN)
+    stride_dqb, stride_dqh, stride_dqn = aligned_strides(stride_dqb, stride_dqh, stride_dqn, ALIGN)
     bh = tl.program_id(1)
     if CAUSAL and CAUSAL_SKIP:
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # most work first, as in the forward

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from ..contract import cdiv, padded_head_dim
-from .aligned import aligned
+from .aligned import aligned_strides
 
 #: Each split walks at least this many K/V tiles: fewer would spend more on the merge and the
 #: program's start-up than the split saves.
@@ -234,9 +234,9 @@ def split_kv_attention_kernel(
     no merge runs. ``KEY_STARTS``/``KEY_LENGTHS`` (int32 [B], or None): batch entry b attends to
     keys [KEY_STARTS[b], KEY_LENGTHS[b]) only (module docstring, "Key ranges")."""
     # (16-byte rows at every head dim: the host checked the strides, aligned.py)
-    stride_qb, stride_qh, stride_qn = aligned(stride_qb, ALIGN), aligned(stride_qh, ALIGN), aligned(stride_qn, ALIGN)
-    stride_kb, stride_kh, stride_kn = aligned(stride_kb, ALIGN), aligned(stride_kh, ALIGN), aligned(stride_kn, ALIGN)
-    stride_vb, stride_vh, stride_vn = aligned(stride_vb, ALIGN), aligned(stride_vh, ALIGN), aligned(stride_vn, ALIGN)
+    stride_qb, stride_qh, stride_qn = aligned_strides(stride_qb, stride_qh, stride_qn, ALIGN)
+    stride_kb, stride_kh, stride_kn = aligned_strides(stride_kb, stride_kh, stride_kn, ALIGN)
+    stride_vb, stride_vh, stride_vn = aligned_strides(stride_vb, stride_vh, stride_vn, ALIGN)
     split = tl.program_id(0)
     b = tl.program_id(1) // Hkv
     kv_h = tl.program_id(1) % Hkv

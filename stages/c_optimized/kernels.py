@@ -60,7 +60,7 @@ from ..contract import (DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, key_r
 from ..launch import (FastLaunch, Launch, compiles_without_interpreter, descriptor_on, descriptor_over,
                       layout_fields)
 from . import decode, hopper_ws
-from .aligned import aligned, row_alignment
+from .aligned import aligned_strides, row_alignment
 from .decode import key_range
 from .configs import (BASELINE, Config, choose_config, device_arch, shape_aware_config, shared_memory_bytes,
                       sm_count, with_deep_q, ws_rung_config, ws_shapes)
@@ -147,10 +147,10 @@ def optimized_attention_kernel(
     if ALIGN > 1:
         # Every row starts on a 16-byte boundary, which the host checked and Triton cannot see (a head
         # dim of 8 mod 16, aligned.py): said so, the loads are 16-byte vectors and cp.async copies.
-        stride_qb, stride_qh, stride_qn = aligned(stride_qb, ALIGN), aligned(stride_qh, ALIGN), aligned(stride_qn, ALIGN)
-        stride_kb, stride_kh, stride_kn = aligned(stride_kb, ALIGN), aligned(stride_kh, ALIGN), aligned(stride_kn, ALIGN)
-        stride_vb, stride_vh, stride_vn = aligned(stride_vb, ALIGN), aligned(stride_vh, ALIGN), aligned(stride_vn, ALIGN)
-        stride_ob, stride_oh, stride_on = aligned(stride_ob, ALIGN), aligned(stride_oh, ALIGN), aligned(stride_on, ALIGN)
+        stride_qb, stride_qh, stride_qn = aligned_strides(stride_qb, stride_qh, stride_qn, ALIGN)
+        stride_kb, stride_kh, stride_kn = aligned_strides(stride_kb, stride_kh, stride_kn, ALIGN)
+        stride_vb, stride_vh, stride_vn = aligned_strides(stride_vb, stride_vh, stride_vn, ALIGN)
+        stride_ob, stride_oh, stride_on = aligned_strides(stride_ob, stride_oh, stride_on, ALIGN)
     bh = tl.program_id(1)
     if CAUSAL and CAUSAL_SKIP:
         # Under causal skipping, later Q tiles have more work: launch the longest first so the
