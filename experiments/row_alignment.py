@@ -111,6 +111,7 @@ def time_cells(head_dims: list[int], turns: int = 3) -> list[dict]:
                     aligned.ROW_ALIGNMENT = told
                     kernels._LAYOUT_PLANS.clear()  # (plans are kept per layout, not per setting)
                     backward._KEPT.clear()
+                    backward.backward_plan.cache_clear()
                     try:
                         samples[told] += samples_graph(make_call)
                     except Exception as e:  # noqa: BLE001  (one cell's failure is a row, not the end)

@@ -365,7 +365,8 @@ def lab_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
         fits, whole = torch.stack([fits, whole]).tolist()  # (eager, dynamic cache: the one read on the host)
         if fits:
             return None if whole else ranges
-    elif _maybe_packed_while_tracing(mask_function, attention_mask, q_length, kv_length, q_offset, kv_offset):
+    elif unwindowed and _maybe_packed_while_tracing(mask_function, attention_mask, q_length, kv_length, q_offset,
+                                                    kv_offset):
         # Traced without a cache or a padding mask (a compiled training step), transformers cannot tell
         # whether the position ids pack several sequences into a row, so it always composes the causal
         # rule with a packed-sequence mask. Check on the device that the composition is the plain rule

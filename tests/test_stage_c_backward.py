@@ -682,10 +682,15 @@ def test_a_tail_width_has_its_own_tuned_entry(monkeypatch):
         bwd.backward_plan.cache_clear()
 
 
-def test_rows_not_a_multiple_of_16_take_the_hopper_dq_kernel(monkeypatch):
+@pytest.mark.parametrize("told", [True, False], ids=["alignment told", "not told"])
+def test_rows_not_a_multiple_of_16_keep_the_tuned_plan_when_told_their_alignment(told, monkeypatch):
     """Where a plan pairs the Hopper dK/dV kernel with the tl dQ kernel, a head dim whose rows are not a
-    multiple of 16 elements (Triton cannot vectorize the tl kernel's loads there) takes the Hopper dQ
-    kernel instead, deterministic mode included; a head dim of whole 16s keeps the tuned plan."""
+    multiple of 16 elements keeps the tuned plan while the kernels are told their rows' alignment
+    (aligned.py, the default: the tl dQ kernel then loads 16-byte rows); not told, Triton cannot
+    vectorize the tl kernel's loads there, and such a head dim takes the Hopper dQ kernel instead,
+    deterministic mode included. A head dim of whole 16s keeps the tuned plan either way."""
+    from stages.c_optimized import aligned
+
     table = {"arch": 90,
              "bf16/D64/causal0": {"dkdv": "M64-N64-w4-s2", "dq": "M64-N128-w8-s3", "dq_method": "separate",
                                   "ws": "ws-M64-c2-s3"},
@@ -693,12 +698,16 @@ def test_rows_not_a_multiple_of_16_take_the_hopper_dq_kernel(monkeypatch):
                                    "ws": "ws-M64-c2-s2", "ws_dq": "fused"}}
     monkeypatch.setattr(bwd, "gpu_slug", lambda: "fake")
     monkeypatch.setattr(bwd, "tuned_backward_table", lambda slug: table)
+    monkeypatch.setattr(aligned, "ROW_ALIGNMENT", told)
     bwd.backward_plan.cache_clear()
     try:
         assert bwd.backward_plan(48, torch.bfloat16, 90, False).ws_dq is None
         for D, deterministic in ((40, False), (40, True), (120, True)):
             plan = bwd.backward_plan(D, torch.bfloat16, 90, False, deterministic=deterministic)
-            assert plan.separate_dq and isinstance(plan.ws_dq, bwd.WsConfig), (D, deterministic, plan)
+            if told:
+                assert plan.separate_dq and plan.ws_dq is None, (D, deterministic, plan)
+            else:
+                assert plan.separate_dq and isinstance(plan.ws_dq, bwd.WsConfig), (D, deterministic, plan)
         assert bwd.backward_plan(120, torch.bfloat16, 90, False).ws_dq == bwd.FUSED_DQ
         assert bwd.backward_plan(128, torch.bfloat16, 90, False, deterministic=True).ws_dq is None
     finally:

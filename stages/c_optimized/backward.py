@@ -82,6 +82,7 @@ from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_ou
 from ..launch import KeptLaunch, Launch, compiles_without_interpreter
 from .configs import SHARED_MEMORY_LIMIT, TUNED_DIR, device_arch, gpu_slug
 from . import hopper_ws  # (where the Hopper kernels run: the warp-specialized forward's rule)
+from . import aligned
 from .aligned import aligned_strides, row_alignment
 from .decode import key_range
 from .kernels import tma_supported
@@ -350,13 +351,13 @@ def backward_plan(D: int, dtype: torch.dtype, arch: int, causal: bool = False, *
     if deterministic:
         # (fused dQ is atomics: a deterministic backward takes the separate tl dQ kernel instead)
         plan = replace(plan, separate_dq=True, ws_dq=None if plan.ws_dq == FUSED_DQ else plan.ws_dq)
-    if D % 16 and plan.ws is not None and plan.ws_dq is None:
-        # The tl dQ kernel reads rows through pointers, and Triton vectorizes a load only where it can
-        # prove 16-byte alignment: a row stride of D elements not a multiple of 16 (D 40: 80 bytes) is
-        # specialized as "not divisible by 16", every element is loaded alone, and the kernel runs at
-        # about half speed (D 40 backward: 9.5 ms against 5.0 at D 48, on the H200). TMA has no such
+    if D % 16 and plan.ws is not None and plan.ws_dq is None and not aligned.ROW_ALIGNMENT:
+        # Without being told its rows' alignment (aligned.py, on by default), the tl dQ kernel reads a
+        # row stride of D elements not a multiple of 16 (D 40: 80 bytes) one element at a time, and ran
+        # at about half speed (D 40 backward: 9.5 ms against 5.0 at D 48, on the H200). TMA has no such
         # rule: beside the Hopper dK/dV kernel, dQ then comes from the Hopper dQ kernel (deterministic
-        # too), with the dK/dV kernel's tiles where the dQ kernel takes them.
+        # too), with the dK/dV kernel's tiles where the dQ kernel takes them. Told, the tl dQ kernel
+        # loads 16-byte rows at every head dim and the tuned plan stands.
         plan = replace(plan, separate_dq=True,
                        ws_dq=plan.ws if plan.ws.fits_head_dim(D_pad, "dq") else WsConfig(64, 2, 2))
     if not pipelining:
