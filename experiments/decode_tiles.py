@@ -14,6 +14,12 @@ Cells: grouped-query and multi-head decoding, batch 1 to 64, caches of 4k to 128
 
     python experiments/decode_tiles.py --out results/h200/experiments/<date>_decode_tiles.csv
     python experiments/decode_tiles.py --cells b1-gqa-32k --out /tmp/t.csv
+
+``--early-merge`` times something else: stage C's default decode call with the merge launched the
+ordinary way and launched early (``decode.EARLY_MERGE``, programmatic dependent launch), in three
+rounds of turns, beside cuDNN, on every cell (no tile sweep):
+
+    python experiments/decode_tiles.py --early-merge --out results/h200/experiments/<date>_decode_early_merge.csv
 """
 
 from __future__ import annotations
@@ -61,9 +67,11 @@ def graph_ms(fn) -> float:
     return timing.summarize(timing.samples_graph(lambda: fn, 50, 100), True).ms_median
 
 
-def use_tiles(tiles: decode.SplitTiles | None) -> None:
-    """Make every plan from here on take ``tiles`` (None: the default), forgetting what was cached."""
+def use_tiles(tiles: decode.SplitTiles | None, early_merge: bool | None = None) -> None:
+    """Make every plan from here on take ``tiles`` (None: the default) and launch the merge early or
+    not (None: the module's choice), forgetting what was cached."""
     decode.split_tiles = (lambda group, Nq, D: tiles) if tiles is not None else DEFAULT_TILES
+    decode.EARLY_MERGE = DEFAULT_EARLY_MERGE if early_merge is None else early_merge
     ck._select.cache_clear()
     ck._recipe.cache_clear()
     ck._LAYOUT_PLANS.clear()
@@ -71,12 +79,17 @@ def use_tiles(tiles: decode.SplitTiles | None) -> None:
 
 
 DEFAULT_TILES = decode.split_tiles
+DEFAULT_EARLY_MERGE = decode.EARLY_MERGE
+#: rounds of turns in ``--early-merge`` mode
+ROUNDS = 3
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--cells", default="", help="comma-separated cell names (default: all)")
+    ap.add_argument("--early-merge", action="store_true",
+                    help="time the merge launched early and not, in turns (no tile sweep)")
     args = ap.parse_args(argv)
     cells = [c for c in CELLS if not args.cells or c[0] in args.cells.split(",")]
     sms = num_sms(torch.device("cuda"))
@@ -113,9 +126,19 @@ def main(argv=None) -> int:
                 f.flush()
 
             use_tiles(None)
-            row("default", (default.block_m, default.block_n, default.num_warps, default.num_stages), "",
-                lambda: ck.attention(q, k, v))
+            tiles_default = (default.block_m, default.block_n, default.num_warps, default.num_stages)
             cudnn = peer_attention("sdpa_cudnn")
+            if args.early_merge:
+                for _ in range(ROUNDS):
+                    for label, early in (("merge-after", False), ("merge-early", True)):
+                        use_tiles(None, early)
+                        row(label, tiles_default, "", lambda: ck.attention(q, k, v))
+                    row("cudnn", None, "", lambda: cudnn(q, k, v, causal=False))
+                use_tiles(None)
+                del q, k, v, ref
+                torch.cuda.empty_cache()
+                continue
+            row("default", tiles_default, "", lambda: ck.attention(q, k, v))
             row("cudnn", None, "", lambda: cudnn(q, k, v, causal=False))
             for block_n, warps, stages_ in itertools.product(BLOCK_N, WARPS, STAGES):
                 if stages_ * block_n * D * 2 * 2 > SMEM_BYTES:

@@ -450,3 +450,24 @@ def test_strides_off_16_bytes_compile_without_the_alignment():
     assert row_alignment(expanded) == 1
     assert row_alignment(torch.empty(2, 3, 10, 64, dtype=torch.float16, device="meta")) == 1
     assert row_alignment(t, expanded) == 8
+
+
+def test_early_merge_launches_the_merge_before_the_split_kernel_ends(monkeypatch):
+    """The merge of split-KV decoding launched early (decode.EARLY_MERGE): the split kernel lets its
+    dependents launch, the merge waits for it before reading a partial, and only on sm_90."""
+    from stages.c_optimized import decode, kernels
+
+    p = Problem(B=1, H=32, N=1, Hkv=8, Nk=32768, D=128, dtype="bf16")
+    for early in (False, True):
+        monkeypatch.setattr(decode, "EARLY_MERGE", early)
+        monkeypatch.setenv("LAB_DECODE_EARLY_MERGE", str(int(early)))  # (an interpreting process compiles in a child)
+        kernels._recipe.cache_clear()
+        split, merge = STAGES["c"].compile(p, 90)
+        assert (split.name, merge.name) == ("split_kv_attention_kernel", "merge_splits_kernel")
+        assert ("griddepcontrol.launch_dependents" in split.asm["ptx"]) == early
+        wait = merge.asm["ptx"].find("griddepcontrol.wait")
+        assert (wait >= 0) == early
+        if early:  # no partial is read before the wait
+            assert "ld.global" not in merge.asm["ptx"][:wait]
+        assert not any("griddepcontrol" in k.asm["ptx"] for k in STAGES["c"].compile(p, 80))
+    kernels._recipe.cache_clear()

@@ -57,6 +57,7 @@ from functools import lru_cache
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..contract import cdiv, padded_head_dim
 from .aligned import aligned_strides
@@ -226,13 +227,17 @@ def split_kv_attention_kernel(
     Hq, Hkv, N_Q, N_K, CAUSAL_OFFSET, CHUNK, ROWS_TOTAL,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr, ALIGN: tl.constexpr,
-    KEY_STARTS, KEY_LENGTHS,
+    KEY_STARTS, KEY_LENGTHS, EARLY_MERGE: tl.constexpr = False,
 ):
     """Program (split, b·Hkv + kv head, row block): the online softmax of its rows over one chunk of
     keys; writes the chunk's normalized O (fp32) and base-2 log-sum-exp per row (module docstring).
     With a single chunk (a short cache) that is the answer: it goes straight to O (and LSE), and
     no merge runs. ``KEY_STARTS``/``KEY_LENGTHS`` (int32 [B], or None): batch entry b attends to
     keys [KEY_STARTS[b], KEY_LENGTHS[b]) only (module docstring, "Key ranges")."""
+    if EARLY_MERGE:
+        # Let the merge's programs be launched now (:data:`EARLY_MERGE`): they wait for this grid's
+        # end in gdc_wait, so nothing here needs to happen before this line.
+        gdc_launch_dependents()
     # (16-byte rows at every head dim: the host checked the strides, aligned.py)
     stride_qb, stride_qh, stride_qn = aligned_strides(stride_qb, stride_qh, stride_qn, ALIGN)
     stride_kb, stride_kh, stride_kn = aligned_strides(stride_kb, stride_kh, stride_kn, ALIGN)
@@ -314,7 +319,7 @@ def split_kv_attention_kernel(
 def merge_splits_kernel(
     O_PART, LSE_PART, O, LSE, ROWS_TOTAL, SPLITS,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS_PER_STEP: tl.constexpr,
-    STORE_LSE: tl.constexpr,
+    STORE_LSE: tl.constexpr, EARLY_MERGE: tl.constexpr = False,
 ):
     """O = Σ_s 2^(L_s − L)·O_s with L = log2 Σ_s 2^(L_s), for BLOCK_R rows (module docstring), folded
     in ``SPLITS_PER_STEP`` splits at a time with a running maximum, exactly like the main loop's
@@ -322,6 +327,10 @@ def merge_splits_kernel(
     (the running maximum and sums), so a row of S splits is a chain of S / SPLITS_PER_STEP steps,
     each an L2 round trip: one split per step (the first version, :data:`MERGE_SHAPES`) makes a long
     chain when there are many splits and few rows to spread it over."""
+    if EARLY_MERGE:
+        # Launched before the split kernel ended (:data:`EARLY_MERGE`): wait here until it has, and
+        # its partials are visible. Everything before this line must not read them.
+        gdc_wait()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < ROWS_TOTAL
     ds = tl.arange(0, BLOCK_D)
@@ -362,6 +371,23 @@ MERGE_SHAPES = {"serial": (16, 1), "wide": (1, 32)}
 MERGE = os.environ.get("LAB_DECODE_MERGE", "wide")
 if MERGE not in MERGE_SHAPES:
     raise ValueError(f"LAB_DECODE_MERGE must be one of {', '.join(MERGE_SHAPES)}, got {MERGE!r}")
+
+
+#: Launch the merge before the split kernel ends (programmatic dependent launch, sm_90 and later). A
+#: kernel launched the ordinary way starts only after the one before it has finished and the GPU has
+#: set the next grid up: a gap of microseconds, which a B 1 decode step, 40 µs in all, feels. With
+#: this switch the split kernel tells the GPU at its start that the merge may be launched
+#: (``griddepcontrol.launch_dependents``), and the merge's programs wait in ``griddepcontrol.wait``
+#: until the split kernel is done and its writes are visible. The setup overlaps the split kernel;
+#: the merge's work does not. ``LAB_DECODE_EARLY_MERGE=1`` switches it on: off until timed on the GPU
+#: (``experiments/decode_tiles.py --early-merge``).
+EARLY_MERGE = os.environ.get("LAB_DECODE_EARLY_MERGE", "0") == "1"
+
+
+def early_merge(arch: int) -> bool:
+    """Whether a split-KV call on an sm_``arch`` GPU launches its merge early (:data:`EARLY_MERGE`):
+    programmatic dependent launch needs sm_90 (the interpreter runs the sm_80 path)."""
+    return EARLY_MERGE and arch >= 90
 
 
 def merge_shape() -> tuple[int, int]:

@@ -546,7 +546,8 @@ def _recipe(path: str, config, dtype: torch.dtype, D: int, group: int, causal: b
     on = dict(zip(SWITCH_NAMES, switches))
     dot_precision = "ieee" if dtype == torch.float32 else "tf32"  # fp32 inputs get exact fp32 products
     if path == "split":
-        return _split_recipe(config, dtype, D, group, causal, dot_precision, store_lse, sms, ranges, align)
+        return _split_recipe(config, dtype, D, group, causal, dot_precision, store_lse, sms, ranges, align,
+                             decode.early_merge(arch))
     if path == "ws":
         options = config.ws_options(ws_rung)
         # Tiles as wide as the padded head dim, or its main part and a narrow tail (tile_widths): TMA
@@ -609,20 +610,23 @@ def _range_arguments(ranges: tuple, static: dict) -> tuple:
 
 
 def _split_recipe(split, dtype, D, group, causal, dot_precision, store_lse, sms, ranges=(False, False),
-                  align=1) -> _Recipe:
+                  align=1, early_merge=False) -> _Recipe:
     BD = padded_head_dim(D)
     tensors = (("Q", "q"), ("K", "k"), ("V", "v"), ("O_PART", "o_part"), ("LSE_PART", "lse_part"), ("O", "o"))
     static = dict(GROUP=group, D=D, BLOCK_D=BD, BLOCK_M=split.block_m, BLOCK_N=split.block_n, CAUSAL=causal,
-                  DOT_PRECISION=dot_precision, STORE_LSE=store_lse, ALIGN=align)
+                  DOT_PRECISION=dot_precision, STORE_LSE=store_lse, ALIGN=align, EARLY_MERGE=early_merge)
     tensors = _lse_argument(tensors, static, store_lse) + _range_arguments(ranges, static)
     first = _LaunchRecipe(decode.split_kv_attention_kernel, tuple(static.items()), tensors, (), _SPLIT_INTS,
                           split.num_warps, split.num_stages)
     merge_rows, splits_per_step = decode.merge_shape()
-    merge_static = dict(D=D, BLOCK_D=BD, BLOCK_R=merge_rows, SPLITS_PER_STEP=splits_per_step, STORE_LSE=store_lse)
+    merge_static = dict(D=D, BLOCK_D=BD, BLOCK_R=merge_rows, SPLITS_PER_STEP=splits_per_step, STORE_LSE=store_lse,
+                        EARLY_MERGE=early_merge)
     merge_tensors = _lse_argument((("O_PART", "o_part"), ("LSE_PART", "lse_part"), ("O", "o")), merge_static,
                                   store_lse)
+    # (launch_pdl: the merge may start before the split kernel ends, decode.EARLY_MERGE)
     merge = _LaunchRecipe(decode.merge_splits_kernel, tuple(merge_static.items()), merge_tensors, (),
-                          ("ROWS_TOTAL", "SPLITS"), 4, 1, scale_factor=None)
+                          ("ROWS_TOTAL", "SPLITS"), 4, 1, extra=(("launch_pdl", True),) if early_merge else (),
+                          scale_factor=None)
     return _Recipe("split", (first, merge), functools.partial(_split_runtime, sms=sms, merge_rows=merge_rows))
 
 
