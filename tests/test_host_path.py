@@ -509,6 +509,53 @@ def test_gpu_growing_kv_cache_neither_compiles_nor_leaves_the_lean_path(monkeypa
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("Hq,Hkv,Nk,store_lse", [(32, 8, 32768, False), (12, 12, 700, True)])
+def test_gpu_early_merge_is_the_ordinary_merge_eagerly_and_in_graph_replay(monkeypatch, Hq, Hkv, Nk, store_lse):
+    """The merge launched early (``decode.EARLY_MERGE``, sm_90) gives the ordinary merge's output and
+    log-sum-exp bit for bit, called eagerly and replayed from a CUDA graph with new data each time
+    (so a merge that read partials before the split kernel wrote them would show)."""
+    decode = kernels.decode
+    q, k, v = make_qkv(1, Hq, 1, 128, torch.bfloat16, "cuda", Hkv=Hkv, Nk=Nk)
+    if kernels._arch_and_sms(q)[0] < 90:
+        pytest.skip("programmatic dependent launch needs sm_90")
+
+    def run(early: bool):
+        monkeypatch.setattr(decode, "EARLY_MERGE", early)
+        kernels._recipe.cache_clear()
+        kernels._LAYOUT_PLANS.clear()
+        if store_lse:
+            return kernels.attention_with_lse(q, k, v, causal=True)
+        return kernels.attention(q, k, v, causal=True), None
+
+    choice, recipe = kernels._plan_call(q, k, v, new_output(q), None, True, *kernels._arch_and_sms(q))
+    assert choice.path == "split" and choice.config.splits > 1
+    for _ in range(2):
+        k.normal_()
+        expected, expected_lse = run(False)
+        for _ in range(2):  # the first call binds the launches, the second takes the bound path
+            out, lse = run(True)
+            assert torch.equal(out, expected)
+            if store_lse:
+                assert torch.equal(lse, expected_lse)
+    check_against_reference(out, q, k, v, causal=True, dtype_name="bf16")
+    graph = torch.cuda.CUDAGraph()
+    run(True)
+    with torch.cuda.graph(graph):
+        out, lse = (kernels.attention_with_lse(q, k, v, causal=True) if store_lse
+                    else (kernels.attention(q, k, v, causal=True), None))
+    for _ in range(3):
+        v.normal_()
+        graph.replay()
+        expected, expected_lse = run(False)
+        monkeypatch.setattr(decode, "EARLY_MERGE", True)
+        assert torch.equal(out, expected)
+        if store_lse:
+            assert torch.equal(lse, expected_lse)
+    kernels._recipe.cache_clear()
+    kernels._LAYOUT_PLANS.clear()
+
+
+@pytest.mark.gpu
 def test_gpu_misaligned_view_after_aligned_calls_is_right():
     q, k, v = make_qkv(1, 4, 96, 64, torch.float16, "cuda")
     kernels.attention(q, k, v)
