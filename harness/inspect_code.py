@@ -103,9 +103,12 @@ def ptx_target(ptx: str) -> str | None:
 
 
 def ptxas_path() -> Path:
-    import triton
+    """The ptxas Triton compiles with (its bundled one unless ``TRITON_PTXAS_PATH`` names another, as a
+    machine with a newer CUDA may): Triton writes the PTX version that ptxas reads, so an older one
+    would refuse the code ("Unsupported .version")."""
+    from triton import knobs
 
-    return Path(triton.__file__).resolve().parent / "backends" / "nvidia" / "bin" / "ptxas"
+    return Path(knobs.nvidia.ptxas.path)
 
 
 def parse_ptxas(text: str) -> dict:
@@ -119,7 +122,7 @@ def parse_ptxas(text: str) -> dict:
 
 
 def _assemble(ptx: str, arch: str | None, directory: str, timeout_s: float, *flags: str):
-    """Run triton's bundled ptxas on ``ptx`` inside ``directory``: the finished process and the path
+    """Run the ptxas Triton uses on ``ptx`` inside ``directory``: the finished process and the path
     of the cubin it wrote (when it succeeded). Raises what ``subprocess.run`` raises."""
     src, cubin = Path(directory) / "kernel.ptx", Path(directory) / "kernel.cubin"
     src.write_text(ptx)
@@ -130,7 +133,7 @@ def _assemble(ptx: str, arch: str | None, directory: str, timeout_s: float, *fla
 
 
 def run_ptxas(ptx: str, arch: str | None = None, timeout_s: float = 120) -> dict:
-    """Assemble ``ptx`` with triton's bundled ptxas ``-v``; parse_ptxas's dict, or {"ptxas_error": ...}."""
+    """Assemble ``ptx`` with the ptxas Triton uses (:func:`ptxas_path`), ``-v``; parse_ptxas's dict, or {"ptxas_error": ...}."""
     exe = ptxas_path()
     if not exe.exists():
         return {"ptxas_error": f"{exe} not found"}

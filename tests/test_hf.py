@@ -10,8 +10,10 @@ dim 16, a dozen tokens).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -225,12 +227,35 @@ def test_a_packed_batch_under_compile_stops_on_the_device():
     packed = torch.cat([torch.arange(5), torch.arange(TOKENS - 5)])[None].to(DEVICE)
     with pytest.raises(hf.UnsupportedAttention):
         model(ids, position_ids=packed, use_cache=False)
+    if DEVICE == "cuda":
+        # A device-side assert leaves the process's CUDA context unusable (every later call in it
+        # fails): trip it in a child process and read the assert's message from its stderr.
+        here = Path(__file__).resolve().parent
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")]))
+        child = subprocess.run([sys.executable, "-c", "import test_hf; test_hf._run_packed_batch_compiled()"],
+                               cwd=str(here), env=env, capture_output=True, text=True, timeout=600)
+        assert child.returncode != 0 and "packed sequences" in child.stderr, child.stderr[-2000:]
+        return
+    with pytest.raises(RuntimeError, match="packed sequences"):
+        _run_packed_batch_compiled()
+
+
+def _run_packed_batch_compiled():
+    """The traced call of a packed batch (``test_a_packed_batch_under_compile_stops_on_the_device``)."""
+    hf.register(["c"])
+    model = make_model("llama")
+    model.set_attn_implementation("lab_c")
+    ids = token_ids(batch=1)
+    packed = torch.cat([torch.arange(5), torch.arange(TOKENS - 5)])[None].to(DEVICE)
     torch._dynamo.reset()
     compiled = torch.compile(lambda ids, pos: model(ids, position_ids=pos, use_cache=False).logits,
                              backend="aot_eager", fullgraph=True)
-    with pytest.raises(RuntimeError, match="packed sequences"):
+    try:
         compiled(ids, packed)
-    torch._dynamo.reset()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+    finally:
+        torch._dynamo.reset()
 
 
 # -------------------------------------------------------------------------------------------- the KV cache

@@ -139,8 +139,9 @@ def embedded(first: int, end: int, Nk: int, **options):
             return torch.full((k.shape[0], k.shape[1], n, k.shape[3]), float("nan"), dtype=k.dtype, device=k.device)
         kf = torch.cat([outside(first), k, outside(Nk - end)], dim=2)
         vf = torch.cat([outside(first), v, outside(Nk - end)], dim=2)
-        return kernels.attention(q, kf, vf, causal=causal, sm_scale=sm_scale, key_starts=int32([first]),
-                                 key_lengths=int32([end]), **options)
+        B = q.shape[0]  # (every batch entry the same range)
+        return kernels.attention(q, kf, vf, causal=causal, sm_scale=sm_scale, key_starts=int32([first] * B),
+                                 key_lengths=int32([end] * B), **options)
     return attention
 
 
