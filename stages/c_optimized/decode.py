@@ -379,8 +379,9 @@ if MERGE not in MERGE_SHAPES:
 #: this switch the split kernel tells the GPU at its start that the merge may be launched
 #: (``griddepcontrol.launch_dependents``), and the merge's programs wait in ``griddepcontrol.wait``
 #: until the split kernel is done and its writes are visible. The setup overlaps the split kernel;
-#: the merge's work does not. ``LAB_DECODE_EARLY_MERGE=1`` switches it on: off until timed on the GPU
-#: (``experiments/decode_tiles.py --early-merge``).
+#: the merge's work does not. ``LAB_DECODE_EARLY_MERGE=1`` switches it on. Off: on the H200 it was level
+#: at B 1 and 0.7 % slower at B 16, whose many merge programs hold SM slots while they wait
+#: (docs/performance-log/model-shapes.md, entry 65; ``experiments/decode_tiles.py --early-merge``).
 EARLY_MERGE = os.environ.get("LAB_DECODE_EARLY_MERGE", "0") == "1"
 
 
