@@ -351,35 +351,6 @@ def test_static_cache_generate_compiles_its_decode_step_into_one_graph(kind):
     assert torch.equal(mine, greedy("sdpa"))
 
 
-@pytest.mark.gpu
-def test_gpu_static_cache_generate_replays_its_decode_step():
-    """On the GPU ``generate`` with a static cache compiles the decode step and replays it as a CUDA
-    graph: once recorded, a step runs none of the stage's Python (a graph that was not captured, or is
-    recorded again every step, would call it once per layer and step)."""
-    from stages.c_optimized import kernels
-
-    model = make_model("gpt2", dtype=torch.bfloat16)
-    model.set_attn_implementation("lab_c")
-    ids = token_ids()
-
-    def greedy():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
-                              do_sample=False, pad_token_id=0, cache_implementation="static")
-
-    torch._dynamo.reset()
-    for _ in range(3):  # compile, record, replay
-        greedy()
-    calls = []
-    with pytest.MonkeyPatch.context() as mp:
-        real = kernels._forward
-        mp.setattr(kernels, "_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-        greedy()
-    layers = model.config.num_hidden_layers
-    # (the prefill is one call per layer; each of the 7 decode steps would add as many)
-    assert len(calls) <= layers, f"{len(calls)} calls of stage C's Python in one generate(): the decode steps ran it"
-    torch._dynamo.reset()
-
-
 def test_prompt_in_two_chunks_matches_sdpa():
     """The second chunk's 5 queries against 12 keys: causal bottom-right (query i sees the 7 cached
     keys and its own chunk up to i). SDPA needs a materialized mask here; the lab mask needs none."""
@@ -651,7 +622,8 @@ def test_gpu_static_cache_generate_replays_cuda_graphs(kind):
     """On a GPU, ``generate`` with a static cache compiles the decode step (inductor,
     ``mode="reduce-overhead"``: CUDA graphs) by itself: with stage C (a custom op taking the filled
     length as a key range) it runs, with a left-padded batch too, and gives SDPA's tokens (fp32, so
-    that rounding cannot flip a greedy choice); a second call replays what the first captured."""
+    that rounding cannot flip a greedy choice); later calls replay what the first captured, running
+    none of the stage's Python in their decode steps."""
     model = make_model(kind)
     ids, mask = pad_left(token_ids(), [4, 0])
 
@@ -661,7 +633,18 @@ def test_gpu_static_cache_generate_replays_cuda_graphs(kind):
                              pad_token_id=0, cache_implementation="static")
         return out[:, ids.shape[1]:]
 
+    from stages.c_optimized import kernels
+
     torch._dynamo.reset()
     first = greedy("lab_c")
     assert torch.equal(greedy("lab_c"), first)
+    # Recorded by now: a third call's decode steps run none of the stage's Python (a graph that was not
+    # captured, or is recorded again every step, would call it once per layer and step).
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        real = kernels._forward
+        mp.setattr(kernels, "_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        assert torch.equal(greedy("lab_c"), first)
+    layers = model.config.num_hidden_layers  # (the prompt's prefill, one call per layer)
+    assert len(calls) <= layers, f"{len(calls)} calls of stage C's Python in one generate(): the decode steps ran it"
     assert torch.equal(first, greedy("sdpa"))
