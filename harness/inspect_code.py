@@ -133,7 +133,8 @@ def _assemble(ptx: str, arch: str | None, directory: str, timeout_s: float, *fla
 
 
 def run_ptxas(ptx: str, arch: str | None = None, timeout_s: float = 120) -> dict:
-    """Assemble ``ptx`` with the ptxas Triton uses (:func:`ptxas_path`), ``-v``; parse_ptxas's dict, or {"ptxas_error": ...}."""
+    """Assemble ``ptx`` with the ptxas Triton uses (:func:`ptxas_path`), ``-v``; parse_ptxas's dict, or
+    {"ptxas_error": ...}."""
     exe = ptxas_path()
     if not exe.exists():
         return {"ptxas_error": f"{exe} not found"}
