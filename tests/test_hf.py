@@ -231,7 +231,8 @@ def test_a_packed_batch_under_compile_stops_on_the_device():
         # A device-side assert leaves the process's CUDA context unusable (every later call in it
         # fails): trip it in a child process and read the assert's message from its stderr.
         here = Path(__file__).resolve().parent
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")]))
+        path = os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])
+        env = dict(os.environ, PYTHONPATH=path)
         child = subprocess.run([sys.executable, "-c", "import test_hf; test_hf._run_packed_batch_compiled()"],
                                cwd=str(here), env=env, capture_output=True, text=True, timeout=600)
         assert child.returncode != 0 and "packed sequences" in child.stderr, child.stderr[-2000:]
