@@ -519,10 +519,12 @@ def test_gpu_early_merge_is_the_ordinary_merge_eagerly_and_in_graph_replay(monke
     if kernels._arch_and_sms(q)[0] < 90:
         pytest.skip("programmatic dependent launch needs sm_90")
 
-    def run(early: bool):
+    def use(early: bool) -> None:
         monkeypatch.setattr(decode, "EARLY_MERGE", early)
         kernels._recipe.cache_clear()
         kernels._LAYOUT_PLANS.clear()
+
+    def call():
         if store_lse:
             return kernels.attention_with_lse(q, k, v, causal=True)
         return kernels.attention(q, k, v, causal=True), None
@@ -533,23 +535,23 @@ def test_gpu_early_merge_is_the_ordinary_merge_eagerly_and_in_graph_replay(monke
     assert choice.path == "split" and decode.decode_splits(1, Hkv, Hq // Hkv, 1, Nk, 128, sms) > 1
     for _ in range(2):
         k.normal_()
-        expected, expected_lse = run(False)
+        use(False)
+        expected, expected_lse = call()
+        use(True)
         for _ in range(2):  # the first call binds the launches, the second takes the bound path
-            out, lse = run(True)
+            out, lse = call()
             assert torch.equal(out, expected)
             if store_lse:
                 assert torch.equal(lse, expected_lse)
     check_against_reference(out, q, k, v, causal=True, dtype_name="bf16")
     graph = torch.cuda.CUDAGraph()
-    run(True)
     with torch.cuda.graph(graph):
-        out, lse = (kernels.attention_with_lse(q, k, v, causal=True) if store_lse
-                    else (kernels.attention(q, k, v, causal=True), None))
+        out, lse = call()  # (early merge, the launches bound above)
+    use(False)
     for _ in range(3):
         v.normal_()
         graph.replay()
-        expected, expected_lse = run(False)
-        monkeypatch.setattr(decode, "EARLY_MERGE", True)
+        expected, expected_lse = call()
         assert torch.equal(out, expected)
         if store_lse:
             assert torch.equal(lse, expected_lse)
