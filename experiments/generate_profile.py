@@ -7,11 +7,15 @@ random weights), summarized per new token.
     python experiments/generate_profile.py --rounds 20 --python 25   # + wall times in turns, cProfile
     python experiments/generate_profile.py --impls c,sdpa,c+sdpa_mask,sdpa+lab_mask,no_attention --rounds 12
     python experiments/generate_profile.py --rounds 20 --gc frozen   # the rounds without walks of the model
+    python experiments/generate_profile.py --cache static --rounds 12  # the compiled, CUDA-graphed step
 
 Per impl, per generated token: wall ms; GPU kernels launched and their summed GPU time (so the
 host-bound share shows as wall minus GPU); the attention calls' CPU time (the profiler's
-``*_attention_forward`` ranges); then the kernels by launches per token, so a kernel one impl
-launches and the other does not (a layout copy, a split-KV merge) stands out. Runs a warm-up
+``*_attention_forward`` ranges) and the mask builder's (transformers calls it once per step, and with
+a static cache outside the compiled step, eagerly); then the kernels by launches per token, so a
+kernel one impl launches and the other does not (a layout copy, a split-KV merge, the mask's small
+operations) stands out. ``--cache static``: transformers' static cache, whose decode step ``generate``
+compiles and replays as a CUDA graph on a GPU. Runs a warm-up
 generate per impl first, so no compilation is profiled. On a CPU it runs the tiny shapes under the
 interpreter (times are not GPU times).
 """
@@ -33,17 +37,23 @@ from harness import generate as G  # noqa: E402
 
 def timed_attention(impl_name: str):
     """Wrap transformers' attention function of ``impl_name`` in a profiler range named
-    ``attention_forward``, so its CPU time can be summed (returns the undo)."""
+    ``attention_forward``, and its mask builder in one named ``attention_mask``, so their CPU time
+    can be summed (returns the undo)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    inner = ALL_ATTENTION_FUNCTIONS[impl_name]
+    undo = []
+    for table, label in ((ALL_ATTENTION_FUNCTIONS, "attention_forward"),
+                         (ALL_MASK_ATTENTION_FUNCTIONS, "attention_mask")):
+        inner = table[impl_name]
 
-    def wrapped(*args, **kwargs):
-        with torch.profiler.record_function("attention_forward"):
-            return inner(*args, **kwargs)
+        def wrapped(*args, inner=inner, label=label, **kwargs):
+            with torch.profiler.record_function(label):
+                return inner(*args, **kwargs)
 
-    ALL_ATTENTION_FUNCTIONS[impl_name] = wrapped
-    return lambda: ALL_ATTENTION_FUNCTIONS.__setitem__(impl_name, inner)
+        table[impl_name] = wrapped
+        undo.append(lambda table=table, inner=inner: table.__setitem__(impl_name, inner))
+    return lambda: [u() for u in undo]
 
 
 #: ``--impls`` names that take one part of a step from one implementation and the rest from
@@ -74,15 +84,25 @@ def implementation(impl: str) -> str:
     return impl if impl in HYBRIDS else G.attn_implementation(impl)
 
 
+#: ``--cache``: transformers' growing cache, or a static one (its step compiled and CUDA-graphed on a GPU)
+CACHE = {"cache": "dynamic"}
+
+
+def greedy(model, prompt, new_tokens: int):
+    """One greedy ``generate()`` of ``new_tokens`` tokens with :data:`CACHE`'s cache, as ``harness
+    generate`` times it."""
+    options = {"cache_implementation": "static"} if CACHE["cache"] == "static" else {}
+    with torch.no_grad():
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, num_beams=1,
+                              pad_token_id=model.config.eos_token_id, **options)
+
+
 def profile_generate(model, prompt, new_tokens: int, on_gpu: bool):
     from torch.profiler import ProfilerActivity, profile
 
-    ones = torch.ones_like(prompt)
-
     def run():
-        with torch.no_grad():
-            return model.generate(prompt, attention_mask=ones, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                  do_sample=False, num_beams=1, pad_token_id=model.config.eos_token_id)
+        return greedy(model, prompt, new_tokens)
 
     run()  # warm: compiles, plans, caches
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
@@ -95,17 +115,20 @@ def profile_generate(model, prompt, new_tokens: int, on_gpu: bool):
 def summarize(prof, ms: float, new_tokens: int, on_gpu: bool) -> tuple[str, dict]:
     kernels = collections.Counter()
     kernel_us = collections.Counter()
-    attention_cpu_us = 0.0
+    attention_cpu_us = mask_cpu_us = 0.0
     for e in prof.events():
         if on_gpu and e.device_type == torch.autograd.DeviceType.CUDA:
             kernels[e.name] += 1
             kernel_us[e.name] += e.device_time
         elif e.name == "attention_forward":
             attention_cpu_us += e.cpu_time_total
+        elif e.name == "attention_mask":
+            mask_cpu_us += e.cpu_time_total
     gpu_ms = sum(kernel_us.values()) / 1e3
     lines = [f"  wall {ms / new_tokens:.3f} ms per token; GPU kernels {sum(kernels.values()) / new_tokens:.1f} per "
              f"token, {gpu_ms / new_tokens:.3f} ms of GPU time per token; attention calls' CPU time "
-             f"{attention_cpu_us / 1e3 / new_tokens:.3f} ms per token"]
+             f"{attention_cpu_us / 1e3 / new_tokens:.3f} ms per token; the mask builder's "
+             f"{mask_cpu_us / 1e3 / new_tokens:.3f} ms per token"]
     return "\n".join(lines), {name: (kernels[name] / new_tokens, kernel_us[name] / new_tokens) for name in kernels}
 
 
@@ -114,13 +137,10 @@ def python_profile(model, prompt, new_tokens: int, top: int) -> str:
     path's share of a host-bound decode step, function by function)."""
     import cProfile
 
-    ones = torch.ones_like(prompt)
     prof = cProfile.Profile()
-    with torch.no_grad():
-        prof.enable()
-        model.generate(prompt, attention_mask=ones, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, num_beams=1, pad_token_id=model.config.eos_token_id)
-        prof.disable()
+    prof.enable()
+    greedy(model, prompt, new_tokens)
+    prof.disable()
     return python_top(prof, top)
 
 
@@ -185,7 +205,6 @@ def rounds(model, prompt, new_tokens: int, impls: list[str], n: int, on_gpu: boo
     import gc
     import statistics
 
-    ones = torch.ones_like(prompt)
     times = {impl: [] for impl in impls}
     clocks = {impl: GcClock() for impl in impls}
     gc.collect()
@@ -197,10 +216,8 @@ def rounds(model, prompt, new_tokens: int, impls: list[str], n: int, on_gpu: boo
         for r in range(n):
             for impl in (impls if r % 2 == 0 else impls[::-1]):
                 model.set_attn_implementation(implementation(impl))
-                with torch.no_grad(), clocks[impl]:
-                    _, ms, _ = G.timed_call(lambda: model.generate(
-                        prompt, attention_mask=ones, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                        do_sample=False, num_beams=1, pad_token_id=model.config.eos_token_id), on_gpu)
+                with clocks[impl]:
+                    _, ms, _ = G.timed_call(lambda: greedy(model, prompt, new_tokens), on_gpu)
                 times[impl].append(ms)
     finally:
         gc.enable()
@@ -222,6 +239,8 @@ def main() -> int:
     ap.add_argument("--impls", default="c,sdpa", help="stages by name, transformers' own (sdpa, eager) and "
                     f"the hybrids {', '.join(HYBRIDS)}")
     ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--cache", default="dynamic", choices=G.CACHES,
+                    help="transformers' growing cache (default) or a static one, its step compiled and CUDA-graphed")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per model (by launches per token)")
     ap.add_argument("--rounds", type=int, default=0, help="then time this many generate() calls per impl in turns")
     ap.add_argument("--gc", default="on", choices=("on", "frozen", "off"),
@@ -229,6 +248,7 @@ def main() -> int:
     ap.add_argument("--python", type=int, default=0, metavar="TOP",
                     help="then a cProfile of one generate() per impl: the TOP functions by own time")
     args = ap.parse_args()
+    CACHE["cache"] = args.cache
     from stages import hf
 
     hf.register()
@@ -239,7 +259,7 @@ def main() -> int:
     device = "cuda" if on_gpu else "cpu"
     dtype = torch.bfloat16 if on_gpu else torch.float32
     print(f"{torch.cuda.get_device_name() if on_gpu else 'CPU (Triton interpreter: not GPU times)'}; "
-          f"batch {sizes.batch}, prompt {sizes.prompt_len}, {new_tokens} new tokens, {dtype}")
+          f"batch {sizes.batch}, prompt {sizes.prompt_len}, {new_tokens} new tokens, {dtype}, {args.cache} cache")
     for name in args.model.split(","):
         shape = shapes[name]
         model = G.build_model(shape, sizes, dtype, device, seed=0)

@@ -47,7 +47,9 @@ returns the least that says what the mask would:
   The ranges are computed on the device from transformers' own padding mask and cache position,
   without waiting for the GPU, so a compiled decode step replays in a CUDA graph; that is what
   ``generate`` does with a static cache on a GPU, and it takes the host (Python, transformers, the
-  launches) out of each step. They travel as a 4-D int32 tensor [B, 1, 1, 2], because ``generate``
+  launches) out of each step. The mask itself is built before that step, eagerly, once per token,
+  so it is one kernel launch (``stages/key_ranges.py``), not the 30 small tensor operations the same
+  computation takes written out (those remain for a traced call, which fuses them). They travel as a 4-D int32 tensor [B, 1, 1, 2], because ``generate``
   builds a static cache's mask before the compiled forward and hands it back to the model as its
   ``attention_mask``, which transformers passes on untouched only as a 4-D tensor (the masks it
   makes itself are bool or float, never int32).
@@ -85,7 +87,7 @@ from __future__ import annotations
 
 import torch
 
-from . import STAGES, get_stage
+from . import STAGES, get_stage, key_ranges
 
 #: implementation names are this prefix + the stage name: ``lab_a``, ``lab_b``, ``lab_c``, ``lab_c_cuda``
 PREFIX = "lab_"
@@ -262,42 +264,6 @@ def attention_forward(stage_name: str):
 
 # ------------------------------------------------------------------------------------------ mask function
 
-def _key_ranges(padding_mask: torch.Tensor | None, batch_size: int, q_length: int, kv_length: int, q_offset,
-                kv_offset: int, causal: bool, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The keys each sequence sees as one range per sequence (:func:`key_ranges_mask`), with two
-    0-d bool tensors on the device: ``fits``, whether the padding mask is one unbroken run of real
-    tokens per sequence (else a range would attend to the wrong keys), and ``whole``, whether every
-    range is all the keys (then the plain causal or bidirectional rule says it all). Nothing here
-    waits for the GPU; the caller reads or asserts the flags.
-
-    Causal: sequence b sees the keys from its first real token (its left padding skipped) to the
-    newest query's position, ``q_offset + q_length`` (the same end for every sequence; a static
-    cache's slots past it are unfilled). Its right padding, the pads after its last real token,
-    stays in the range: causality already hides those keys from every real token, and only the
-    pads' own query rows see them. Bidirectional: from the first real token to the last."""
-    end = q_offset + q_length - kv_offset  # (a 0-d tensor under a static cache: its filled length)
-    if isinstance(end, torch.Tensor):
-        lengths = end.to(device=device, dtype=torch.int32).reshape(1).expand(batch_size).contiguous()
-    else:
-        lengths = torch.full((batch_size,), end, dtype=torch.int32, device=device)
-    j = torch.arange(kv_length, device=device)
-    if padding_mask is None:
-        real = torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
-    else:
-        real = padding_mask[:, kv_offset:kv_offset + kv_length].to(device=device, dtype=torch.bool)
-    if causal:  # (a static cache's unfilled slots: no query sees them)
-        real = real & (j[None, :] < lengths[:, None])
-    any_real = real.any(dim=-1)
-    # First real key and one past the last (argmax finds the first True), both the end for pads only.
-    starts = torch.where(any_real, real.to(torch.int32).argmax(dim=-1), lengths).to(torch.int32)
-    ends = torch.where(any_real, kv_length - real.flip(-1).to(torch.int32).argmax(dim=-1), starts).to(torch.int32)
-    fits = (((j[None, :] >= starts[:, None]) & (j[None, :] < ends[:, None])) == real).all()
-    if causal:
-        ends = lengths
-    whole = (starts == 0).all() & (ends == kv_length).all()
-    return key_ranges_mask(starts, ends), fits, whole
-
-
 def _maybe_packed_while_tracing(mask_function, attention_mask, q_length: int, kv_length: int, q_offset,
                                 kv_offset: int) -> bool:
     """Whether this is the mask transformers builds for a traced call with neither a cache nor a padding
@@ -335,36 +301,35 @@ def lab_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
     * otherwise SDPA's materialized boolean mask [B, 1, q_length, kv_length] (through
       ``masking_utils.sdpa_mask``), which :func:`attention_forward` refuses with a clear error.
     """
-    from transformers.masking_utils import (bidirectional_mask_function, causal_mask_function, prepare_padding_mask,
-                                            sdpa_mask)
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function, sdpa_mask
 
     if mask_function is None:  # (not `or`: under torch.compile a mask function is not a bool)
         mask_function = causal_mask_function
     causal = mask_function is causal_mask_function
     plain = causal or mask_function is bidirectional_mask_function
-    padding_mask = prepare_padding_mask(attention_mask, kv_length, kv_offset)
     unwindowed = local_size is None or kv_length < local_size  # a window no longer than the keys changes nothing
     if plain and unwindowed:
         from transformers.utils.import_utils import is_tracing
 
         static = isinstance(q_offset, torch.Tensor)  # (a static cache's filled length, on the device)
         newest = not static and q_offset + q_length == kv_offset + kv_length
-        if padding_mask is None and not static and (newest or not causal):
+        if attention_mask is None and not static and (newest or not causal):
             return None
-        device = kwargs.get("device") or (padding_mask.device if padding_mask is not None else None)
+        device = kwargs.get("device") or (attention_mask.device if attention_mask is not None else None)
         if device is None and static:
             device = q_offset.device
-        ranges, fits, whole = _key_ranges(padding_mask, batch_size, q_length, kv_length, q_offset, kv_offset,
-                                          causal, device)
-        if static or (padding_mask is not None and is_tracing(padding_mask)):
+        # One launch where it can (a static cache's step builds this mask eagerly for every token).
+        ranges, flags = key_ranges.key_ranges(attention_mask, batch_size, q_length, kv_length, q_offset, kv_offset,
+                                              causal, device)
+        if static or (attention_mask is not None and is_tracing(attention_mask)):
             # A compiled or captured step: nothing may wait for the GPU, so a device-side assert
             # stops the program where a range would attend to the wrong keys.
-            torch._assert_async(fits, "stages.hf: a padding mask with holes cannot be expressed as one key range "
-                                      "per sequence")
+            torch._assert_async(flags[0].all(), "stages.hf: a padding mask with holes cannot be expressed as one key "
+                                                "range per sequence")
             return ranges
-        fits, whole = torch.stack([fits, whole]).tolist()  # (eager, dynamic cache: the one read on the host)
-        if fits:
-            return None if whole else ranges
+        fits, whole = flags.tolist()  # (eager, dynamic cache: the one read on the host)
+        if all(fits):
+            return None if all(whole) else ranges
     elif unwindowed and _maybe_packed_while_tracing(mask_function, attention_mask, q_length, kv_length, q_offset,
                                                     kv_offset):
         # Traced without a cache or a padding mask (a compiled training step), transformers cannot tell
