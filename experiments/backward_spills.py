@@ -6,8 +6,11 @@ that does not fit, and ptxas spills to local memory (performance-log entries 54 
 compiles the kernel (``stages/c_optimized/hopper_bwd.py``) for sm_90a at every tile config the tuner
 races (``tune_backward.ws_candidates``), with and without fused dQ, causal or not, once with each
 switch of ``--switch`` off and on (a module flag of ``hopper_bwd``, such as ``COMPACT_ROW_STATS``),
-assembles it with ptxas and writes the spill bytes per thread. Nothing runs on a GPU: what the spills
-cost is measured by ``experiments/fused_dq.py`` on one.
+assembles it with ptxas and writes the spill bytes per thread, and, from the disassembled machine code,
+what one pass of the consumers' Q-tile loop executes: its instructions and its local-memory accesses
+(spilled values reloaded or saved inside the loop, the ones a spill costs on every tile; static counts,
+``harness.inspect_code.sass_loops``). Nothing runs on a GPU: what the spills cost is measured by
+``experiments/fused_dq.py`` on one.
 
     python experiments/backward_spills.py --csv results/compiled/<date>_backward_spills.csv
     python experiments/backward_spills.py --D 128 --switch COMPACT_ROW_STATS --problems mha
@@ -26,7 +29,7 @@ if __package__ in (None, ""):
 os.environ["TRITON_INTERPRET"] = "0"  # compile for the GPU in this process
 
 import stages  # noqa: E402,F401  (before triton)
-from harness.inspect_code import run_ptxas  # noqa: E402
+from harness.inspect_code import run_ptxas, sass, sass_loops  # noqa: E402
 from stages.c_optimized import backward as bwd  # noqa: E402
 from stages.c_optimized import hopper_bwd  # noqa: E402
 from stages.c_optimized.tune_backward import ws_candidates  # noqa: E402
@@ -37,7 +40,19 @@ from stages.contract import Problem  # noqa: E402
 #: compiled code (the sizes are runtime values), but those do: the group, N's divisibility.
 PROBLEMS = {"mha": dict(B=4, H=16, N=4096), "gqa": dict(B=2, H=8, Hkv=2, N=1000)}
 COLUMNS = ("problem", "D", "config", "fused_dq", "causal", "switch", "on", "registers", "spill_stores",
-           "spill_loads", "status")
+           "spill_loads", "loop_instructions", "loop_local_accesses", "status")
+
+
+def q_tile_loop(ptx: str) -> dict:
+    """One pass of the first consumer's Q-tile loop in the kernel's SASS: the first innermost loop with
+    the most wgmma instructions (each consumer partition has its own copy), its instructions and its
+    local-memory loads and stores; empty where ptxas or cuobjdump is missing."""
+    loops = sass_loops(sass(ptx, "sm_90a"))
+    if not loops:
+        return {}
+    most = max(loop.wgmma for loop in loops)
+    loop = next(loop for loop in loops if loop.wgmma == most)
+    return {"loop_instructions": loop.instructions, "loop_local_accesses": loop.local_loads + loop.local_stores}
 
 
 def main(argv=None) -> int:
@@ -79,6 +94,7 @@ def main(argv=None) -> int:
                                     row.update({k: facts.get(k, "") for k in ("registers", "spill_stores",
                                                                               "spill_loads")},
                                                status=facts.get("ptxas_error", "ok"))
+                                    row.update(q_tile_loop(dkdv.asm["ptx"]))
                                 except Exception as e:  # noqa: BLE001 - a config that fails is recorded
                                     row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
                                 rows.append(row)

@@ -22,6 +22,7 @@ import inspect
 import re
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 #: result keys of :func:`count_instructions`, in display order
@@ -168,6 +169,55 @@ def sass(ptx: str, arch: str | None = None, timeout_s: float = 120) -> str:
                                   timeout=timeout_s, check=True).stdout
         except (OSError, subprocess.SubprocessError):
             return ""
+
+
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", re.M)
+_SASS_TARGET = re.compile(r"\bBRA\b.*?(0x[0-9a-f]+)\s*$")
+
+
+@dataclass(frozen=True)
+class SassLoop:
+    """An innermost loop of disassembled SASS: the addresses of its first and last instruction (the
+    backward branch), and per pass through it the instructions, the local-memory loads and stores
+    (spilled registers reloaded and saved) and the wgmma instructions (``HGMMA``) it runs."""
+
+    start: int
+    end: int
+    instructions: int
+    local_loads: int
+    local_stores: int
+    wgmma: int
+
+
+def _sass_opcode(text: str) -> str:
+    """``@!P0 LDL.LU R4, [R1+0x10]`` -> ``LDL.LU``: the opcode, past a predicate."""
+    words = text.split()
+    return words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+
+
+def sass_loops(sass_text: str, min_instructions: int = 64) -> list[SassLoop]:
+    """The innermost loops of ``sass_text`` (cuobjdump's listing, :func:`sass`), in address order: each
+    backward branch spans a loop from its target to itself; an innermost one holds no other of at
+    least ``min_instructions`` (shorter ones are polling loops, an mbarrier wait's). Where a kernel
+    runs one function in several warp-specialized partitions, each partition's copy is a loop of its
+    own. What a loop does per pass, statically: every instruction between the bounds counts once,
+    whichever branch a pass takes inside."""
+    code = [(int(a, 16), text) for a, text in _SASS_LINE.findall(sass_text)]
+    spans = []
+    for address, text in code:
+        m = _SASS_TARGET.search(text)
+        if m and int(m.group(1), 16) < address:
+            spans.append((int(m.group(1), 16), address))
+    sizes = {span: sum(1 for a, _ in code if span[0] <= a <= span[1]) for span in spans}
+    big = [span for span in spans if sizes[span] >= min_instructions]
+    loops = []
+    for lo, hi in sorted(set(big)):
+        if any(lo <= l2 and h2 <= hi and (l2, h2) != (lo, hi) for l2, h2 in big):
+            continue
+        ops = [_sass_opcode(text) for a, text in code if lo <= a <= hi]
+        loops.append(SassLoop(lo, hi, len(ops), sum(op.startswith("LDL") for op in ops),
+                              sum(op.startswith("STL") for op in ops), sum(op.startswith("HGMMA") for op in ops)))
+    return loops
 
 
 _LAYOUT = re.compile(r"#ttg\.(\w*shared\w*)<(.*?)>(?=\s*(?:$|\n|,|\)|\s))", re.M)

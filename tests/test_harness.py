@@ -19,7 +19,7 @@ import stages
 from stages.contract import HbmTraffic, Problem, Stage
 
 from harness import cli, impls, inputs, measure, ncu, peers, reference, results, table
-from harness.inspect_code import count_instructions, describe_layout, parse_ptxas, smem_layouts
+from harness.inspect_code import count_instructions, describe_layout, parse_ptxas, sass_loops, smem_layouts
 
 from .helpers import fake_attention, fake_stage, run_cli
 
@@ -461,6 +461,40 @@ def test_parse_ptxas_and_layouts():
     assert len(layouts) == 2
     assert describe_layout(layouts[0]) == "XOR swizzle vec=8 perPhase=1 maxPhase=8"
     assert describe_layout(layouts[1]).startswith("128B swizzle")
+
+
+def _sass_listing(body: list[str]) -> str:
+    """cuobjdump's layout: one instruction per line, its address in a comment, 16 bytes apart."""
+    return "\n".join(f"        /*{16 * i:04x}*/                   {text} ;   /* 0x0 */" for i, text in enumerate(body))
+
+
+def test_sass_loops_finds_innermost_loops_and_counts_a_pass():
+    # An outer loop (0x10 .. 0x60) around an inner one (0x20 .. 0x50) that holds a polling loop
+    # (0x30 .. 0x40, shorter than min_instructions), then a second partition's copy of the inner loop.
+    listing = _sass_listing([
+        "MOV R1, c[0x0][0x28]",                    # 0x00
+        "LDL R2, [R1]",                           # 0x10  outer loop's start
+        "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ",  # 0x20  inner loop's start
+        "SYNCS.PHASECHK.TRANS64 P0, [UR8], R3",   # 0x30  polling loop
+        "@!P0 BRA 0x30",                          # 0x40
+        "@P1 STL [R1+0x4], R5",                   # 0x50
+        "@P2 BRA 0x20",                           # 0x60  inner loop's branch back
+        "BRA 0x10",                               # 0x70  outer loop's branch back
+        "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ",  # 0x80
+        "@!P0 LDL.LU R4, [R1+0x10]",              # 0x90
+        "FADD R5, R5, R6",                        # 0xa0
+        "@P2 BRA 0x80",                           # 0xb0
+        "EXIT",                                   # 0xc0
+    ])
+    loops = sass_loops(listing, min_instructions=4)
+    assert [(hex(loop.start), hex(loop.end)) for loop in loops] == [("0x20", "0x60"), ("0x80", "0xb0")]
+    inner, copy = loops
+    assert (inner.instructions, inner.local_loads, inner.local_stores, inner.wgmma) == (5, 0, 1, 1)
+    assert (copy.instructions, copy.local_loads, copy.local_stores, copy.wgmma) == (4, 1, 0, 1)
+    # With the polling loop counted as a loop, it is the innermost one.
+    assert (sass_loops(listing, min_instructions=2)[0].start, sass_loops(listing, min_instructions=2)[0].end) == (
+        0x30, 0x40)
+    assert sass_loops("") == []
 
 
 @pytest.mark.parametrize("name", ["a", "b", "c"])
