@@ -9,7 +9,7 @@ switch of ``--switch`` off and on (a module flag of ``hopper_bwd``, such as ``CO
 assembles it with ptxas and writes the spill bytes per thread, and, from the disassembled machine code,
 what one pass of the consumers' Q-tile loop executes: its instructions and its local-memory accesses
 (spilled values reloaded or saved inside the loop, the ones a spill costs on every tile; static counts,
-``harness.inspect_code.sass_loops``). Nothing runs on a GPU: what the spills cost is measured by
+``harness.inspect_code.first_mma_loop``). Nothing runs on a GPU: what the spills cost is measured by
 ``experiments/fused_dq.py`` on one.
 
     python experiments/backward_spills.py --csv results/compiled/<date>_backward_spills.csv
@@ -29,7 +29,7 @@ if __package__ in (None, ""):
 os.environ["TRITON_INTERPRET"] = "0"  # compile for the GPU in this process
 
 import stages  # noqa: E402,F401  (before triton)
-from harness.inspect_code import run_ptxas, sass, sass_loops  # noqa: E402
+from harness.inspect_code import first_mma_loop, run_ptxas, sass  # noqa: E402
 from stages.c_optimized import backward as bwd  # noqa: E402
 from stages.c_optimized import hopper_bwd  # noqa: E402
 from stages.c_optimized.tune_backward import ws_candidates  # noqa: E402
@@ -44,14 +44,12 @@ COLUMNS = ("problem", "D", "config", "fused_dq", "causal", "switch", "on", "regi
 
 
 def q_tile_loop(ptx: str) -> dict:
-    """One pass of the first consumer's Q-tile loop in the kernel's SASS: the first innermost loop with
-    the most wgmma instructions (each consumer partition has its own copy), its instructions and its
-    local-memory loads and stores; empty where ptxas or cuobjdump is missing."""
-    loops = sass_loops(sass(ptx, "sm_90a"))
-    if not loops:
+    """One pass of the first consumer's Q-tile loop in the kernel's SASS
+    (``harness.inspect_code.first_mma_loop``): its instructions and its local-memory loads and
+    stores; empty where ptxas or cuobjdump is missing."""
+    loop = first_mma_loop(sass(ptx, "sm_90a"))
+    if loop is None:
         return {}
-    most = max(loop.wgmma for loop in loops)
-    loop = next(loop for loop in loops if loop.wgmma == most)
     return {"loop_instructions": loop.instructions, "loop_local_accesses": loop.local_loads + loop.local_stores}
 
 

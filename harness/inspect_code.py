@@ -220,6 +220,14 @@ def sass_loops(sass_text: str, min_instructions: int = 64) -> list[SassLoop]:
     return loops
 
 
+def first_mma_loop(sass_text: str, min_instructions: int = 64) -> SassLoop | None:
+    """The first innermost loop (by address) that issues wgmma: in a warp-specialized kernel, the tile
+    loop of the partition laid out first (each consumer partition has a copy of its own). None where
+    there is none. Not the loop with the most wgmma: ptxas lays some blocks of a loop out of line,
+    after the code, and a span that reaches them holds more instructions than one pass runs."""
+    return next((loop for loop in sass_loops(sass_text, min_instructions) if loop.wgmma), None)
+
+
 _LAYOUT = re.compile(r"#ttg\.(\w*shared\w*)<(.*?)>(?=\s*(?:$|\n|,|\)|\s))", re.M)
 
 

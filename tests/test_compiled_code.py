@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from harness.inspect_code import count_instructions, run_ptxas, sass
+from harness.inspect_code import count_instructions, first_mma_loop, run_ptxas, sass
 from stages import STAGES
 from stages.c_optimized import configs, hopper_ws
 from stages.contract import Problem
@@ -414,6 +414,37 @@ def test_every_warp_specialized_config_compiles_without_spills(D):
                 machine_code = sass(kernel.asm["ptx"], "sm_90a")
                 if machine_code:
                     assert not _spills_in_tile_loops(machine_code), where
+
+
+def test_a_96_key_tile_runs_as_64_and_32_keys():
+    """``hopper_ws.key_widths``: a K/V tile of 96 keys is two tiles, 64 rows and 32, each with its own
+    TMA boxes (and, at 192 columns, their head-dim tails: four boxes per K tile) and its own scores:
+    the consumers' tile loop issues the 32-key products (``n32``) beside the 64-key ones, 36 wgmma per
+    tile against the 64-key config's 20 (half again the keys for less than twice the instructions),
+    with no local memory in the loop."""
+    assert hopper_ws.key_widths(96) == (64, 32) and hopper_ws.key_widths(128) == (128, 0)
+    for bad in (8, 72, 112):  # a tail of 8 rows (under wgmma's 16), a tail not a power of two
+        with pytest.raises(ValueError, match="block_n"):
+            hopper_ws.key_widths(bad)
+    boxes = hopper_ws.descriptor_boxes(192, 96)
+    assert boxes["k_desc"] == ("k", (1, 1, 64, 128)) and boxes["k_keys_desc"] == ("k", (1, 1, 32, 128))
+    assert boxes["v_keys_tail_desc"] == ("v", (1, 1, 32, 64)) and boxes["q_desc"] == ("q", (1, 1, 64, 128))
+    assert hopper_ws.descriptor_boxes(128, 128)["k_keys_desc"] is None
+    assert hopper_ws.descriptor_boxes(160, 96)["k_keys_tail_desc"] == ("k", (1, 1, 32, 32))
+    loops = {}
+    for block_n in (64, 96):
+        config = next(c for c in configs.ws_shapes(192) if c.block_n == block_n)
+        (kernel,) = STAGES["c"].compile(Problem(2, 4, 1000, 192, "bf16", True), 90, config=config)
+        assert kernel.shared_bytes <= 227 * 1024
+        ptx = kernel.asm["ptx"]
+        assert ("m64n32k16" in ptx) == (block_n == 96)
+        machine_code = sass(ptx, "sm_90a")
+        if machine_code:
+            loops[block_n] = first_mma_loop(machine_code)
+    if loops:
+        assert loops[64].wgmma == 20 and loops[96].wgmma == 36, loops
+        assert loops[96].local_loads + loops[96].local_stores == 0, loops
+        assert loops[96].instructions < 2 * loops[64].instructions, loops
 
 
 # A head dim of 8 mod 16 leaves a contiguous tensor's row stride without Triton's divisible-by-16

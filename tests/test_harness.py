@@ -19,7 +19,8 @@ import stages
 from stages.contract import HbmTraffic, Problem, Stage
 
 from harness import cli, impls, inputs, measure, ncu, peers, reference, results, table
-from harness.inspect_code import count_instructions, describe_layout, parse_ptxas, sass_loops, smem_layouts
+from harness.inspect_code import (count_instructions, describe_layout, first_mma_loop, parse_ptxas, sass_loops,
+                                  smem_layouts)
 
 from .helpers import fake_attention, fake_stage, run_cli
 
@@ -495,6 +496,7 @@ def test_sass_loops_finds_innermost_loops_and_counts_a_pass():
     assert (sass_loops(listing, min_instructions=2)[0].start, sass_loops(listing, min_instructions=2)[0].end) == (
         0x30, 0x40)
     assert sass_loops("") == []
+    assert first_mma_loop(listing, 4) == inner and first_mma_loop(listing) is None  # (64 instructions at least)
 
 
 @pytest.mark.parametrize("name", ["a", "b", "c"])

@@ -551,7 +551,7 @@ def test_compact_row_statistics_go_through_shared_memory_and_cut_the_causal_spil
     must leave fewer, with and without fused dQ, and compile at every width (a tail at D 96). In the
     machine code a Q tile (one pass of the consumers' loop) runs fewer instructions with it and fewer
     local-memory accesses (where cuobjdump is at hand to disassemble it)."""
-    from harness.inspect_code import run_ptxas, sass, sass_loops
+    from harness.inspect_code import first_mma_loop, run_ptxas, sass
     from stages.c_optimized import hopper_bwd
 
     monkeypatch.setenv("LAB_FUSED_DQ_ATOMICS", "pair")
@@ -572,12 +572,10 @@ def test_compact_row_statistics_go_through_shared_memory_and_cut_the_causal_spil
     for dq in (None, "fused"):
         assert spills[True, dq] < spills[False, dq], spills
         assert ptx[True, dq].count("ld.shared.v4.b32") > ptx[False, dq].count("ld.shared.v4.b32")
-    loops = {key: sass_loops(sass(text, "sm_90a")) for key, text in ptx.items()}
+    loops = {key: first_mma_loop(sass(text, "sm_90a")) for key, text in ptx.items()}  # (the Q-tile loop)
     if all(loops.values()):
         for dq in (None, "fused"):
-            # The first consumer's Q-tile loop: the first innermost loop with the most wgmma.
-            off, on = (next(loop for loop in loops[c, dq] if loop.wgmma == max(x.wgmma for x in loops[c, dq]))
-                       for c in (False, True))
+            off, on = loops[False, dq], loops[True, dq]
             assert on.wgmma == off.wgmma and on.instructions < 0.9 * off.instructions, (off, on)
             assert on.local_loads + on.local_stores < off.local_loads + off.local_stores, (off, on)
 

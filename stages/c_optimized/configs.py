@@ -214,11 +214,21 @@ def ws_shapes(D: int) -> list[Config]:
     width = hopper_ws.tile_width(D)
     if width in WS_SHAPES:
         return WS_SHAPES[width]
-    block_n = 128 if width // 2 + 3 * 128 // 4 <= TILE_REGISTERS else 64
+    block_n = 128 if tile_registers(width, 128) <= TILE_REGISTERS else 64
     shapes = [ws_config(128, block_n, 2, False), ws_config(128, block_n, 3, False)]
     if width <= 128:
         shapes.insert(0, ws_config(128, block_n, 2, True))
+    if block_n == 64 and tile_registers(width, 96) <= TILE_REGISTERS:
+        # Where 128-key tiles spill, 96 = 64 + 32 keys in two parts (hopper_ws.key_widths), as
+        # FlashAttention-3 takes 112-key tiles at 192 columns: half again the keys per tile for the
+        # same barriers and turns, in the shared memory a 2-slot ring leaves. Last: not yet timed.
+        shapes.append(ws_config(128, 96, 2, False))
     return [c for c in shapes if fits(c, D, 2, 90)]
+
+
+def tile_registers(width: int, block_n: int) -> int:
+    """Registers per consumer thread of a warp-specialized config's tiles (:data:`TILE_REGISTERS`)."""
+    return width // 2 + 3 * block_n // 4
 
 
 def device_arch(device: torch.device | None) -> int:

@@ -80,7 +80,11 @@ fp32 accumulator takes D / 2 of its registers per thread: at D = 256 that is 128
 score tile shrinks to 64 keys (32 registers; 128 keys would spill), and two consumers' Q tiles plus a
 2-slot ring of 64-key K and V tiles take 192 KB of the 227 KB of shared memory, which leaves no room
 for the persistent kernel's second Q buffer: at D = 256 it runs one program per item (FlashAttention-3
-also takes smaller tiles at 256). The training forward stores each row's log-sum-exp beside O
+also takes smaller tiles at 256). Between the two, at 192 columns (D 168-192), 128-key tiles spill and
+64-key ones pay a tile's barriers and turns for half the keys; a **key tail** (:func:`key_widths`) splits
+a 96-key tile the same way the head dim's tail splits columns: 64 rows and 32 more in tiles of their
+own, scores ``S`` and ``S2`` with one softmax over both, and a ``P·V`` for each part
+(FlashAttention-3 takes 112 keys there). The training forward stores each row's log-sum-exp beside O
 (``_store_o``), so a training step runs this kernel too.
 
 Everything else is stage C's algorithm: online softmax in base 2 with the scale folded in, causal
@@ -191,9 +195,34 @@ def _copy_in(desc, tail_desc, bar, buf, tail_buf, b, h, row, pred=True):
     tma.async_copy_global_to_shared(desc, [b, h, row, 0], bar, buf, pred=pred)
 
 
+@gluon.constexpr_function
+def _tile_bytes(desc, tail_desc):
+    """Bytes of one copy of ``desc``'s box and, with a head-dim tail, of ``tail_desc``'s."""
+    return desc.block_type.nbytes + (0 if tail_desc is None else tail_desc.block_type.nbytes)
+
+
 @gluon.jit
-def _producer(k_desc, v_desc, ring, tail, H, N, n_m, total, ROWS_PER_PROGRAM: gl.constexpr, BLOCK_N: gl.constexpr,
-              CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, GROUP: gl.constexpr):
+def _copy_kv(desc, tail_desc, keys_desc, keys_tail_desc, bar, buf, tail_buf, keys_buf, keys_tail_buf, b, h, row):
+    """A K or V tile from ``row`` on: its first rows into ``buf`` (a head-dim tail's columns into
+    ``tail_buf``, as :func:`_copy_in`), and with a key tail (``keys_desc`` not None, :func:`key_widths`)
+    its last rows into ``keys_buf`` (their tail columns into ``keys_tail_buf``); every copy counts on
+    ``bar``."""
+    if keys_desc is not None:
+        mbarrier.expect(bar, _tile_bytes(desc, tail_desc) + _tile_bytes(keys_desc, keys_tail_desc))
+        MAIN: gl.constexpr = desc.block_type.shape[2]
+        COLS: gl.constexpr = desc.block_type.shape[3]
+        tma.async_copy_global_to_shared(desc, [b, h, row, 0], bar, buf)
+        tma.async_copy_global_to_shared(keys_desc, [b, h, row + MAIN, 0], bar, keys_buf)
+        if tail_desc is not None:
+            tma.async_copy_global_to_shared(tail_desc, [b, h, row, COLS], bar, tail_buf)
+            tma.async_copy_global_to_shared(keys_tail_desc, [b, h, row + MAIN, COLS], bar, keys_tail_buf)
+    else:
+        _copy_in(desc, tail_desc, bar, buf, tail_buf, b, h, row)
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, ring, tail, keys, H, N, n_m, total, ROWS_PER_PROGRAM: gl.constexpr,
+              BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr, GROUP: gl.constexpr):
     """One warp: keep the K/V ring full. Waits until every consumer released a buffer, then asks the
     copy engine for the next K or V tile; each copy signals its ``ready`` barrier on arrival. K and V
     slots are released separately (K once its ``Q·Kᵀ`` is done, V a tile later, once its ``P·V`` is
@@ -201,9 +230,11 @@ def _producer(k_desc, v_desc, ring, tail, H, N, n_m, total, ROWS_PER_PROGRAM: gl
     the next work item while the consumers finish the current one. Grouped-query attention: query
     head h reads K/V head h // GROUP (the descriptors span K and V's own Hkv heads). With a head-dim
     tail (``tail``, :func:`tile_widths`) each K and V tile comes as two copies, the main columns and
-    the tail's, counted on one ``ready`` barrier."""
+    the tail's, counted on one ``ready`` barrier; with a key tail (``keys``, :func:`key_widths`) as two
+    more, its last rows. ``BLOCK_N``: the keys of a whole tile, both parts."""
     k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
     _, k_tail_desc, v_tail_desc, _, _, k_tail_bufs, v_tail_bufs = tail
+    k_keys_desc, v_keys_desc, k_keys_tail_desc, v_keys_tail_desc, k_keys_bufs, v_keys_bufs, k_kt_bufs, v_kt_bufs = keys
     STAGES: gl.constexpr = k_bufs.shape[0]
     it = 0
     t = _first_item(ZIGZAG)
@@ -216,9 +247,11 @@ def _producer(k_desc, v_desc, ring, tail, H, N, n_m, total, ROWS_PER_PROGRAM: gl
             # A fresh mbarrier counts as "phase 1 completed", so the first lap does not wait.
             lap = ((it // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(s), lap)
-            _copy_in(k_desc, k_tail_desc, k_ready.index(s), k_bufs.index(s), k_tail_bufs.index(s), b, kv_h, j * BLOCK_N)
+            _copy_kv(k_desc, k_tail_desc, k_keys_desc, k_keys_tail_desc, k_ready.index(s), k_bufs.index(s),
+                     k_tail_bufs.index(s), k_keys_bufs.index(s), k_kt_bufs.index(s), b, kv_h, j * BLOCK_N)
             mbarrier.wait(v_empty.index(s), lap)
-            _copy_in(v_desc, v_tail_desc, v_ready.index(s), v_bufs.index(s), v_tail_bufs.index(s), b, kv_h, j * BLOCK_N)
+            _copy_kv(v_desc, v_tail_desc, v_keys_desc, v_keys_tail_desc, v_ready.index(s), v_bufs.index(s),
+                     v_tail_bufs.index(s), v_keys_bufs.index(s), v_kt_bufs.index(s), b, kv_h, j * BLOCK_N)
             it += 1
         t = _next_item(t, total, ZIGZAG)
 
@@ -290,13 +323,20 @@ def _thread_row_sums(p):
 
 
 @gluon.jit
-def _softmax_step(S, m_i, l_i, qk_scale, WG: gl.constexpr, CONSUMERS: gl.constexpr, EXP_TURNS: gl.constexpr,
-                  LAZY_RESCALE: gl.constexpr, LANE_ROW_SUMS: gl.constexpr):
+def _softmax_step(S, S2, m_i, l_i, qk_scale, WG: gl.constexpr, CONSUMERS: gl.constexpr, EXP_TURNS: gl.constexpr,
+                  LAZY_RESCALE: gl.constexpr, LANE_ROW_SUMS: gl.constexpr, KEYS: gl.constexpr):
     """Online-softmax update for one score tile (base 2, scale folded in): returns P (fp32), the
     rescale factor alpha for the running output, the new running max and the new running sums:
     each thread's part (``_thread_row_sums``) with ``LANE_ROW_SUMS``, else whole rows. With
-    ``EXP_TURNS`` the exponentials are this consumer's ping-pong turn (``_exp_turn``)."""
-    m_max = gl.maximum(m_i, gl.max(S, axis=1) * qk_scale)
+    ``EXP_TURNS`` the exponentials are this consumer's ping-pong turn (``_exp_turn``). With a key
+    tail (``KEYS``) the tile's scores are two tensors, ``S`` and ``S2`` (its last keys), one softmax
+    over both: P comes back as two too. The rows are the same in both tensors' layouts (the same
+    threads and registers hold them), so the conversions between them move nothing
+    (``assert_trivial``)."""
+    m_tile = gl.max(S, axis=1)
+    if KEYS:
+        m_tile = gl.maximum(m_tile, gl.convert_layout(gl.max(S2, axis=1), m_tile.type.layout, assert_trivial=True))
+    m_max = gl.maximum(m_i, m_tile * qk_scale)
     if LAZY_RESCALE:
         # Keep the old maximum unless the new one is more than 2^RESCALE_THRESHOLD times larger:
         # P may then reach 2^8, which fp16 and bf16 hold, and O needs no rescale on most tiles.
@@ -306,16 +346,26 @@ def _softmax_step(S, m_i, l_i, qk_scale, WG: gl.constexpr, CONSUMERS: gl.constex
     if EXP_TURNS:
         m_new = _exp_turn(m_new, EXP_TURN_BARRIER + WG, False)  # wait for the previous consumer's exponentials
     p = gl.exp2(S * qk_scale - gl.expand_dims(m_new, 1))
+    p2 = p  # (without a key tail: never used)
+    if KEYS:
+        m_new2 = gl.convert_layout(m_new, gl.SliceLayout(1, S2.type.layout), assert_trivial=True)
+        p2 = gl.exp2(S2 * qk_scale - gl.expand_dims(m_new2, 1))
     alpha = gl.exp2(m_i - m_new)
     if LANE_ROW_SUMS:
         # Same rows in the same threads and registers: no data moves (assert_trivial checks it).
         alpha_parts = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout), assert_trivial=True)
-        l_i = l_i * gl.expand_dims(alpha_parts, 1) + _thread_row_sums(p)
+        sums = _thread_row_sums(p)
+        if KEYS:
+            sums = sums + gl.convert_layout(_thread_row_sums(p2), sums.type.layout, assert_trivial=True)
+        l_i = l_i * gl.expand_dims(alpha_parts, 1) + sums
     else:
-        l_i = l_i * alpha + gl.sum(p, axis=1)  # the four lanes of a row add up here, on every tile
+        sums = gl.sum(p, axis=1)  # the four lanes of a row add up here, on every tile
+        if KEYS:
+            sums = sums + gl.convert_layout(gl.sum(p2, axis=1), sums.type.layout, assert_trivial=True)
+        l_i = l_i * alpha + sums
     if EXP_TURNS:
         l_i = _exp_turn(l_i, EXP_TURN_BARRIER + (WG + 1) % CONSUMERS, True)  # the next consumer's turn
-    return p, alpha, m_new, l_i
+    return p, p2, alpha, m_new, l_i
 
 
 @gluon.jit
@@ -353,17 +403,24 @@ def _pass_turn(next_turn, ISSUE_TURNS: gl.constexpr):
 
 
 @gluon.jit
-def _issue_tile(cur, acc, acc_t, p_prev, q_tile, q_tail, ring, tail, turns, s_layout: gl.constexpr, WG: gl.constexpr,
-                ISSUE_TURNS: gl.constexpr):
+def _issue_tile(cur, acc, acc_t, p_prev, p2_prev, q_tile, q_tail, ring, tail, keys, turns, s_layout: gl.constexpr,
+                s2_layout: gl.constexpr, WG: gl.constexpr, ISSUE_TURNS: gl.constexpr):
     """K/V tile ``cur`` (ring slot / ping-pong batch): ``S = Q·K_jᵀ`` and ``acc += P_prev·V`` (the
     previous tile's, which at an item boundary is the previous item's last) issued together (with
     three consumers, as one ping-pong turn); returns both, done. Each slot is released as soon as
     its product is done. With a head-dim tail (``tail``), ``S`` adds the tail columns' product
     ``Q_tail·K_tailᵀ`` and the tail's accumulator ``acc_t`` its own ``P_prev·V_tail``: four
-    products, the same two turns."""
+    products, the same two turns. With a key tail (``keys``, :func:`key_widths`) the tile's last keys
+    have scores of their own, ``S2`` (returned beside ``S``; ``S`` itself without one), and their
+    probabilities ``p2_prev`` a ``P·V`` of their own into the same accumulators: twice the products,
+    the same turns."""
     k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
     k_tail_desc = tail[1]
     k_tail_bufs, v_tail_bufs = tail[5], tail[6]
+    KEYS: gl.constexpr = keys[0] is not None
+    TAIL: gl.constexpr = k_tail_desc is not None
+    k_keys_bufs, v_keys_bufs, k_kt_bufs, v_kt_bufs = keys[4], keys[5], keys[6], keys[7]
+    KT: gl.constexpr = k_keys_bufs.shape[3]
     my_turn, next_turn = turns
     STAGES: gl.constexpr = k_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
@@ -376,48 +433,86 @@ def _issue_tile(cur, acc, acc_t, p_prev, q_tile, q_tail, ring, tail, turns, s_la
     sp = vp % STAGES
     mbarrier.wait(k_ready.index(s), (cur // STAGES) & 1)
     _my_turn(my_turn, cur, WG, ISSUE_TURNS)
+    DT: gl.constexpr = k_tail_bufs.shape[4]
     S = warpgroup_mma(q_tile, k_bufs.index(s).reshape([BLOCK_N, D]).permute((1, 0)),
                       gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-    if k_tail_desc is not None:
-        DT: gl.constexpr = k_tail_bufs.shape[4]
+    if TAIL:
         S = warpgroup_mma(q_tail, k_tail_bufs.index(s).reshape([BLOCK_N, DT]).permute((1, 0)), S, is_async=True)
+    S2 = S  # (without a key tail: never used)
+    if KEYS:  # the tile's last keys
+        S2 = warpgroup_mma(q_tile, k_keys_bufs.index(s).reshape([KT, D]).permute((1, 0)),
+                           gl.zeros([ROWS, KT], gl.float32, s2_layout), use_acc=False, is_async=True)
+        if TAIL:
+            S2 = warpgroup_mma(q_tail, k_kt_bufs.index(s).reshape([KT, DT]).permute((1, 0)), S2, is_async=True)
     mbarrier.wait(v_ready.index(sp), (vp // STAGES) & 1)
     acc = warpgroup_mma(p_prev, v_bufs.index(sp).reshape([BLOCK_N, D]), acc, is_async=True)
-    if k_tail_desc is not None:
-        DT2: gl.constexpr = v_tail_bufs.shape[4]
-        p_tail = gl.convert_layout(p_prev, gl.DotOperandLayout(operand_index=0, parent=acc_t.type.layout, k_width=2))
-        acc_t = warpgroup_mma(p_tail, v_tail_bufs.index(sp).reshape([BLOCK_N, DT2]), acc_t, is_async=True)
-        _pass_turn(next_turn, ISSUE_TURNS)
-        S = warpgroup_mma_wait(2, deps=(S, ))  # both of S's products are done, the P·V may not be
-        _signal(k_empty.index(s))
-        acc, acc_t, p_prev, p_tail = warpgroup_mma_wait(0, deps=(acc, acc_t, p_prev, p_tail))
+    if KEYS:
+        acc = warpgroup_mma(p2_prev, v_keys_bufs.index(sp).reshape([KT, D]), acc, is_async=True)
+    t_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_t.type.layout, k_width=2)
+    p_tail = p_prev  # (without a head-dim tail: never used)
+    p2_tail = p2_prev
+    if TAIL:
+        p_tail = gl.convert_layout(p_prev, t_op)
+        acc_t = warpgroup_mma(p_tail, v_tail_bufs.index(sp).reshape([BLOCK_N, DT]), acc_t, is_async=True)
+        if KEYS:
+            p2_tail = gl.convert_layout(p2_prev, t_op)
+            acc_t = warpgroup_mma(p2_tail, v_kt_bufs.index(sp).reshape([KT, DT]), acc_t, is_async=True)
+    _pass_turn(next_turn, ISSUE_TURNS)
+    # wgmma groups retire in order: with the P·V products (one per part of the tile, per head-dim part)
+    # still allowed outstanding, every product of the scores is done; the P·V ones may not be.
+    AFTER: gl.constexpr = _pv_products(KEYS, TAIL)
+    if KEYS:
+        S, S2 = warpgroup_mma_wait(AFTER, deps=(S, S2))
     else:
-        _pass_turn(next_turn, ISSUE_TURNS)
-        # wgmma groups retire in order: "at most one outstanding" means S is done, P·V may not be.
-        S = warpgroup_mma_wait(1, deps=(S, ))
-        _signal(k_empty.index(s))  # this consumer is done with K in slot cur
-        acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+        S = warpgroup_mma_wait(AFTER, deps=(S, ))
+    _signal(k_empty.index(s))  # this consumer is done with K in slot cur
+    if TAIL:
+        if KEYS:
+            acc, acc_t, p_prev, p_tail, p2_prev, p2_tail = warpgroup_mma_wait(
+                0, deps=(acc, acc_t, p_prev, p_tail, p2_prev, p2_tail))
+        else:
+            acc, acc_t, p_prev, p_tail = warpgroup_mma_wait(0, deps=(acc, acc_t, p_prev, p_tail))
+    else:
+        if KEYS:
+            acc, p_prev, p2_prev = warpgroup_mma_wait(0, deps=(acc, p_prev, p2_prev))
+        else:
+            acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
     _signal(v_empty.index(sp), cur > 0)  # ... and with V in slot cur-1 (predicated: no branch)
-    return S, acc, acc_t
+    return S, S2, acc, acc_t
+
+
+@gluon.constexpr_function
+def _pv_products(keys, tail):
+    """The ``P·V`` wgmma a tile issues: one per part of its keys, per part of the head dim."""
+    return (2 if keys else 1) * (2 if tail else 1)
 
 
 @gluon.jit
-def _softmax_tile(S, j, n_unmasked, acc, acc_t, m_i, l_i, rows, N, qk_scale, dtype: gl.constexpr,
+def _softmax_tile(S, S2, j, n_unmasked, acc, acc_t, m_i, l_i, rows, N, qk_scale, dtype: gl.constexpr,
                   o_layout: gl.constexpr, p_layout: gl.constexpr, NEED_MASK: gl.constexpr, CAUSAL: gl.constexpr,
                   WG: gl.constexpr, CONSUMERS: gl.constexpr, EXP_TURNS: gl.constexpr, LAZY_RESCALE: gl.constexpr,
-                  LANE_ROW_SUMS: gl.constexpr, TAIL: gl.constexpr):
+                  LANE_ROW_SUMS: gl.constexpr, TAIL: gl.constexpr, KEYS: gl.constexpr, TILE_N: gl.constexpr):
     """The softmax of score tile j, P converted for the next turn's ``P·V``, and the accumulator
     rescaled: one stretch of code with no branch in it after the mask, so ptxas can slot the
     conversions (and the eager rescale) in between the exponentials, whose unit is the bottleneck at
-    D = 64. The lazy rescale comes after that stretch, behind its warp vote and jump."""
+    D = 64. The lazy rescale comes after that stretch, behind its warp vote and jump. With a key tail
+    (``KEYS``) the tile's keys are ``S`` and then ``S2``, ``TILE_N`` in all, and both P come back."""
     if NEED_MASK:
         if j >= n_unmasked:  # a runtime branch, not a second copy of the loop: less code to fetch
             BLOCK_N: gl.constexpr = S.shape[1]
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S.type.layout))
+            cols = j * TILE_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S.type.layout))
             S = _mask(S, cols, rows, N, CAUSAL)
-    p, alpha, m_i, l_i = _softmax_step(S, m_i, l_i, qk_scale, WG, CONSUMERS, EXP_TURNS, LAZY_RESCALE,
-                                       LANE_ROW_SUMS)
+            if KEYS:
+                KT: gl.constexpr = S2.shape[1]
+                cols2 = j * TILE_N + BLOCK_N + gl.arange(0, KT, layout=gl.SliceLayout(0, S2.type.layout))
+                rows2 = gl.convert_layout(rows, gl.SliceLayout(1, S2.type.layout), assert_trivial=True)
+                S2 = _mask(S2, cols2, rows2, N, CAUSAL)
+    p, p2, alpha, m_i, l_i = _softmax_step(S, S2, m_i, l_i, qk_scale, WG, CONSUMERS, EXP_TURNS, LAZY_RESCALE,
+                                           LANE_ROW_SUMS, KEYS)
     p_next = gl.convert_layout(p.to(dtype), p_layout)
+    p2_next = p_next  # (without a key tail: never used)
+    if KEYS:
+        p2_next = gl.convert_layout(p2.to(dtype), p_layout)
     t_layout: gl.constexpr = acc_t.type.layout
     if LAZY_RESCALE:
         acc = _rescale_if_needed(acc, alpha, o_layout)
@@ -427,7 +522,7 @@ def _softmax_tile(S, j, n_unmasked, acc, acc_t, m_i, l_i, rows, N, qk_scale, dty
         acc = _rescale(acc, alpha, o_layout)
         if TAIL:
             acc_t = _rescale(acc_t, alpha, t_layout)
-    return acc, acc_t, p_next, m_i, l_i
+    return acc, acc_t, p_next, p2_next, m_i, l_i
 
 
 @gluon.jit
@@ -546,7 +641,7 @@ def _prefetch_q_to_l2(Q, stride_qb, stride_qh, stride_qn, b, h, row0, N, ROWS: g
 
 
 @gluon.jit
-def _consumer(args, tail, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURNS: gl.constexpr,
+def _consumer(args, tail, keys, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURNS: gl.constexpr,
               EXP_TURNS: gl.constexpr, CAUSAL: gl.constexpr, EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr,
               PREFETCH_L2: gl.constexpr, LAZY_RESCALE: gl.constexpr, LANE_ROW_SUMS: gl.constexpr):
     """One warpgroup: for each work item of this program, the whole flash loop for its 64 rows.
@@ -560,7 +655,8 @@ def _consumer(args, tail, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSU
     the other, and this item's O leaves through its own buffer once its last ``Q·Kᵀ`` is done. Ring
     slot and ping-pong batch ``cur`` count the K/V tiles this consumer has started, over all its items.
     With three Q buffers (``deep_q``) the buffer an O leaves through takes the Q of the item after
-    next, so each Q has a whole item's time to arrive."""
+    next, so each Q has a whole item's time to arrive. With a key tail (``keys``, :func:`key_widths`) a
+    K/V tile is two parts, ``BLOCK_N`` keys and ``KT`` more, ``TILE_N`` in all."""
     q_desc, o_desc, Q, LSE, stride_qb, stride_qh, stride_qn, q_bufs, q_bars, ring, H, N, n_m, total, qk_scale = args
     k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
     my_turn, next_turn = turns
@@ -572,8 +668,13 @@ def _consumer(args, tail, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSU
     Q0: gl.constexpr = WG * Q_BUFS  # this consumer's first Q buffer
     ROWS_PER_PROGRAM: gl.constexpr = ROWS * CONSUMERS
     NEED_MASK: gl.constexpr = CAUSAL or not EVEN_N
+    KEYS: gl.constexpr = keys[0] is not None
+    KT: gl.constexpr = keys[4].shape[3]  # (without a key tail, a stand-in's: never used)
+    TILE_N: gl.constexpr = _tile_keys(BLOCK_N, KT, KEYS)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
+    s2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, KT, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -591,6 +692,7 @@ def _consumer(args, tail, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSU
     else:
         l_i = gl.zeros([ROWS], gl.float32, row_layout)
     p_prev = gl.zeros([ROWS, BLOCK_N], q_desc.dtype, p_layout)
+    p2_prev = gl.zeros([ROWS, KT], q_desc.dtype, p_layout)  # (without a key tail, never read: compiled away)
     acc = gl.zeros([ROWS, D], gl.float32, o_layout)
     acc_t = gl.zeros([ROWS, DT], gl.float32, t_layout)  # (without a tail, never read: compiled away)
     if EXP_TURNS:
@@ -627,7 +729,7 @@ def _consumer(args, tail, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSU
                 _prefetch_q_to_l2(Q, stride_qb, stride_qh, stride_qn, b_ahead, h_ahead, start_ahead + WG * ROWS, N,
                                   ROWS, D)
         row0 = start_m + WG * ROWS
-        n_tiles, n_unmasked = _kv_range(start_m, N, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL)
+        n_tiles, n_unmasked = _kv_range(start_m, N, ROWS_PER_PROGRAM, TILE_N, CAUSAL)
         rows = row0 + gl.arange(0, ROWS, layout=row_layout)
         cb = Q0 + item % Q_BUFS  # this item's Q buffer
         # The previous item's buffer: its O goes out through it, then it takes t_ahead's Q.
@@ -638,8 +740,8 @@ def _consumer(args, tail, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSU
         for j in range(0, n_tiles):
             if j == 1:  # after tile 0's softmax; a one-tile item does this after the loop
                 _fetch_next_q(q_desc, q_bufs, q_bars, nb, b_ahead, h_ahead, start_ahead + WG * ROWS, more, tail)
-            S, acc, acc_t = _issue_tile(it + j, acc, acc_t, p_prev, q_tile, q_tail, ring, tail, turns, s_layout, WG,
-                                        ISSUE_TURNS)
+            S, S2, acc, acc_t = _issue_tile(it + j, acc, acc_t, p_prev, p2_prev, q_tile, q_tail, ring, tail, keys,
+                                            turns, s_layout, s2_layout, WG, ISSUE_TURNS)
             if Q_BUFS > 1:  # (one item per program: nothing before it to store)
                 if j == 0:
                     if it > 0:  # acc is the previous item's finished O: out through its Q buffer
@@ -648,9 +750,9 @@ def _consumer(args, tail, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSU
             # Tile 0 starts a fresh softmax (alpha = 0: the accumulator starts over).
             m_in = gl.where(j == 0, float("-inf"), m_i)
             l_in = gl.where(j == 0, 0.0, l_i)
-            acc, acc_t, p_prev, m_i, l_i = _softmax_tile(S, j, n_unmasked, acc, acc_t, m_in, l_in, rows, N, qk_scale,
-                                                         q_desc.dtype, o_layout, p_layout, NEED_MASK, CAUSAL, WG,
-                                                         CONSUMERS, EXP_TURNS, LAZY_RESCALE, LANE_ROW_SUMS, TAIL)
+            acc, acc_t, p_prev, p2_prev, m_i, l_i = _softmax_tile(
+                S, S2, j, n_unmasked, acc, acc_t, m_in, l_in, rows, N, qk_scale, q_desc.dtype, o_layout, p_layout,
+                NEED_MASK, CAUSAL, WG, CONSUMERS, EXP_TURNS, LAZY_RESCALE, LANE_ROW_SUMS, TAIL, KEYS, TILE_N)
         if n_tiles == 1:
             _fetch_next_q(q_desc, q_bufs, q_bars, nb, b_ahead, h_ahead, start_ahead + WG * ROWS, more, tail)
         it += n_tiles
@@ -663,10 +765,16 @@ def _consumer(args, tail, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSU
     mbarrier.wait(v_ready.index(sl), ((it - 1) // STAGES) & 1)
     _my_turn(my_turn, it, WG, ISSUE_TURNS)
     acc = warpgroup_mma(p_prev, v_bufs.index(sl).reshape([BLOCK_N, D]), acc, is_async=True)
+    if KEYS:
+        acc = warpgroup_mma(p2_prev, keys[5].index(sl).reshape([KT, D]), acc, is_async=True)
     if TAIL:
         v_tail_bufs = tail[6]
-        p_tail = gl.convert_layout(p_prev, gl.DotOperandLayout(operand_index=0, parent=t_layout, k_width=2))
+        t_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=t_layout, k_width=2)
+        p_tail = gl.convert_layout(p_prev, t_op)
         acc_t = warpgroup_mma(p_tail, v_tail_bufs.index(sl).reshape([BLOCK_N, DT]), acc_t, is_async=True)
+        if KEYS:
+            p2_tail = gl.convert_layout(p2_prev, t_op)
+            acc_t = warpgroup_mma(p2_tail, keys[7].index(sl).reshape([KT, DT]), acc_t, is_async=True)
         _pass_turn(next_turn, ISSUE_TURNS)
         acc, acc_t = warpgroup_mma_wait(0, deps=(acc, acc_t))
     else:
@@ -679,9 +787,16 @@ def _consumer(args, tail, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSU
     tma.store_wait(0)
 
 
+@gluon.constexpr_function
+def _tile_keys(block_n, key_tail, keys):
+    """The keys of a whole K/V tile: its first part's, and with a key tail that part's too."""
+    return block_n + key_tail if keys else block_n
+
+
 @gluon.jit(do_not_specialize=["H", "N", "n_m", "total"])
-def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, q_tail_desc, k_tail_desc, v_tail_desc, o_tail_desc, Q, LSE,
-                        stride_qb, stride_qh, stride_qn, qk_scale, H, N, n_m, total,
+def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, q_tail_desc, k_tail_desc, v_tail_desc, o_tail_desc,
+                        k_keys_desc, v_keys_desc, k_keys_tail_desc, v_keys_tail_desc, Q, LSE, stride_qb,
+                        stride_qh, stride_qn, qk_scale, H, N, n_m, total,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                         ISSUE_TURNS: gl.constexpr, EXP_TURNS: gl.constexpr, CAUSAL: gl.constexpr,
                         EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr, Q_BUFS: gl.constexpr,
@@ -696,7 +811,9 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, q_tail_desc, k_tail_desc
     64K. ``LSE``: None (inference), or fp32 [B, H, N] for the rows' log-sum-exps (the training
     forward, ``_store_o``). ``q_tail_desc`` ... ``o_tail_desc``: None, or the head-dim tail's
     descriptors (:func:`tile_widths`: the columns from the main tiles' width on, in narrower tiles
-    of their own). See the module docstring."""
+    of their own). ``k_keys_desc`` ... ``v_keys_tail_desc``: None, or a key tail's (:func:`key_widths`:
+    a K/V tile of ``BLOCK_N`` keys as two parts, its last rows in tiles of their own, main columns and
+    tail columns). See the module docstring."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     ROWS_PER_PROGRAM: gl.constexpr = ROWS * CONSUMERS
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
@@ -728,33 +845,38 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, q_tail_desc, k_tail_desc
     k_tail_bufs = _tiles_like(k_tail_desc, STAGES, k_bufs)
     v_tail_bufs = _tiles_like(v_tail_desc, STAGES, v_bufs)
     tail = (q_tail_desc, k_tail_desc, v_tail_desc, o_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs)
+    # A key tail's tiles (the last rows of every K/V tile), one per ring slot.
+    keys = (k_keys_desc, v_keys_desc, k_keys_tail_desc, v_keys_tail_desc, _tiles_like(k_keys_desc, STAGES, k_bufs),
+            _tiles_like(v_keys_desc, STAGES, v_bufs), _tiles_like(k_keys_tail_desc, STAGES, k_bufs),
+            _tiles_like(v_keys_tail_desc, STAGES, v_bufs))
 
     # The same consumer function runs in the default partition (WG 0) and in worker partitions.
     args = (q_desc, o_desc, Q, LSE, stride_qb, stride_qh, stride_qn, q_bufs, q_bars, ring, H, N, n_m, total,
             qk_scale)
-    producer_args = (k_desc, v_desc, ring, tail, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, ZIGZAG, GROUP)
+    producer_args = (k_desc, v_desc, ring, tail, keys, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, ZIGZAG,
+                     GROUP)
     if CONSUMERS == 1:  # ladder rung 1: one consumer, nobody to share K/V or take turns with
         gl.warp_specialize([
-            (_consumer, (args, tail, (turn0, turn1), 0, 1, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
-                         LAZY_RESCALE, LANE_ROW_SUMS)),
+            (_consumer, (args, tail, keys, (turn0, turn1), 0, 1, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG,
+                         PREFETCH_L2, LAZY_RESCALE, LANE_ROW_SUMS)),
             (_producer, producer_args),
         ], [1], [PRODUCER_REGS])
     elif CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (args, tail, (turn0, turn1), 0, 2, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
-                         LAZY_RESCALE, LANE_ROW_SUMS)),
-            (_consumer, (args, tail, (turn1, turn0), 1, 2, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
-                         LAZY_RESCALE, LANE_ROW_SUMS)),
+            (_consumer, (args, tail, keys, (turn0, turn1), 0, 2, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG,
+                         PREFETCH_L2, LAZY_RESCALE, LANE_ROW_SUMS)),
+            (_consumer, (args, tail, keys, (turn1, turn0), 1, 2, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG,
+                         PREFETCH_L2, LAZY_RESCALE, LANE_ROW_SUMS)),
             (_producer, producer_args),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (args, tail, (turn0, turn1), 0, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
-                         LAZY_RESCALE, LANE_ROW_SUMS)),
-            (_consumer, (args, tail, (turn1, turn2), 1, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
-                         LAZY_RESCALE, LANE_ROW_SUMS)),
-            (_consumer, (args, tail, (turn2, turn0), 2, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG, PREFETCH_L2,
-                         LAZY_RESCALE, LANE_ROW_SUMS)),
+            (_consumer, (args, tail, keys, (turn0, turn1), 0, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG,
+                         PREFETCH_L2, LAZY_RESCALE, LANE_ROW_SUMS)),
+            (_consumer, (args, tail, keys, (turn1, turn2), 1, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG,
+                         PREFETCH_L2, LAZY_RESCALE, LANE_ROW_SUMS)),
+            (_consumer, (args, tail, keys, (turn2, turn0), 2, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG,
+                         PREFETCH_L2, LAZY_RESCALE, LANE_ROW_SUMS)),
             (_producer, producer_args),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
@@ -778,24 +900,54 @@ def descriptor(t, block: tuple) -> GluonTensorDescriptor:
     return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _smem_layout(tuple(block), dtype))
 
 
-def tile_blocks(D: int, block_n: int, pad: bool = False) -> tuple[dict, dict]:
-    """The TMA boxes of the kernel's tiles by role ("q", "k", "v", "o"): (main, tail). Q and O in
-    64-row tiles (one consumer's), K and V in ``block_n``-row ones; the main boxes as wide as the main
-    part of the head dim, the tail's as the tail (:func:`tile_widths`; empty without a tail). The
-    copy engine fills the columns past D with zeros and the store leaves them out."""
+def key_widths(block_n: int) -> tuple[int, int]:
+    """(main, tail): the rows of the two parts a K/V tile of ``block_n`` keys comes in. A power of two
+    is one part (``block_n``, 0); otherwise the power of two below it and the rest, which must be a
+    power of two of at least 16 rows (it is the reduction of the tail's ``P·V``): 96 = 64 + 32, as
+    the head dim's tail (:func:`tile_widths`) is along the columns. Triton's tensors and
+    shared-memory buffers have power-of-two shapes, so a 96-key tile is two."""
+    if block_n < 16:
+        raise ValueError(f"block_n must be at least 16 keys, got {block_n}")
+    main = 1 << (block_n.bit_length() - 1)
+    tail = block_n - main
+    if tail and (tail < 16 or tail & (tail - 1)):
+        raise ValueError(f"block_n must be a power of two or one plus a power of two of at least 16 (96 = 64 + 32), "
+                         f"got {block_n}")
+    return main, tail
+
+
+#: The kernel's descriptor arguments: Q, K, V, O; their head-dim tails (:func:`tile_widths`); and the
+#: key tails of K and V (:func:`key_widths`: a tile's last keys, main columns and tail columns).
+DESCRIPTOR_ARGS = ("q_desc", "k_desc", "v_desc", "o_desc", "q_tail_desc", "k_tail_desc", "v_tail_desc",
+                   "o_tail_desc", "k_keys_desc", "v_keys_desc", "k_keys_tail_desc", "v_keys_tail_desc")
+
+
+def descriptor_boxes(D: int, block_n: int, pad: bool = False) -> dict:
+    """Every descriptor argument of the kernel (:data:`DESCRIPTOR_ARGS`) -> (the tensor it is over,
+    its TMA box), or None where the kernel takes none (no head-dim tail, no key tail). Q and O in
+    64-row tiles (one consumer's), K and V in tiles of the key tile's main part, the key tail's boxes
+    as many rows as it has; the main boxes as wide as the main part of the head dim, the tail's as the
+    tail. The copy engine fills the columns past D and the rows past N with zeros, and the store
+    leaves them out."""
     main, tail = tile_widths(D, pad)
-    rows = {"q": ROWS_PER_CONSUMER, "k": block_n, "v": block_n, "o": ROWS_PER_CONSUMER}
-    return ({role: (1, 1, n, main) for role, n in rows.items()},
-            {role: (1, 1, n, tail) for role, n in rows.items()} if tail else {})
+    keys, key_tail = key_widths(block_n)
+    rows = {"q": ROWS_PER_CONSUMER, "k": keys, "v": keys, "o": ROWS_PER_CONSUMER}
+    boxes = {}
+    for role, n in rows.items():
+        boxes[f"{role}_desc"] = (role, (1, 1, n, main))
+        boxes[f"{role}_tail_desc"] = (role, (1, 1, n, tail)) if tail else None
+    for role in ("k", "v"):
+        boxes[f"{role}_keys_desc"] = (role, (1, 1, key_tail, main)) if key_tail else None
+        boxes[f"{role}_keys_tail_desc"] = (role, (1, 1, key_tail, tail)) if key_tail and tail else None
+    return {name: boxes[name] for name in DESCRIPTOR_ARGS}
 
 
-def descriptors(q, k, v, o, block_n: int, pad_head_dim: bool = False):
-    """The eight descriptors of one call (:func:`tile_blocks`), over each tensor's own [B, H, N, D]
-    shape: the main tiles' four, then the tail's four or four Nones."""
+def descriptors(q, k, v, o, block_n: int, pad_head_dim: bool = False) -> dict:
+    """The descriptors of one call (:func:`descriptor_boxes`), over each tensor's own [B, H, N, D]
+    shape, by argument name (None where the kernel takes none)."""
     tensors = {"q": q, "k": k, "v": v, "o": o}
-    main, tail = tile_blocks(q.shape[-1], block_n, pad_head_dim)
-    descs = tuple(descriptor(tensors[role], block) for role, block in main.items())
-    return descs + (tuple(descriptor(tensors[role], block) for role, block in tail.items()) or (None, ) * 4)
+    return {name: None if box is None else descriptor(tensors[box[0]], box[1])
+            for name, box in descriptor_boxes(q.shape[-1], block_n, pad_head_dim).items()}
 
 
 def q_buffers(persistent: bool, deep_q: bool = False) -> int:
@@ -1028,7 +1180,6 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
                                     prefetch_l2=prefetch_l2, lazy_rescale=lazy_rescale, group=H // k.shape[1],
                                     lane_row_sums=lane_row_sums, register_realloc=register_realloc,
                                     deep_q=deep_q)
-    names = ("q_desc", "k_desc", "v_desc", "o_desc", "q_tail_desc", "k_tail_desc", "v_tail_desc", "o_tail_desc")
-    args.update(zip(names, descriptors(q, k, v, o, block_n, pad_head_dim)))
+    args.update(descriptors(q, k, v, o, block_n, pad_head_dim))
     args.update(Q=q, LSE=lse, qk_scale=qk_scale)
     return Launch(ws_attention_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)

@@ -555,11 +555,9 @@ def _recipe(path: str, config, dtype: torch.dtype, D: int, group: int, causal: b
         if hopper_ws.tile_width(D, config.pad_head_dim) != D:
             options["prefetch_l2"] = False  # its lines cover the tile's columns: past the end of the last row
         constants, extra = hopper_ws.kernel_constants(causal=causal, group=group, even_n=even_n, **options)
-        main, tail = hopper_ws.tile_blocks(D, config.block_n, config.pad_head_dim)
-        descs = tuple((f"{role}_desc", role, block, True) for role, block in main.items())
-        descs += tuple((f"{role}_tail_desc", role, block, True) for role, block in tail.items())
-        if not tail:
-            constants.update({f"{role}_tail_desc": None for role in main})
+        boxes = hopper_ws.descriptor_boxes(D, config.block_n, config.pad_head_dim)
+        descs = tuple((name, box[0], box[1], True) for name, box in boxes.items() if box is not None)
+        constants.update({name: None for name, box in boxes.items() if box is None})
         tensors = _lse_argument((("Q", "q"),), constants, store_lse)
         launch = _LaunchRecipe(hopper_ws.ws_attention_kernel, tuple(constants.items()), tensors, descs,
                                hopper_ws.RUNTIME_ARGS, num_warps=4, num_stages=1, extra=tuple(extra.items()),
