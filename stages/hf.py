@@ -49,10 +49,10 @@ returns the least that says what the mask would:
   ``generate`` does with a static cache on a GPU, and it takes the host (Python, transformers, the
   launches) out of each step. The mask itself is built before that step, eagerly, once per token,
   so it is one kernel launch (``stages/key_ranges.py``), not the 30 small tensor operations the same
-  computation takes written out (those remain for a traced call, which fuses them). They travel as a 4-D int32 tensor [B, 1, 1, 2], because ``generate``
-  builds a static cache's mask before the compiled forward and hands it back to the model as its
-  ``attention_mask``, which transformers passes on untouched only as a 4-D tensor (the masks it
-  makes itself are bool or float, never int32).
+  computation takes written out (those remain for a traced call, which fuses them). They travel as
+  a 4-D int32 tensor [B, 1, 1, 2], because ``generate`` builds a static cache's mask before the
+  compiled forward and hands it back to the model as its ``attention_mask``, which transformers
+  passes on untouched only as a 4-D tensor (the masks it makes itself are bool or float, never int32).
 * None again for a causal model's **right padding** (a training batch padded at the end, as data
   collators do it): causality already hides a sequence's trailing pads from each of its real
   tokens, so plain causal attention gives every real token SDPA's output, in every stage. Only the
@@ -125,7 +125,7 @@ def key_ranges_mask(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor
     the range's end; a stage whose ``key_ranges`` is True takes them as ``key_starts`` and
     ``key_lengths``. As a 4-D int32 tensor [B, 1, 1, 2] (start, end), laid out so that each column
     is contiguous and reaches the kernels without a copy."""
-    return torch.stack([starts, lengths]).to(torch.int32).t().reshape(-1, 1, 1, 2)
+    return key_ranges.ranges_mask(torch.stack([starts, lengths]).to(torch.int32))
 
 
 def is_key_ranges(mask) -> bool:
