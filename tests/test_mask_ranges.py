@@ -7,6 +7,7 @@ cache's step pays for its mask in operations."""
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 import torch
@@ -83,7 +84,7 @@ CASES = [  # (batch, tokens in the mask, kv_length, q_length, kv_offset)
 @pytest.mark.parametrize("filled", ["int", "device"])
 def test_kernel_and_tensor_operations_give_the_definition(case, causal, filled):
     batch, tokens, kv_length, q_length, kv_offset = case
-    rng = random.Random(hash((case, causal, filled)) % 2**32)
+    rng = random.Random(zlib.crc32(repr((case, causal, filled)).encode()))  # (a failure reproduces)
     for trial in range(3):
         rows = random_rows(rng, batch, tokens) if trial < 2 else None
         # The newest query's position: at the end of the mask, or (a static cache's prefill) earlier.
