@@ -23,28 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import stages  # noqa: E402,F401  # (first: it chooses the interpreter on a machine without a GPU)
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
+from harness.op_count import DeviceOperations, key_ranges_launches  # noqa: E402
 from stages import key_ranges  # noqa: E402
-
-#: aten operations that compute nothing (views, metadata): no launch on a GPU
-VIEWS = {"view", "_unsafe_view", "t", "transpose", "permute", "reshape", "select", "slice", "expand", "unsqueeze",
-         "squeeze", "alias", "as_strided", "detach", "lift_fresh"}
-
-
-class Record(TorchDispatchMode):
-    """The non-view aten operations dispatched while active, each with its output's element count."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[tuple[str, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        if name not in VIEWS:
-            self.ops.append((name, out.numel() if isinstance(out, torch.Tensor) else 0))
-        return out
 
 
 def model_for(kind: str):
@@ -63,40 +44,29 @@ def count_step(model, impl: str, prompt, new_tokens: int, kernel: bool) -> tuple
     import transformers.generation.utils as generation
     from transformers import masking_utils
 
-    real_builder, real_launch, real_can_run = (masking_utils.create_masks_for_generate, key_ranges._launch,
-                                               key_ranges.kernel_can_run)
+    real_builder, real_can_run = masking_utils.create_masks_for_generate, key_ranges.kernel_can_run
     steps, launches = [], []
 
     def builder(*args, **kwargs):
-        record = Record()
-        launches.append(0)
-        with record:
+        before = len(launched)
+        with DeviceOperations() as ops:
             out = real_builder(*args, **kwargs)
-        steps.append(record.ops)
+        steps.append(ops.ops)
+        launches.append(len(launched) - before)
         return out
 
-    def launch(*key):
-        fast = real_launch(*key)
-
-        def call(*values):
-            launches[-1] += 1
-            with _disable_current_modes():  # (the interpreter's own tensor copies are not the step's)
-                fast(*values)
-        return call
-
     generation.create_masks_for_generate = builder
-    key_ranges._launch = launch
     if not kernel:
         key_ranges.kernel_can_run = lambda *args: False
     try:
         model.set_attn_implementation(impl)
-        with torch.no_grad():
+        with torch.no_grad(), key_ranges_launches() as launched:
             model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
                            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, cache_implementation="static",
                            disable_compile=True)
     finally:
         generation.create_masks_for_generate = real_builder
-        key_ranges._launch, key_ranges.kernel_can_run = real_launch, real_can_run
+        key_ranges.kernel_can_run = real_can_run
     return steps[2], launches[2]  # (0: the prefill; 1: the first decode step)
 
 

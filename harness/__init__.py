@@ -16,6 +16,7 @@ module             what it measures / does
 ``energy``         J per call and W from NVML's energy counter
 ``ncu``            DRAM bytes from Nsight Compute (``profile`` and ``compare --ncu``)
 ``inspect_code``   PTX instruction mix, registers/spills (ptxas), smem layouts
+``op_count``       aten operations (launches) a piece of eager host code dispatches
 ``ceilings``       copy bandwidth and matmul rate of this GPU (``device``)
 ``device_info``    GPU name, driver, clocks, power limit -> env.json
 ``peers``          PyTorch SDPA forced to each backend

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import stages  # noqa: F401  (first: it chooses the interpreter on a machine without a GPU)
+from harness.op_count import DeviceOperations, key_ranges_launches
 from stages import interpreted, key_ranges
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -119,30 +120,6 @@ def test_the_kernel_runs_where_it_can():
         assert not key_ranges.kernel_can_run(here, torch.ones(2, 3, device=DEVICE))
 
 
-#: aten operations that compute nothing (views, metadata), which cost no launch on a GPU
-VIEWS = {"view", "_unsafe_view", "t", "transpose", "permute", "reshape", "select", "slice", "expand", "unsqueeze",
-         "squeeze", "alias", "as_strided", "detach", "lift_fresh"}
-
-
-def device_operations(fn) -> list[str]:
-    """The aten operations ``fn`` dispatches that are not views: on a GPU, the launches it pays for
-    (beside any Triton kernel, which does not go through aten)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    seen = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if name not in VIEWS:
-                seen.append(name)
-            return func(*args, **(kwargs or {}))
-
-    with Record():
-        fn()
-    return seen
-
-
 def test_a_static_cache_step_pays_one_launch_for_its_mask():
     """``generate`` with a static cache builds each step's mask eagerly, outside the compiled step:
     the key ranges are one kernel, an allocation, and the check that they fit (a reduction and the
@@ -156,26 +133,15 @@ def test_a_static_cache_step_pays_one_launch_for_its_mask():
     ones = torch.ones(4, 140, dtype=torch.bool, device=DEVICE)
     filled = torch.tensor(139, device=DEVICE)
     args = dict(batch_size=4, q_length=1, kv_length=192, q_offset=filled, kv_offset=0, attention_mask=ones)
-    launched = []
-    real_launch = key_ranges._launch
-
-    def counting_launch(*a):
-        launch = real_launch(*a)
-
-        def call(*values):
-            launched.append(1)
-            # (not recorded: the interpreter, which runs the kernel here, copies tensors as it goes)
-            with torch.utils._python_dispatch._disable_current_modes():
-                launch(*values)
-        return call
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(key_ranges, "_launch", counting_launch)
-        mine = device_operations(lambda: hf.lab_mask(**args))
+    with key_ranges_launches() as launched, DeviceOperations() as ops:
+        hf.lab_mask(**args)
+    mine = ops.names
     assert launched == [1] and sorted(mine) == ["_assert_async", "all", "empty"], mine
-    theirs = device_operations(lambda: sdpa_mask(**args, allow_is_causal_skip=False))
-    # the tensor operations, for scale
-    torch_ops = device_operations(lambda: key_ranges.key_ranges_torch(ones, 4, 1, 192, filled, 0, True, DEVICE))
+    with DeviceOperations() as theirs:
+        sdpa_mask(**args, allow_is_causal_skip=False)
+    with DeviceOperations() as torch_ops:  # the tensor operations, for scale
+        key_ranges.key_ranges_torch(ones, 4, 1, 192, filled, 0, True, DEVICE)
+    theirs, torch_ops = theirs.names, torch_ops.names
     assert len(mine) + len(launched) < len(theirs) < len(torch_ops), (mine, theirs, torch_ops)
 
 
