@@ -30,6 +30,14 @@ memory of a training step in bytes, final loss, largest loss gap to the referenc
 Triton interpreter with a tiny model (seconds per stage for B and C, a minute or two for A, whose
 kernels the interpreter runs slowest) and the times are interpreter times, not GPU times.
 
+Compiled steps (``--compile inductor`` or ``--compile cudagraphs``): each stage's forward and loss go
+through ``torch.compile(fullgraph=True)``, so AOTAutograd builds the backward and the attention is one
+custom-op node in each graph (``stages/ops.py``); ``cudagraphs`` (Inductor's ``reduce-overhead`` mode)
+also replays forward and backward as CUDA graphs. Eager, a small model's step is paid on the host, and a
+stage whose autograd node is Python pays more per layer than SDPA's C++ node (docs/performance-log/backward.md,
+entry 57); compiled, one node runs the whole backward and, with CUDA graphs, no Python runs per layer at
+all, so the step times say what the kernels cost. The optimizer step stays eager in every mode.
+
 ``python -m harness train --plot results/h200`` redraws the figure from the CSV without training.
 """
 
@@ -65,11 +73,18 @@ REFERENCE = "sdpa"
 #: checks that both are caught in fp32). bf16 is therefore the realistic run and fp32 the sharp check.
 LOSS_TOLERANCE: dict[str, float] = {"fp32": 1e-3, "bf16": 0.25}
 
+#: How a step's forward and backward run: ``off`` eager; ``inductor`` ``torch.compile(fullgraph=True)``;
+#: ``cudagraphs`` the same in Inductor's ``reduce-overhead`` mode (CUDA graphs; a GPU only). The value
+#: is what ``torch.compile`` is given as ``mode``, None for eager.
+COMPILE_MODES: dict[str, str | None] = {"off": None, "inductor": "default", "cudagraphs": "reduce-overhead"}
+#: Columns added to summary.csv after files were written without them, and what an older row meant.
+SUMMARY_DEFAULTS = {"compile": "off"}
+
 LOSSES_CSV = "losses.csv"
 SUMMARY_CSV = "summary.csv"
 LOSS_FIELDS = ("run_id", "stage", "dtype", "step", "loss", "step_ms")
 SUMMARY_FIELDS = ("run_id", "stage", "device", "dtype", "steps", "seed", "n_layer", "n_head", "n_kv_head",
-                  "head_dim", "context", "batch", "lr", "step_ms_median", "tokens_per_s", "peak_memory_bytes",
+                  "head_dim", "context", "batch", "lr", "compile", "step_ms_median", "tokens_per_s", "peak_memory_bytes",
                   "first_loss", "final_loss", "reference", "max_loss_gap", "tolerance", "status")
 
 
@@ -182,7 +197,8 @@ class CausalSelfAttention(nn.Module):
         with _no_autocast(x.device):
             q, k, v = (t.to(self.attn_dtype) for t in (q, k, v))
             o = self.attention(q, k, v, causal=True)
-        if torch.is_grad_enabled() and q.requires_grad and o.grad_fn is None:
+        # (Eager only: a traced output carries no grad_fn; AOTAutograd refuses an op without a backward itself.)
+        if not torch.compiler.is_compiling() and torch.is_grad_enabled() and q.requires_grad and o.grad_fn is None:
             raise NoBackwardError("the attention output has no grad_fn: this attention has no backward pass "
                                   "(autograd cannot reach q, k, v through it)")
         return self.out_proj(o.transpose(1, 2).reshape(B, N, H * D).to(x.dtype))
@@ -290,10 +306,13 @@ class TrainConfig:
     warmup: int = 10        # steps of linear learning-rate warm-up
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    compile: str = "off"    # COMPILE_MODES: eager, or the forward and backward compiled
 
     def __post_init__(self) -> None:
         if self.dtype not in LOSS_TOLERANCE:
             raise ValueError(f"dtype must be one of {', '.join(LOSS_TOLERANCE)}, got {self.dtype!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         for name in ("steps", "batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -388,6 +407,19 @@ class _StageTrainer:
         self.amp = torch.autocast(device_type=device.type, dtype=torch.bfloat16) if cfg.dtype == "bf16" \
             else contextlib.nullcontext()
         self.run = TrainRun(stage=stage, tokens_per_step=cfg.batch * model_cfg.context)
+        mode = COMPILE_MODES[cfg.compile]
+        if mode == "reduce-overhead" and not self.on_gpu:
+            raise ValueError("compile='cudagraphs' replays CUDA graphs: it needs a CUDA device")
+        # fullgraph: a graph break would leave the attention (or what surrounds it) eager, and the
+        # step would not be what it says; better an error in the stage's status.
+        self.forward_loss = self._forward_loss if mode is None else torch.compile(self._forward_loss, mode=mode,
+                                                                                  fullgraph=True)
+        self.cuda_graphs = mode == "reduce-overhead"
+
+    def _forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self.amp:
+            logits = self.model(x)
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     def resident_bytes(self) -> int:
         """What this stage keeps on the device between its steps: weights, gradients, AdamW's moments."""
@@ -409,10 +441,12 @@ class _StageTrainer:
         if self.on_gpu:
             torch.cuda.synchronize(self.device)  # the clock starts on an idle device
         t0 = time.perf_counter()
-        with self.amp:
-            logits = self.model(x)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        # Last step's gradients go first: under CUDA graphs they live in the graphs' memory, which
+        # this step's replays reuse once it begins.
         self.opt.zero_grad(set_to_none=True)
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = self.forward_loss(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.opt.step()
@@ -559,23 +593,45 @@ def max_loss_gap(losses: list[float], reference: list[float]) -> float:
 
 # ------------------------------------------------------------------------------------------ result files
 
-def _append_rows(path: Path, fields: tuple[str, ...], rows: list[dict]) -> None:
+def _append_rows(path: Path, fields: tuple[str, ...], rows: list[dict], defaults: dict | None = None) -> None:
+    """Append ``rows`` to the CSV at ``path`` (made with a header if new). A file written before some of
+    ``fields`` existed gets them first, each older row the value ``defaults`` says it meant."""
     from .results import ResultsError
 
+    defaults = defaults or {}
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
     if not new:
         with path.open(newline="") as f:
             header = next(csv.reader(f), [])
         if tuple(header) != fields:
-            raise ResultsError(f"{path}: its columns {header} are not this version's {list(fields)}; "
-                               f"write to another --out")
+            missing = [c for c in fields if c not in header]
+            if set(header) - set(fields) or any(c not in defaults for c in missing):
+                raise ResultsError(f"{path}: its columns {header} are not this version's {list(fields)}; "
+                                   f"write to another --out")
+            _add_columns(path, fields, defaults)
     with path.open("a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         if new:
             writer.writeheader()
         for row in rows:
             writer.writerow({k: _fmt(row.get(k)) for k in fields})
+
+
+def _add_columns(path: Path, fields: tuple[str, ...], defaults: dict) -> None:
+    """Rewrite ``path`` with the columns ``fields``, the ones it lacks filled from ``defaults``. Written
+    beside it and moved over it, so a crash midway leaves the old file whole."""
+    import os
+
+    with path.open(newline="") as f:
+        old = list(csv.DictReader(f))
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for row in old:
+            writer.writerow({k: row.get(k, defaults.get(k, "")) for k in fields})
+    os.replace(tmp, path)
 
 
 def _fmt(value) -> str:
@@ -602,7 +658,7 @@ def write_run(out_dir: Path, run_id: str, run: TrainRun, model_cfg: ModelConfig,
            "final_loss": run.losses[-1] if run.losses else None,
            "reference": REFERENCE if reference_losses is not None else "", "max_loss_gap": gap,
            "tolerance": LOSS_TOLERANCE[cfg.dtype], "status": run.status}
-    _append_rows(train_dir / SUMMARY_CSV, SUMMARY_FIELDS, [row])
+    _append_rows(train_dir / SUMMARY_CSV, SUMMARY_FIELDS, [row], SUMMARY_DEFAULTS)
     return row
 
 
@@ -703,6 +759,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (GPU default 1e-3)")
     p.add_argument("--dtype", choices=list(LOSS_TOLERANCE), default=None,
                    help="the attention's dtype (default bf16 on a GPU, fp32 on a CPU)")
+    p.add_argument("--compile", choices=list(COMPILE_MODES), default="off",
+                   help="off (default): eager steps; inductor: forward and backward through torch.compile "
+                        "(fullgraph); cudagraphs: the same, replayed as CUDA graphs (GPU only)")
     p.add_argument("--log-every", type=_positive_int, default=None, help="print every this many steps")
     p.add_argument("--plot", type=Path, default=None, metavar="DIR",
                    help="only draw DIR/figures/train_loss.png from DIR/train/losses.csv, no training")
@@ -726,8 +785,12 @@ def _configs(args, on_gpu: bool) -> tuple[ModelConfig, TrainConfig]:
     lr = train0.lr if args.lr is None else args.lr
     if not (lr > 0 and math.isfinite(lr)):
         parser.error(f"argument --lr: must be a finite positive number, got {lr}")
+    if args.compile == "cudagraphs" and not on_gpu:
+        parser.error("argument --compile: cudagraphs replays CUDA graphs and needs a CUDA GPU; "
+                     "use off or inductor here")
     cfg = TrainConfig(steps=args.steps or train0.steps, batch=args.batch or train0.batch, lr=lr, seed=args.seed,
-                      dtype=args.dtype or ("bf16" if on_gpu else "fp32"), warmup=train0.warmup)
+                      dtype=args.dtype or ("bf16" if on_gpu else "fp32"), warmup=train0.warmup,
+                      compile=args.compile)
     return model, cfg
 
 
@@ -757,7 +820,8 @@ def run(args: argparse.Namespace) -> int:
     where = f"GPU {torch.cuda.get_device_name()}" if on_gpu else "CPU (Triton interpreter: times are not GPU times)"
     console.print(f"[bold]train[/bold] a {model_cfg.n_layer}-layer GPT, {model_cfg.n_head} heads "
                   f"({model_cfg.n_kv_head} K/V), head dim {model_cfg.head_dim}, context {model_cfg.context}, "
-                  f"batch {cfg.batch}, {cfg.steps} steps, {cfg.dtype} attention, seed {cfg.seed}, on {where}")
+                  f"batch {cfg.batch}, {cfg.steps} steps, {cfg.dtype} attention, seed {cfg.seed}, "
+                  f"{'eager' if cfg.compile == 'off' else 'compiled: ' + cfg.compile}, on {where}")
     log_every = args.log_every or max(1, cfg.steps // 10)
     # Rows are written with the reference first, then the stages in the order asked for (each once).
     order = list(dict.fromkeys(([REFERENCE] if REFERENCE in names else []) + names))
@@ -780,7 +844,8 @@ def _report(console, rows: list[dict], cfg: TrainConfig, out) -> int:
     from .views import fmt_bytes
 
     tol = LOSS_TOLERANCE[cfg.dtype]
-    table = Table(title=f"training, {cfg.steps} steps, {cfg.dtype} attention", header_style="bold")
+    steps = "eager" if cfg.compile == "off" else f"compiled ({cfg.compile})"
+    table = Table(title=f"training, {cfg.steps} {steps} steps, {cfg.dtype} attention", header_style="bold")
     for col in ("stage", "first loss", "final loss", "ms/step (median)", "tokens/s", "peak memory",
                 f"max |Δloss| vs {REFERENCE}", "agrees", "status"):
         table.add_column(col, justify="left" if col in ("stage", "status") else "right")

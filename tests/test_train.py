@@ -221,3 +221,95 @@ def test_cli_default_tiny_run_all_stages_agree(tmp_path, capsys):
     assert {r["stage"] for r in rows} == {"a", "b", "c", "sdpa"}
     for r in rows:
         assert r["status"] == "ok" and (r["stage"] == "sdpa" or float(r["max_loss_gap"]) <= float(r["tolerance"]))
+
+
+# ------------------------------------------------------------------------------------- compiled steps
+
+def _custom_ops_run(fn) -> set[str]:
+    """The lab's custom ops (``attention_lab::...``) that ran during ``fn()``, by the profiler's names.
+    Eager calls skip the dispatcher (stages/ops.py), so only a traced call shows up here."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key for e in prof.key_averages() if e.key.startswith("attention_lab::")}
+
+
+def test_compiled_steps_train_like_eager_through_the_custom_ops(sdpa_run):
+    """``compile="inductor"``: forward and loss through torch.compile(fullgraph=True), the backward
+    AOTAutograd's. The stage's kernels must run as its custom ops, forward and backward (a graph break
+    or a fallback to the eager path would not), and train as eager SDPA does."""
+    cfg = T.TrainConfig(**{**CONFIG.__dict__, "compile": "inductor"})
+    runs = {}
+    ran = _custom_ops_run(lambda: runs.update(c=T.train(T.attention_for("c"), MODEL, cfg, stage="c", device=DEVICE)))
+    run = runs["c"]
+    assert run.status == "ok" and len(run.losses) == CONFIG.steps, run.status
+    assert {"attention_lab::c_forward", "attention_lab::c_backward"} <= ran, ran
+    gap = T.max_loss_gap(run.losses, sdpa_run.losses)
+    assert gap <= TOLERANCE, f"compiled stage c: loss differs from eager sdpa's by up to {gap:.2e}"
+
+
+def test_eager_steps_skip_the_dispatcher():
+    """The other side of the check above: eager, the same training runs no custom op."""
+    cfg = T.TrainConfig(**{**CONFIG.__dict__, "steps": 2})
+    ran = _custom_ops_run(lambda: T.train(T.attention_for("c"), MODEL, cfg, stage="c", device=DEVICE))
+    assert not ran, ran
+
+
+def test_compile_mode_is_checked():
+    with pytest.raises(ValueError, match="compile must be one of off, inductor, cudagraphs"):
+        T.TrainConfig(compile="max-autotune")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_cli_refuses_cuda_graphs_without_a_gpu(capsys, tmp_path):
+    code, _, err = _run(["train", "--stage", "sdpa", "--compile", "cudagraphs", "--out", str(tmp_path)], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "--compile" in err and "CUDA" in err
+
+
+def test_summary_written_before_the_compile_column_is_upgraded_in_place(tmp_path):
+    """A summary.csv from before ``compile`` existed: its rows are kept, marked eager, and the new row
+    appended; a file with a column this version does not know is refused, untouched."""
+    train_dir = tmp_path / "train"
+    train_dir.mkdir()
+    old_fields = [f for f in T.SUMMARY_FIELDS if f != "compile"]
+    old_row = {f: "x" for f in old_fields}
+    with (train_dir / T.SUMMARY_CSV).open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=old_fields)
+        writer.writeheader()
+        writer.writerow(old_row)
+    run = T.TrainRun(stage="c", losses=[3.0, 2.0], step_ms=[1.0, 1.0], tokens_per_step=4)
+    cfg = T.TrainConfig(**{**CONFIG.__dict__, "compile": "inductor"})
+    T.write_run(tmp_path, "r2", run, MODEL, cfg, device="cpu", reference_losses=None)
+    with (train_dir / T.SUMMARY_CSV).open() as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == list(T.SUMMARY_FIELDS)
+    assert rows[0] == {**old_row, "compile": "off"}
+    assert rows[1]["run_id"] == "r2" and rows[1]["compile"] == "inductor"
+
+    other = tmp_path / "other"
+    (other / "train").mkdir(parents=True)
+    text = "run_id,stage,unknown_column\nr1,c,1\n"
+    (other / "train" / T.SUMMARY_CSV).write_text(text)
+    from harness.results import ResultsError
+    with pytest.raises(ResultsError, match="write to another --out"):
+        T.write_run(other, "r2", run, MODEL, cfg, device="cpu", reference_losses=None)
+    assert (other / "train" / T.SUMMARY_CSV).read_text() == text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("mode", ["inductor", "cudagraphs"])
+def test_gpu_compiled_training_matches_eager(mode):
+    """On a GPU, stage C's compiled steps (Inductor; Inductor with CUDA graphs) train as its eager steps
+    do, through its custom ops, in bf16 at a size where the kernels are the compiled ones."""
+    model = T.ModelConfig(n_layer=2, n_head=4, n_kv_head=2, head_dim=64, context=256)
+    base = dict(steps=8, batch=4, lr=1e-3, dtype="bf16", warmup=2)
+    eager = T.train(T.attention_for("c"), model, T.TrainConfig(**base), stage="c", device="cuda")
+    runs = {}
+    ran = _custom_ops_run(lambda: runs.update(c=T.train(T.attention_for("c"), model, T.TrainConfig(**base, compile=mode),
+                                                        stage="c", device="cuda")))
+    run = runs["c"]
+    assert run.status == "ok", run.status
+    assert {"attention_lab::c_forward", "attention_lab::c_backward"} <= ran, ran
+    gap = T.max_loss_gap(run.losses, eager.losses)
+    assert gap <= T.LOSS_TOLERANCE["bf16"], f"{mode}: loss differs from eager's by up to {gap:.2e}"
