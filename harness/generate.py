@@ -431,22 +431,13 @@ def append_rows(out_dir: str | os.PathLike, rows: list[dict]) -> Path:
 
 
 def _add_cache_column(path: Path) -> None:
-    """Rewrite a ``runs.csv`` written before the ``cache`` column existed with it (its decode rows
-    were all measured with the dynamic cache), through a temporary file renamed over the old one,
-    so that a crash leaves the old file or the new one, never half of either."""
+    """Rewrite a ``runs.csv`` written before the ``cache`` column existed with it: its decode rows
+    were all measured with the dynamic cache (``results.rewrite_csv``: a crash leaves either file whole)."""
+    from .results import rewrite_csv
+
     with path.open(newline="") as f:
         old = list(csv.DictReader(f))
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        for row in old:
-            row = {c: row.get(c) or "" for c in COLUMNS}
-            row["cache"] = "dynamic" if row["pass"] == "decode" else ""
-            writer.writerow(row)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    rewrite_csv(path, COLUMNS, ({**row, "cache": "dynamic" if row.get("pass") == "decode" else ""} for row in old))
 
 
 def load_rows(path: str | os.PathLike) -> list[dict]:

@@ -296,15 +296,25 @@ def upgrade_results_file(path: str | os.PathLike) -> Path:
     path = Path(path)
     if path.is_dir():
         path = path / RUNS_CSV
-    rows = load_rows(path)
+    rewrite_csv(path, COLUMNS, ({c: _format(r.get(c)) for c in COLUMNS} for r in load_rows(path)))
+    return path
+
+
+def rewrite_csv(path: str | os.PathLike, columns: tuple, rows: Iterable[dict]) -> None:
+    """Replace the CSV at ``path`` with ``rows`` (values as they are to be written; a missing one
+    empty) under the header ``columns``: what a results file written before some column existed is
+    upgraded with. Written beside the old file, synced and renamed over it, so a crash leaves the
+    old file or the new one whole, never half of either."""
+    path = Path(path)
     tmp = path.with_name(path.name + ".upgrade")
     with tmp.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w = csv.DictWriter(f, fieldnames=columns)
         w.writeheader()
         for r in rows:
-            w.writerow({c: _format(r.get(c)) for c in COLUMNS})
+            w.writerow({c: r.get(c, "") for c in columns})
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
-    return path
 
 
 @dataclass

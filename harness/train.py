@@ -619,19 +619,13 @@ def _append_rows(path: Path, fields: tuple[str, ...], rows: list[dict], defaults
 
 
 def _add_columns(path: Path, fields: tuple[str, ...], defaults: dict) -> None:
-    """Rewrite ``path`` with the columns ``fields``, the ones it lacks filled from ``defaults``. Written
-    beside it and moved over it, so a crash midway leaves the old file whole."""
-    import os
+    """Rewrite ``path`` with the columns ``fields``, the ones it lacks filled from ``defaults``
+    (``results.rewrite_csv``: a crash leaves either file whole)."""
+    from .results import rewrite_csv
 
     with path.open(newline="") as f:
         old = list(csv.DictReader(f))
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        for row in old:
-            writer.writerow({k: row.get(k, defaults.get(k, "")) for k in fields})
-    os.replace(tmp, path)
+    rewrite_csv(path, fields, ({**defaults, **row} for row in old))
 
 
 def _fmt(value) -> str:
