@@ -917,6 +917,14 @@ def render_generate_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -
     return render(results_dir, readme_dir)
 
 
+def render_train_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> str:
+    """``harness train``'s latest run per compile mode (``results_dir/train/summary.csv``): a small GPT's
+    training step with each stage, eager and compiled (harness/train.py renders it)."""
+    from .train import render_block as render
+
+    return render(results_dir, readme_dir)
+
+
 def render_decode_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> str:
     """``harness decode``'s latest run (``results_dir/decode.csv``): attention in a decode loop whose
     cache grows by one key per call, against a fixed cache (harness/decode_loop.py renders it)."""
@@ -1227,12 +1235,14 @@ BLOCKS = {"headline": render_headline_block, "results": render_block, "ratio": r
           "ablation": render_ablation_block,
           "twins": render_twins_block, "models": render_models_block, "shapes": render_shapes_block,
           "backward": render_backward_block,
-          "latency": render_latency_block, "generate": render_generate_block, "decode": render_decode_block,
+          "latency": render_latency_block, "generate": render_generate_block, "train": render_train_block,
+          "decode": render_decode_block,
           "head_dims": render_head_dims_block}
 
 #: Blocks refilled only when their data is there: without it a file keeps the block it has (the
 #: generate runs are measured separately, and a results folder without them says nothing about them).
 BLOCK_DATA = {"generate": lambda results_dir: (Path(results_dir) / "generate" / "runs.csv").exists(),
+              "train": lambda results_dir: (Path(results_dir) / "train" / "summary.csv").exists(),
               "decode": lambda results_dir: (Path(results_dir) / "decode.csv").exists(),
               "head_dims": head_dims_present}
 
@@ -1269,6 +1279,11 @@ RESULTS_PAGE_SECTIONS = (
      "Small GPT-2- and Llama-shaped transformers models with random weights, decoding with their KV cache "
      "and training, with each stage as the model's attention beside transformers' own SDPA.",
      "python -m harness generate"),
+    ("train", "Training a small GPT, eager and compiled",
+     "A small GPT (the lab's own, grouped-query attention) trained with each stage and with SDPA from the same "
+     "weights on the same batches: the step time, eager and through `torch.compile` (with and without CUDA "
+     "graphs), and whether the loss curves agree.",
+     "python -m harness train --stages c,sdpa --compile off|inductor|cudagraphs"),
     ("decode", "A decode step's attention, the cache growing",
      "Attention in a decode loop whose KV cache grows by one key per call, against a cache of fixed length.",
      "python -m harness decode"),

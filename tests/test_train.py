@@ -313,3 +313,30 @@ def test_gpu_compiled_training_matches_eager(mode):
     assert {"attention_lab::c_forward", "attention_lab::c_backward"} <= ran, ran
     gap = T.max_loss_gap(run.losses, eager.losses)
     assert gap <= T.LOSS_TOLERANCE["bf16"], f"{mode}: loss differs from eager's by up to {gap:.2e}"
+
+
+def test_results_tables_show_each_compile_modes_latest_run_against_sdpa(tmp_path):
+    """The results page's train block: one table per compile mode, from that mode's latest run; a row
+    written before the compile column counts as eager; × SDPA is SDPA's step time over the stage's."""
+    run = lambda stage, ms: T.TrainRun(stage=stage, losses=[3.0, 2.5], step_ms=[ms, ms], tokens_per_step=1000)
+    old_fields = [f for f in T.SUMMARY_FIELDS if f != "compile"]
+    (tmp_path / "train").mkdir()
+    with (tmp_path / "train" / T.SUMMARY_CSV).open("w", newline="") as f:  # an eager run from before the column
+        writer = csv.DictWriter(f, fieldnames=old_fields)
+        writer.writeheader()
+        for stage, ms in (("sdpa", 10.0), ("c", 20.0)):
+            writer.writerow({**{k: "" for k in old_fields}, "run_id": "2026-01-01", "stage": stage, "steps": "2",
+                             "step_ms_median": str(ms), "status": "ok"})
+    rows = T.load_summary(tmp_path)
+    assert [r["compile"] for r in rows] == ["off", "off"]
+    for run_id, ms_c in (("2026-02-01", 8.0), ("2026-03-01", 5.0)):  # two compiled runs: the later one shows
+        cfg = T.TrainConfig(**{**CONFIG.__dict__, "compile": "inductor"})
+        for stage, ms in (("sdpa", 10.0), ("c", ms_c)):
+            T.write_run(tmp_path, run_id, run(stage, ms), MODEL, cfg, device="cpu", reference_losses=None)
+    block = T.render_block(tmp_path, tmp_path)
+    eager, compiled = block.split("#### ")[1:]
+    assert eager.startswith("Eager steps: run 2026-01-01") and "| C optimized | 20.00 |" in eager
+    assert "| 0.50× |" in eager  # 10 ms / 20 ms
+    assert compiled.startswith("Compiled steps (Inductor): run 2026-03-01") and "| 2.00× |" in compiled
+    assert "2026-02-01" not in block  # (no cudagraphs run: no table for it)
+    assert T.render_block(tmp_path / "nothing", tmp_path).count("No training runs yet") == 1
