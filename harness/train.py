@@ -84,8 +84,8 @@ LOSSES_CSV = "losses.csv"
 SUMMARY_CSV = "summary.csv"
 LOSS_FIELDS = ("run_id", "stage", "dtype", "step", "loss", "step_ms")
 SUMMARY_FIELDS = ("run_id", "stage", "device", "dtype", "steps", "seed", "n_layer", "n_head", "n_kv_head",
-                  "head_dim", "context", "batch", "lr", "compile", "step_ms_median", "tokens_per_s", "peak_memory_bytes",
-                  "first_loss", "final_loss", "reference", "max_loss_gap", "tolerance", "status")
+                  "head_dim", "context", "batch", "lr", "compile", "step_ms_median", "tokens_per_s",
+                  "peak_memory_bytes", "first_loss", "final_loss", "reference", "max_loss_gap", "tolerance", "status")
 
 
 # ------------------------------------------------------------------------------------------- the data

@@ -306,8 +306,9 @@ def test_gpu_compiled_training_matches_eager(mode):
     base = dict(steps=8, batch=4, lr=1e-3, dtype="bf16", warmup=2)
     eager = T.train(T.attention_for("c"), model, T.TrainConfig(**base), stage="c", device="cuda")
     runs = {}
-    ran = _custom_ops_run(lambda: runs.update(c=T.train(T.attention_for("c"), model, T.TrainConfig(**base, compile=mode),
-                                                        stage="c", device="cuda")))
+    compiled = T.TrainConfig(**base, compile=mode)
+    ran = _custom_ops_run(lambda: runs.update(c=T.train(T.attention_for("c"), model, compiled, stage="c",
+                                                        device="cuda")))
     run = runs["c"]
     assert run.status == "ok", run.status
     assert {"attention_lab::c_forward", "attention_lab::c_backward"} <= ran, ran
