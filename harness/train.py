@@ -740,7 +740,8 @@ def render_block(results_dir, readme_dir=".") -> str:
             "paid partly on the host, where a stage's autograd node is Python and SDPA's is C++; compiled, the "
             "forward and backward are one graph each, and with CUDA graphs no Python runs per layer. Loss gap: "
             "the largest difference to SDPA's loss at any step, which the run checks against what rounding "
-            "alone leaves room for (`LOSS_TOLERANCE` in harness/train.py: 0.25 nats in bf16, 0.001 in fp32).")
+            "alone leaves room for (`LOSS_TOLERANCE` in harness/train.py: "
+            + ", ".join(f"{tol:g} nats in {dtype}" for dtype, tol in LOSS_TOLERANCE.items()) + ").")
     return "\n\n".join([note, text, summary_tables(rows)]) + "\n"
 
 
