@@ -31,6 +31,7 @@ HINTS = {
     "models": "python -m harness sweep --suite models",
     "shapes": "results/publish.sh shapes",
     "latency": "python -m harness latency",
+    "train": "python -m harness train --stages c,sdpa --compile off|inductor|cudagraphs",
     "peers": "python -m harness compare",
     "dram": "python -m harness profile",
     "ablation": "python -m harness sweep --ablation",
