@@ -30,11 +30,13 @@ from run to run. How it adds (:data:`FUSED_DQ_ATOMICS`) is what decides its spee
 ("pair") the two consumers' dSᵀ tiles meet in double-buffered shared memory, so a Q tile's share from
 the program's 128 keys is one product 128 keys deep and one bulk reduce by the copy engine
 (:func:`_pair_dq`; at D 64 the consumers take turns by Q tile, at D 128 each adds its 64 columns);
-the tuner keeps it at D 64 (performance-log entries 48 and 54). Two switches reorder it, each program's
-Q tiles from its own one on (:data:`FUSED_DQ_STAGGER`) and each tile's dQ slice formed during the next
+the tuner keeps it at D 64 and, with the compact row statistics below, at D 128 (performance-log
+entries 48, 54 and 70). Two switches reorder it, each program's Q tiles from its own one on
+(:data:`FUSED_DQ_STAGGER`) and each tile's dQ slice formed during the next
 (:data:`FUSED_DQ_LAG`); measured beside cuDNN's kernel under Nsight Compute, neither is on (entry 61).
 A third, for fused dQ or not, keeps the row statistics compact until their use
-(:data:`COMPACT_ROW_STATS`: fewer spills at D 128 with 64-row Q tiles, entry 63; off until timed).
+(:data:`COMPACT_ROW_STATS`: a quarter fewer instructions per Q tile, and at D 128 with 64-row Q tiles
+fewer spills; on: the 64-row dK/dV kernel at D 128 causal 1.59 → 0.99 ms on the H200, entries 63, 68, 70).
 Row statistics: the forward's base-2 log-sum-exp and the pre-pass's Δ = rowsum(dO ∘ O), loaded per Q tile by the
 consumers (64 floats, from L2). Masks: keys past Nk and (causal, bottom-right) keys after a query are
 zeroed in Pᵀ after the exponential, only on the tiles that need it (a runtime branch); query rows
@@ -117,9 +119,11 @@ FUSED_DQ_STAGGER = os.environ.get("LAB_FUSED_DQ_STAGGER", "0") == "1"
 #: right before their use, through 256 bytes of shared memory (a store, the warpgroup's barrier, four
 #: 16-byte loads), instead of living in 2 × 16 registers per thread the whole tile long. Compiled for
 #: sm_90a at D 128 (64-row Q tiles) the dK/dV kernel spills 28 bytes per thread instead of 48 (16
-#: instead of 232 causal), with fused dQ 80 instead of 248 (76 instead of 368). Off until measured on
-#: a GPU (``LAB_COMPACT_ROW_STATS=1``).
-COMPACT_ROW_STATS = os.environ.get("LAB_COMPACT_ROW_STATS", "0") == "1"
+#: instead of 232 causal), with fused dQ 80 instead of 248 (76 instead of 368). Measured on the H200
+#: (bf16, D 128, B 4, H 16, N 4096, the kernel alone): 64-row tiles 1.85 -> 1.64 ms (causal 1.59 -> 0.99),
+#: with fused dQ 3.17 -> 2.74 (causal 2.12 -> 1.43), which made fused dQ the faster plan at D 128 too
+#: (performance-log entry 70). On; ``LAB_COMPACT_ROW_STATS=0`` for the kernel before it.
+COMPACT_ROW_STATS = os.environ.get("LAB_COMPACT_ROW_STATS", "1") == "1"
 if FUSED_DQ_ATOMICS not in FUSED_DQ_ATOMICS_CHOICES:
     raise ValueError(f"LAB_FUSED_DQ_ATOMICS must be one of {', '.join(FUSED_DQ_ATOMICS_CHOICES)}, "
                      f"got {FUSED_DQ_ATOMICS!r}")
