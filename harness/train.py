@@ -451,6 +451,11 @@ class _StageTrainer:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.opt.step()
         loss_value = loss.item()  # waits for the GPU: the step is done when its loss is known
+        if self.cuda_graphs:
+            # The gradients are outputs of the backward's graph, in the pool every stage's graphs share
+            # (one per device): the next stage's replays overwrite them, and reading one after that
+            # (even its size, for resident_bytes) is an error. The step is done with them.
+            self.opt.zero_grad(set_to_none=True)
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
         run.step_ms.append((time.perf_counter() - t0) * 1e3)

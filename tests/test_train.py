@@ -301,14 +301,17 @@ def test_summary_written_before_the_compile_column_is_upgraded_in_place(tmp_path
 @pytest.mark.parametrize("mode", ["inductor", "cudagraphs"])
 def test_gpu_compiled_training_matches_eager(mode):
     """On a GPU, stage C's compiled steps (Inductor; Inductor with CUDA graphs) train as its eager steps
-    do, through its custom ops, in bf16 at a size where the kernels are the compiled ones."""
+    do, through its custom ops, in bf16 at a size where the kernels are the compiled ones; taking turns
+    with SDPA's compiled steps, as ``harness train`` runs them (under CUDA graphs the two stages' graphs
+    share one memory pool, so neither may touch what the other's replays overwrite)."""
     model = T.ModelConfig(n_layer=2, n_head=4, n_kv_head=2, head_dim=64, context=256)
     base = dict(steps=8, batch=4, lr=1e-3, dtype="bf16", warmup=2)
     eager = T.train(T.attention_for("c"), model, T.TrainConfig(**base), stage="c", device="cuda")
     runs = {}
     compiled = T.TrainConfig(**base, compile=mode)
-    ran = _custom_ops_run(lambda: runs.update(c=T.train(T.attention_for("c"), model, compiled, stage="c",
-                                                        device="cuda")))
+    attentions = {"sdpa": T.sdpa_attention, "c": T.attention_for("c")}
+    ran = _custom_ops_run(lambda: runs.update(T.train_lockstep(attentions, model, compiled, device="cuda")))
+    assert runs["sdpa"].status == "ok", runs["sdpa"].status
     run = runs["c"]
     assert run.status == "ok", run.status
     assert {"attention_lab::c_forward", "attention_lab::c_backward"} <= ran, ran
