@@ -221,7 +221,8 @@ def ws_shapes(D: int) -> list[Config]:
     if block_n == 64 and tile_registers(width, 96) <= TILE_REGISTERS:
         # Where 128-key tiles spill, 96 = 64 + 32 keys in two parts (hopper_ws.key_widths), as
         # FlashAttention-3 takes 112-key tiles at 192 columns: half again the keys per tile for the
-        # same barriers and turns, in the shared memory a 2-slot ring leaves. Last: not yet timed.
+        # same barriers and turns, in the shared memory a 2-slot ring leaves. Last: on the H200 it ran
+        # 3-7 % slower than the 64-key tiles at D 192 (performance-log entry 69); the tuner still races it.
         shapes.append(ws_config(128, 96, 2, False))
     return [c for c in shapes if fits(c, D, 2, 90)]
 
