@@ -378,6 +378,24 @@ def test_fused_dq_with_staggered_q_tiles_matches_float64(shape, config, monkeypa
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", ["ws-M64-c2-s2-r", "ws-M32-c2-s3-r"])
+@pytest.mark.parametrize("shape", WS_SHAPES + [(1, 4, 2, 1000, 700, 80), (2, 2, 1, 130, 1100, 96)],
+                         ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}-D{}".format(*s))
+def test_reordered_fused_dq_config_matches_float64(shape, config, device):
+    """A reordered fused config (``-r``: staggered Q tiles and dQ a tile late, the tuner's candidate)
+    by its name alone, the module's switches as they are: causal and not, GQA, Nq ≠ Nk, a tail."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper dK/dV kernel needs sm_90")
+    B, Hq, Hkv, Nq, Nk, D = shape
+    if D % 64 and not config.startswith("ws-M64-c2"):
+        pytest.skip("fused dQ takes a head-dim tail with 64-row Q tiles and two consumers only")
+    for causal, dtype_name in ((False, "bf16"), (True, "fp16")):
+        q, k, v = make_qkv(B, Hq, Nq, D, DTYPES[dtype_name], device, Hkv=Hkv, Nk=Nk, seed=17)
+        check_gradients(attention, q, k, v, causal=causal, dtype_name=dtype_name, ws_config=config,
+                        ws_dq_config="fused")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", ["ws-M32-c2-s2", "ws-M32-c2-s3"])
 @pytest.mark.parametrize("shape", WS_SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}-D{}".format(*s))
 def test_fused_dq_pair_with_32_row_q_tiles_matches_float64(shape, config, monkeypatch, device):
@@ -522,6 +540,43 @@ def test_fused_dq_out_of_step_compiles_for_sm90(switch, monkeypatch):
             sites[D, on] = ptx.count("cp.reduce.async.bulk.tensor")
     assert sites[128, True] > sites[128, False] > 0
     assert sites[64, True] == sites[64, False] > 0
+
+
+def test_a_reordered_fused_config_is_the_two_switches_for_its_tiles_alone(monkeypatch):
+    """``ws-...-r``: fused dQ with staggered Q tiles and dQ a tile late, per config (so the tuner can race
+    it), compiled exactly as the module-wide switches would compile it; without fused dQ it is refused,
+    naming the argument, and a deterministic plan (no fused dQ) drops it."""
+    from stages.c_optimized import hopper_bwd
+
+    for text in ("ws-M64-c2-s2-r", "ws-M32-c2-s3-r-pad", "ws-M64-c2-s2"):
+        assert str(bwd.WsConfig.parse(text)) == text
+    assert bwd.WsConfig.parse("ws-M64-c2-s2-r").reorder and not bwd.WsConfig.parse("ws-M64-c2-s2").reorder
+    with pytest.raises(ValueError, match="-r"):
+        bwd.WsConfig.parse("ws-M64-c2-s2-pad-r")
+    monkeypatch.setenv("LAB_FUSED_DQ_ATOMICS", "pair")
+    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_ATOMICS", "pair")
+    problem = Problem(1, 4, 200, 128, "bf16", False, Hkv=2, Nk=300)
+    # (the compile runs in a child process without the interpreter, which reports the ValueError it raised)
+    with pytest.raises((ValueError, RuntimeError), match="ws_config='ws-M64-c2-s2-r'.*ws_dq_config='fused'"):
+        bwd.compile_backward(problem, 90, ws_config="ws-M64-c2-s2-r", ws_dq_config="ws-M64-c2-s2")
+    strip = lambda text: re.sub(r"\.loc.*|// .*", "", text)  # noqa: E731 - (debug line numbers)
+    reordered = bwd.compile_backward(problem, 90, ws_config="ws-M64-c2-s2-r", ws_dq_config="fused")[1].asm["ptx"]
+    for switch in ("STAGGER", "LAG"):
+        monkeypatch.setenv(f"LAB_FUSED_DQ_{switch}", "1")  # (a compile in a child process)
+        monkeypatch.setattr(hopper_bwd, f"FUSED_DQ_{switch}", True)
+    switched = bwd.compile_backward(problem, 90, ws_config="ws-M64-c2-s2", ws_dq_config="fused")[1].asm["ptx"]
+    assert strip(reordered) == strip(switched) and "rem.s32" in reordered
+    table = {"arch": 90, "bf16/D128/causal0": {"dkdv": "M64-N64-w4-s2", "dq": "M64-N128-w8-s3",
+                                              "dq_method": "separate", "ws": "ws-M64-c2-s2-r", "ws_dq": "fused"}}
+    monkeypatch.setattr(bwd, "gpu_slug", lambda: "fake")
+    monkeypatch.setattr(bwd, "tuned_backward_table", lambda slug: table)
+    bwd.backward_plan.cache_clear()
+    try:
+        assert str(bwd.backward_plan(128, torch.bfloat16, 90, False)) == "dkdv:ws-M64-c2-s2-r+fused-dq"
+        exact = bwd.backward_plan(128, torch.bfloat16, 90, False, deterministic=True)
+        assert (exact.ws, exact.ws_dq, exact.separate_dq) == (bwd.WsConfig(64, 2, 2), None, True)
+    finally:
+        bwd.backward_plan.cache_clear()
 
 
 def test_staggered_q_tiles_change_only_the_fused_kernel(monkeypatch):

@@ -180,15 +180,19 @@ class WsConfig:
     rows each, tiles of ``block_m`` rows streamed through ``stages`` shared-memory slots. In the dK/dV
     kernel the K/V rows are resident and Q/dO streamed; in the dQ kernel the other way round. ``share``
     ("-x" in the name; the dK/dV kernel where it splits the head dim): its two consumers compute each
-    Q tile's scores once between them and exchange them through shared memory. ``pad`` ("-pad"): tiles
-    as wide as the next power of two above the head dim, where the kernels would otherwise run a main
-    part and a tail (``hopper_bwd.tile_widths``; the ablation of the tail)."""
+    Q tile's scores once between them and exchange them through shared memory. ``reorder`` ("-r"; the
+    dK/dV kernel with fused dQ only): each program walks its Q tiles from its own one on and forms a
+    tile's dQ slice during the next tile (``hopper_bwd.FUSED_DQ_STAGGER`` and ``FUSED_DQ_LAG`` for these
+    tiles alone), so the tuner can race the order per head dim and mask. ``pad`` ("-pad"): tiles as wide
+    as the next power of two above the head dim, where the kernels would otherwise run a main part and a
+    tail (``hopper_bwd.tile_widths``; the ablation of the tail)."""
 
     block_m: int
     consumers: int
     stages: int
     share: bool = False
     pad: bool = False
+    reorder: bool = False
 
     @property
     def block_n(self) -> int:
@@ -196,18 +200,19 @@ class WsConfig:
 
     def __str__(self) -> str:
         return (f"ws-M{self.block_m}-c{self.consumers}-s{self.stages}" + ("-x" if self.share else "")
-                + ("-pad" if self.pad else ""))
+                + ("-r" if self.reorder else "") + ("-pad" if self.pad else ""))
 
     @classmethod
     def parse(cls, text: str) -> "WsConfig":
-        m = re.fullmatch(r"ws-M(\d+)-c(\d+)-s(\d+)(-x)?(-pad)?", text)
+        m = re.fullmatch(r"ws-M(\d+)-c(\d+)-s(\d+)(-x)?(-r)?(-pad)?", text)
         if not m or int(m.group(2)) not in (1, 2) or int(m.group(1)) not in (32, 64, 128) \
                 or (m.group(4) and int(m.group(2)) != 2):
             raise ValueError(f"a Hopper backward config looks like 'ws-M64-c2-s2' (M 32, 64 or 128 query rows, "
                              f"c 1 or 2 consumer warpgroups, s stages; '-x' after it: two consumers that "
-                             f"share the scores; '-pad' last: tiles of the next power of two, no head-dim "
-                             f"tail), got {text!r}")
-        return cls(int(m.group(1)), int(m.group(2)), int(m.group(3)), bool(m.group(4)), bool(m.group(5)))
+                             f"share the scores; '-r': fused dQ's Q tiles reordered; '-pad' last: tiles of "
+                             f"the next power of two, no head-dim tail), got {text!r}")
+        return cls(int(m.group(1)), int(m.group(2)), int(m.group(3)), bool(m.group(4)), bool(m.group(6)),
+                   bool(m.group(5)))
 
     def resident_rows(self, D: int, kernel: str = "dkdv") -> int:
         """Rows of the resident tiles: ``block_n``, but in the dK/dV kernel above 128 columns, where
@@ -218,7 +223,7 @@ class WsConfig:
         """Whether the kernel takes these tiles at (padded) head dim ``D``: a dK/dV kernel that splits
         the head dim needs that many consumers, and only such a kernel shares the scores ("-x")."""
         if kernel != "dkdv":
-            return not self.share
+            return not (self.share or self.reorder)
         split = hopper_ws.split_head_dim(D)
         return split in (1, self.consumers) and (not self.share or split > 1)
 
@@ -351,6 +356,8 @@ def backward_plan(D: int, dtype: torch.dtype, arch: int, causal: bool = False, *
     if deterministic:
         # (fused dQ is atomics: a deterministic backward takes the separate tl dQ kernel instead)
         plan = replace(plan, separate_dq=True, ws_dq=None if plan.ws_dq == FUSED_DQ else plan.ws_dq)
+    if plan.ws is not None and plan.ws.reorder and plan.ws_dq != FUSED_DQ:
+        plan = replace(plan, ws=replace(plan.ws, reorder=False))  # ("-r" orders fused dQ's tiles: none here)
     if D % 16 and plan.ws is not None and plan.ws_dq is None and not aligned.ROW_ALIGNMENT:
         # Without being told its rows' alignment (aligned.py, on by default), the tl dQ kernel reads a
         # row stride of D elements not a multiple of 16 (D 40: 80 bytes) one element at a time, and ran
@@ -750,7 +757,7 @@ def choose_ws(planned: WsConfig | None, forced: WsConfig | str | None, q, k, v, 
             raise ValueError(f"{name}={ws}: above head dim {hopper_ws.SPLIT_ABOVE} the Hopper dK/dV kernel splits the "
                              f"head dim between two consumer warpgroups (a config with c2 there, e.g. "
                              f"'ws-M32-c2-s3'), and only there can they share the scores ('-x'); the dQ kernel "
-                             f"takes no '-x'; got D {D}")
+                             f"takes no '-x' or '-r'; got D {D}")
         return ws
     if planned is not None and switches_on and tma_supported(arch, q, k, v, do):
         return planned
@@ -785,6 +792,9 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
                          f"dK/dV config with 64-row Q tiles, or 32-row ones with two consumers (ws_config, e.g. "
                          f"'ws-M64-c2-s2' or 'ws-M32-c2-s3'), deterministic off and the fp32 accumulator; got "
                          f"ws_config={ws}, deterministic={deterministic}")
+    if ws is not None and ws.reorder and not fused:
+        raise ValueError(f"ws_config={str(ws)!r}: '-r' reorders the Q tiles of fused dQ; it takes "
+                         f"ws_dq_config={FUSED_DQ!r} (or drop the '-r')")
     if (key_starts is not None or key_lengths is not None) and (ws is not None or ws_dq is not None):
         raise ValueError("key_starts/key_lengths run on the tl backward kernels, not the Hopper ones: leave "
                          "ws_config and ws_dq_config None")
@@ -809,7 +819,7 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
         launches.append(hopper_bwd.plan_dkdv(q, k, v, do, dk, dv, lse, delta, causal=causal, qk_scale=qk_scale,
                                              sm_scale=scale, block_m=ws.block_m, consumers=ws.consumers,
                                              stages=ws.stages, dq_acc=dq_acc if fused else None,
-                                             share_scores=ws.share, pad=ws.pad))
+                                             share_scores=ws.share, pad=ws.pad, reorder=ws.reorder))
     else:
         launches.append(Launch(
             attention_bwd_dkdv_kernel, (cdiv(Nk, BN), B * Hkv),

@@ -33,7 +33,8 @@ the program's 128 keys is one product 128 keys deep and one bulk reduce by the c
 the tuner keeps it at D 64 and, with the compact row statistics below, at D 128 (performance-log
 entries 48, 54 and 70). Two switches reorder it, each program's Q tiles from its own one on
 (:data:`FUSED_DQ_STAGGER`) and each tile's dQ slice formed during the next
-(:data:`FUSED_DQ_LAG`); measured beside cuDNN's kernel under Nsight Compute, neither is on (entry 61).
+(:data:`FUSED_DQ_LAG`); measured beside cuDNN's kernel under Nsight Compute, neither is on (entry 61),
+and a config named with ``-r`` turns both on for its own tiles: a candidate the tuner races (entry 70).
 A third, for fused dQ or not, keeps the row statistics compact until their use
 (:data:`COMPACT_ROW_STATS`: a quarter fewer instructions per Q tile, and at D 128 with 64-row Q tiles
 fewer spills; on: the 64-row dK/dV kernel at D 128 causal 1.59 → 0.99 ms on the H200, entries 63, 68, 70).
@@ -801,7 +802,8 @@ def _tail_descriptors(tensors: dict, rows: dict, main: int, tail: int) -> dict:
 
 
 def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float, sm_scale: float, block_m: int,
-              consumers: int, stages: int, dq_acc=None, share_scores: bool = False, pad: bool = False) -> Launch:
+              consumers: int, stages: int, dq_acc=None, share_scores: bool = False, pad: bool = False,
+              reorder: bool = False) -> Launch:
     """The launch of ``ws_bwd_dkdv_kernel`` for these tensors: K/V tiles of ``consumers × 64`` rows
     (above 128 columns, one tile of 64 rows whose head dim the two consumers split:
     :func:`split_head_dim`), Q/dO tiles of ``block_m`` rows through ``stages`` slots; with ``dq_acc`` (a
@@ -809,7 +811,8 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
     wgmma's M; 32-row ones too where it adds once per pair of consumers: :func:`fused_dq_block_ms`).
     ``share_scores`` (with the split head dim only): the two consumers compute the scores of a Q tile's
     halves and exchange them (``_consumer_shared_scores``) instead of both computing all. The tiles'
-    widths: :func:`tile_widths` (``pad``: the whole power of two, for the ablation)."""
+    widths: :func:`tile_widths` (``pad``: the whole power of two, for the ablation). ``reorder`` (fused dQ):
+    :data:`FUSED_DQ_STAGGER` and :data:`FUSED_DQ_LAG` for this launch, whatever the module's switches say."""
     if dq_acc is not None and block_m not in fused_dq_block_ms(consumers):
         raise ValueError(f"fused dQ with {consumers} consumer(s) adding by {FUSED_DQ_ATOMICS!r} takes Q tiles of "
                          f"{' or '.join(map(str, fused_dq_block_ms(consumers)))} rows, got {block_m}")
@@ -844,7 +847,8 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 sm_scale=sm_scale, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, STAGES=stages, CONSUMERS=consumers,
                 GROUP=Hq // Hkv, CAUSAL=causal, HEAD_DIM=q.shape[-1], ATOMICS=atomics, SPLIT_D=split,
                 SHARE_SCORES=share_scores, AHEAD=FUSED_DQ_AHEAD,
-                STAGGER=FUSED_DQ_STAGGER and dq_acc is not None, LAG=FUSED_DQ_LAG, COMPACT_STATS=COMPACT_ROW_STATS,
+                STAGGER=(FUSED_DQ_STAGGER or reorder) and dq_acc is not None, LAG=FUSED_DQ_LAG or reorder,
+                COMPACT_STATS=COMPACT_ROW_STATS,
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
     grid = (cdiv(Nk, ROWS_PER_CONSUMER * consumers // split), B * Hkv)
     return Launch(ws_bwd_dkdv_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)
