@@ -748,32 +748,40 @@ def render_block(results_dir, readme_dir=".") -> str:
 
 
 def load_losses(results_dir) -> dict[str, dict]:
-    """The latest run of each stage in ``results_dir/train/losses.csv``:
-    ``{stage: {"run_id", "dtype", "steps": [...], "losses": [...]}}`` (empty without the file)."""
+    """The stages of the latest run in ``results_dir/train/losses.csv`` (the run appended last):
+    ``{stage: {"run_id", "dtype", "steps": [...], "losses": [...]}}`` (empty without the file). One run,
+    not each stage's latest: curves from runs of other lengths, modes or data would not compare."""
     path = Path(results_dir) / "train" / LOSSES_CSV
     if not path.exists():
         return {}
-    by_run: dict[tuple[str, str], dict] = {}
-    latest: dict[str, str] = {}
+    by_run: dict[str, dict[str, dict]] = {}
+    last = None
     with path.open(newline="") as f:
         for row in csv.DictReader(f):
-            key = (row["stage"], row["run_id"])
-            entry = by_run.setdefault(key, {"run_id": row["run_id"], "dtype": row["dtype"], "steps": [], "losses": []})
+            stages = by_run.setdefault(row["run_id"], {})
+            entry = stages.setdefault(row["stage"], {"run_id": row["run_id"], "dtype": row["dtype"], "steps": [],
+                                                     "losses": []})
             entry["steps"].append(int(row["step"]))
             entry["losses"].append(float(row["loss"]))
-            latest[row["stage"]] = row["run_id"]  # rows are appended in time order: the last one wins
-    return {stage: by_run[(stage, run_id)] for stage, run_id in latest.items()}
+            last = row["run_id"]  # rows are appended in time order: the last run is the latest
+    return by_run.get(last, {})
 
 
 # ---------------------------------------------------------------------------------------------- figure
+
+def _compile_label(results_dir, run_id: str) -> str:
+    """", compiled (<mode>)" for a run its summary rows mark compiled; "" for an eager one or none found."""
+    mode = next((r["compile"] for r in load_summary(results_dir) if r["run_id"] == run_id), "off")
+    return "" if mode in ("off", "") else f", compiled ({mode})"
+
 
 _COLORS = {"a": "#d62728", "b": "#ff7f0e", "c": "#2ca02c", "sdpa": "#1f77b4"}
 GAP_FLOOR = 1e-9  # a log axis cannot show 0: identical losses are drawn here
 
 
 def plot_train_losses(results_dir, out_dir=None) -> Path | None:
-    """Draw the loss curves of the latest run of each stage, and each one's gap to SDPA's with the
-    tolerance, from ``results_dir/train/losses.csv`` into ``<out_dir or results_dir>/figures/train_loss.png``.
+    """Draw the loss curves of the latest run's stages, and each one's gap to SDPA's with the tolerance,
+    from ``results_dir/train/losses.csv`` into ``<out_dir or results_dir>/figures/train_loss.png``.
     Returns the PNG's path, or None (with a printed reason) when there is nothing to draw."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -794,7 +802,9 @@ def plot_train_losses(results_dir, out_dir=None) -> Path | None:
         if ref is not None and stage != REFERENCE and len(curve["losses"]) == len(ref["losses"]):
             gaps = [max(abs(a - b), GAP_FLOOR) for a, b in zip(curve["losses"], ref["losses"])]
             ax_gap.plot(curve["steps"], gaps, color=color, lw=1.2, label=stage)
-    ax_loss.set(xlabel="step", ylabel="training loss (nats per character)", title="loss curves, same init and batches")
+    run_id = next(iter(curves.values()))["run_id"]
+    ax_loss.set(xlabel="step", ylabel="training loss (nats per character)",
+                title=f"loss curves, same init and batches\nrun {run_id[:19]}{_compile_label(results_dir, run_id)}")
     ax_loss.legend()
     if ref is not None:
         tol = LOSS_TOLERANCE.get(ref["dtype"])

@@ -212,6 +212,27 @@ def test_cli_writes_losses_summary_and_figure(tmp_path, capsys):
     assert code == 0 and figure.exists(), out + err
 
 
+def test_the_loss_figure_draws_one_run_the_latest(tmp_path):
+    """The figure's curves come from the run appended last, all its stages and no other run's: a stage
+    missing from it is not drawn from an older run of other length or mode."""
+    run = lambda stage, losses: T.TrainRun(stage=stage, losses=losses, step_ms=[1.0] * len(losses),
+                                           tokens_per_step=10)
+    old_cfg = T.TrainConfig(**{**CONFIG.__dict__, "steps": 3})
+    for stage in ("a", "sdpa"):
+        T.write_run(tmp_path, "2026-01-01", run(stage, [3.0, 2.0, 1.0]), MODEL, old_cfg, device="cpu",
+                    reference_losses=None)
+    new_cfg = T.TrainConfig(**{**CONFIG.__dict__, "steps": 2, "compile": "inductor"})
+    for stage in ("c", "sdpa"):
+        T.write_run(tmp_path, "2026-02-01", run(stage, [3.0, 2.5]), MODEL, new_cfg, device="cpu",
+                    reference_losses=None)
+    curves = T.load_losses(tmp_path)
+    assert set(curves) == {"c", "sdpa"} and {c["run_id"] for c in curves.values()} == {"2026-02-01"}
+    assert curves["sdpa"]["losses"] == [3.0, 2.5]
+    assert T._compile_label(tmp_path, "2026-02-01") == ", compiled (inductor)"
+    assert T._compile_label(tmp_path, "2026-01-01") == ""
+    assert T.plot_train_losses(tmp_path).exists()
+
+
 @pytest.mark.slow
 def test_cli_default_tiny_run_all_stages_agree(tmp_path, capsys):
     code, out, err = _run(["train", "--out", str(tmp_path)], capsys)
