@@ -30,6 +30,7 @@ def gpu_env(device_index: int | None = None) -> dict:
         "cuda_runtime": torch.version.cuda,
         "gpu_count": torch.cuda.device_count(),
         "timing": timing.METHOD,
+        "stage_c_tuning": _stage_c_tuning(slugify(props.name), 10 * props.major + props.minor),
     }
     try:
         from .energy import _nvml, nvml_handle
@@ -59,6 +60,15 @@ def gpu_env(device_index: int | None = None) -> dict:
     except RuntimeError as e:
         env["nvml_note"] = str(e)
     return env
+
+
+def _stage_c_tuning(slug: str, arch: int) -> dict:
+    """Which tuning files stage C's choices read on this GPU (``stages/c_optimized/tuned/``): its own, or
+    a same-architecture GPU's where it was never tuned (an H100 runs the H200's winners), or none."""
+    from stages.c_optimized.configs import tuning_file
+
+    return {kind: (path.stem if (path := tuning_file(slug, suffix, arch)) else None)
+            for kind, suffix in (("forward", ""), ("backward", "-backward"))}
 
 
 def cpu_env() -> dict:

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from stages.c_optimized import backward as bwd
+from stages.c_optimized import backward as bwd, configs
 from stages.contract import Problem
 
 from harness.reference import reference_gradients
@@ -202,7 +202,7 @@ def _tuned_plans():
     import json
 
     out = []
-    for path in sorted(bwd.TUNED_DIR.glob("*-backward.json")):
+    for path in sorted(configs.TUNED_DIR.glob("*-backward.json")):
         for key, entry in json.loads(path.read_text())["best"].items():
             out.append((path.name, key, entry))
     return out

@@ -52,3 +52,55 @@ def test_the_error_is_raised_when_every_close_candidate_fails_again():
 
     with pytest.raises(RuntimeError, match="device lost"):
         tune.pick({"a": 1.00, "b": 1.01}, retime)
+
+
+# ------------------------------------------------------------------ a GPU that was never tuned
+
+
+def test_an_untuned_gpu_reads_the_tuning_of_a_gpu_of_its_architecture():
+    from stages.c_optimized import configs
+
+    h200 = configs.TUNED_DIR / "h200.json"
+    h200_bwd = configs.TUNED_DIR / "h200-backward.json"
+    assert configs.tuning_file("h200", "", 90) == h200  # its own, whatever the arch asked
+    # An H100 (sm_90) has no file: it reads the H200's, forward and backward apart.
+    assert configs.tuning_file("h100-80gb-hbm3", "", 90) == h200
+    assert configs.tuning_file("h100-80gb-hbm3", "-backward", 90) == h200_bwd
+    # An A100 (sm_80) has nothing of its architecture; no GPU (arch None) borrows nothing.
+    assert configs.tuning_file("a100-sxm4-80gb", "", 80) is None
+    assert configs.tuning_file("h100-80gb-hbm3", "-backward", None) is None
+    assert configs.tuning_file(None, "", 90) is None
+
+
+def test_an_untuned_sm90_gpu_runs_the_hopper_backward(monkeypatch):
+    """The Hopper backward runs only where a tuned plan names it: a GPU without a file of its own
+    must still get it (it once fell back to the hand-picked tl tiles: half of cuDNN on an H100)."""
+    import torch
+
+    from stages.c_optimized import backward as bwd, configs
+
+    monkeypatch.setattr(configs, "this_arch", lambda: 90)
+    monkeypatch.setattr(bwd, "this_arch", lambda: 90)
+    monkeypatch.setattr(bwd, "gpu_slug", lambda: "h100-80gb-hbm3")
+    bwd.tuned_backward_table.cache_clear()
+    bwd.backward_plan.cache_clear()
+    try:
+        plan = bwd.backward_plan(128, torch.bfloat16, 90, False)
+        assert plan.ws is not None
+        assert bwd.tuned_backward_table("h100-80gb-hbm3") == bwd.tuned_backward_table("h200")
+    finally:
+        bwd.tuned_backward_table.cache_clear()
+        bwd.backward_plan.cache_clear()
+
+
+def test_a_gpus_first_tuning_starts_from_the_borrowed_winners(monkeypatch, tmp_path):
+    import json
+
+    from stages.c_optimized import configs
+
+    monkeypatch.setattr(configs, "this_arch", lambda: 90)
+    seed = configs.seed_tuning(tmp_path / "h100-80gb-hbm3-backward.json", "-backward")
+    h200 = json.loads((configs.TUNED_DIR / "h200-backward.json").read_text())
+    assert seed["best"] == h200["best"] and seed["seeded_from"] == "h200-backward" and "gpu" not in seed
+    monkeypatch.setattr(configs, "this_arch", lambda: 80)
+    assert configs.seed_tuning(tmp_path / "a100-backward.json", "-backward") == {}

@@ -80,7 +80,7 @@ from .. import ops
 from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_output, padded_head_dim, \
     key_ranges_alignment, validate_backward_inputs
 from ..launch import KeptLaunch, Launch, compiles_without_interpreter
-from .configs import SHARED_MEMORY_LIMIT, TUNED_DIR, device_arch, gpu_slug
+from .configs import SHARED_MEMORY_LIMIT, device_arch, gpu_slug, this_arch, tuning_file
 from . import hopper_ws  # (where the Hopper kernels run: the warp-specialized forward's rule)
 from . import aligned
 from .aligned import aligned_strides, row_alignment
@@ -289,8 +289,8 @@ def tuned_backward_table(slug: str | None) -> dict:
     """The backward tuner's winners for one GPU (``tune_backward.py``): ``{"bf16/D128/causal0":
     {"dq_method": "separate", "dkdv": "M64-N128-w8-s2", "dq": "M32-N64-w4-s3"}, ...}`` and the
     ``arch`` they were measured on."""
-    path = TUNED_DIR / f"{slug}-backward.json" if slug else None
-    if path is None or not path.exists():
+    path = tuning_file(slug, "-backward", this_arch())  # (its own, or a same-arch GPU's)
+    if path is None:
         return {}
     data = json.loads(path.read_text())
     return {"arch": data.get("arch"), **data.get("best", {})}

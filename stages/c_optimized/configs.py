@@ -280,14 +280,59 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def tuning_file(slug: str | None, suffix: str = "", arch: int | None = None) -> Path | None:
+    """The tuning file a GPU named ``slug`` reads: ``tuned/<slug><suffix>.json`` (``suffix`` "" for the
+    forward's, "-backward" for the backward's) when it was tuned itself, else, given its compute
+    capability ``arch``, one tuned on another GPU of the same architecture (first by name). An H100
+    has no file of its own and reads the H200's: the two share the SM (its tensor cores, 228 KB of
+    shared memory, 64 K registers), so the tiles and kernels that won on one are the best guess for
+    the other, far better than the untuned first candidate (whose backward never runs the Hopper
+    kernels). Its own ``tune``/``tune_backward`` run replaces the guess. None where neither exists."""
+    if slug is None:
+        return None
+    own = TUNED_DIR / f"{slug}{suffix}.json"
+    if own.exists() or arch is None:
+        return own if own.exists() else None
+    return _same_arch_file(suffix, arch)
+
+
+@lru_cache(maxsize=None)
+def _same_arch_file(suffix: str, arch: int) -> Path | None:
+    for path in sorted(TUNED_DIR.glob(f"*{suffix}.json")):
+        if not suffix and path.stem.endswith("-backward"):
+            continue
+        try:
+            if json.loads(path.read_text()).get("arch") == arch:
+                return path
+        except (OSError, ValueError):  # (a damaged file is no guess)
+            continue
+    return None
+
+
+def seed_tuning(path: Path, suffix: str) -> dict:
+    """What a tuner starts a GPU's first file ``path`` from: the same-architecture file this GPU read
+    until now (:func:`tuning_file`), its cells copied and its name kept under ``seeded_from``, so a
+    run that tunes only some cells leaves the others at the borrowed winners rather than untuned (a
+    GPU's own file shadows the borrowed one whole). Empty where there is nothing to borrow."""
+    borrowed = _same_arch_file(suffix, this_arch()) if this_arch() is not None else None
+    if borrowed is None or borrowed == path:
+        return {}
+    data = json.loads(borrowed.read_text())
+    return {key: value for key, value in data.items() if key not in ("gpu", "N")} | {"seeded_from": borrowed.stem}
+
+
+def this_arch() -> int | None:
+    """This process's GPU's compute capability (None without a GPU): what a borrowed tuning file must match."""
+    return _cuda_arch(torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
 @lru_cache(maxsize=None)
 def tuned_table(slug: str | None, table: str = "best") -> dict:
-    """The tuner's winners for one GPU: ``{"fp16/D64/causal0/N4096": "M128-N64-w4-s3", ...}``.
-    ``table="best_tl"`` holds the best ``tl``-kernel config of each cell (warp specialization off)."""
-    if slug is None:
-        return {}
-    path = TUNED_DIR / f"{slug}.json"
-    if not path.exists():
+    """The tuner's winners for one GPU: ``{"fp16/D64/causal0/N4096": "M128-N64-w4-s3", ...}``, from
+    :func:`tuning_file` (its own, or a same-architecture GPU's). ``table="best_tl"`` holds the best
+    ``tl``-kernel config of each cell (warp specialization off)."""
+    path = tuning_file(slug, "", this_arch())
+    if path is None:
         return {}
     return json.loads(path.read_text()).get(table, {})
 

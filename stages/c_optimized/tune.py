@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     arch = configs.device_arch(torch.device("cuda"))
     slug = configs.gpu_slug()
     path = configs.TUNED_DIR / f"{slug}.json"
-    data = json.loads(path.read_text()) if path.exists() else {"gpu": torch.cuda.get_device_name()}
+    data = json.loads(path.read_text()) if path.exists() else configs.seed_tuning(path, "")
+    data["gpu"] = torch.cuda.get_device_name()
     data.setdefault("best", {})
     data.setdefault("best_tl", {})
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]

@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.monotonic()
     path = Path(args.out) if args.out else configs.TUNED_DIR / f"{configs.gpu_slug()}-backward.json"
-    data = json.loads(path.read_text()) if path.exists() else {}
+    data = json.loads(path.read_text()) if path.exists() else configs.seed_tuning(path, "-backward")
     data.update(gpu=torch.cuda.get_device_name(), arch=configs.device_arch(torch.device("cuda")), N=args.N)
     data.setdefault("best", {})
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
