@@ -229,6 +229,21 @@ def _resolve_stages(parser: argparse.ArgumentParser, names: list[str] | None, fl
     return names
 
 
+def _resolve_ablation(parser: argparse.ArgumentParser, ablation: bool | list[str], stage_names: list[str]):
+    """``--ablation`` as given (True: every variant; False: none), a list of names checked against the
+    variants of the stages asked for."""
+    import stages
+
+    if not isinstance(ablation, list):
+        return ablation
+    known = ["all"] + list(dict.fromkeys(v for n in stage_names for v in stages.STAGES[n].variants))
+    for v in ablation:
+        if v not in known:
+            parser.error(f"argument --ablation: unknown variant {v!r} of stages {','.join(stage_names)}; "
+                         f"choose from {', '.join(known)}")
+    return ablation
+
+
 def _resolve_peers(parser: argparse.ArgumentParser, names: list[str] | None) -> list[str]:
     from .impls import default_peer_names
     from .peers import PEERS, SHORT_NAMES
@@ -291,8 +306,9 @@ def _add_impl_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", type=_names, default=None, metavar="flash,cudnn,efficient,math",
                    help="SDPA backends to run beside the stages, or 'none' "
                         "(default: all four on a GPU; flash and math on a CPU)")
-    p.add_argument("--ablation", action="store_true",
-                   help="also run every stage.variants entry as a row (kind=ablation); 'all' = the stage itself")
+    p.add_argument("--ablation", type=_names, nargs="?", const=True, default=False, metavar="VARIANT,...",
+                   help="also run stage.variants entries as rows (kind=ablation): bare, every one and 'all' (the "
+                        "stage itself); or only those named (e.g. --ablation deterministic)")
     p.add_argument("--out", type=Path, default=None,
                    help="results directory (default: results/<gpu>/ on a GPU; on a CPU "
                         "<system temp dir>/harness-cpu-interpreter/, the same every time)")
@@ -351,7 +367,8 @@ def run_compare(args: argparse.Namespace) -> int:
     cells = [Cell(shape["B"], shape["H"], shape["N"], shape["D"], shape["dtype"], args.causal == "yes", args.Hkv,
                   args.Nk, pass_) for pass_ in args.passes]
     cell = cells[0]
-    impl_list = impls_mod.build_impls(stage_names, peer_names, ablation=args.ablation)
+    impl_list = impls_mod.build_impls(stage_names, peer_names,
+                                       ablation=_resolve_ablation(parser, args.ablation, stage_names))
     import torch
 
     device = torch.device("cuda" if on_gpu else "cpu")
@@ -496,7 +513,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     else:
         cells = _grid_cells(args, SWEEP_N)
         out = _out_dir(args)
-    impl_list = impls_mod.build_impls(stage_names, peer_names, ablation=args.ablation)
+    impl_list = impls_mod.build_impls(stage_names, peer_names,
+                                       ablation=_resolve_ablation(parser, args.ablation, stage_names))
     skip = done_cells(out) if args.resume else set()
     run_id = run_id_now()
     write_env(out, _environment(run_id))
@@ -584,7 +602,8 @@ def run_profile(args: argparse.Namespace) -> int:
         return 1
     out = _out_dir(args, "profile")
     cells = _grid_cells(args, PROFILE_N)
-    impl_list = impls_mod.build_impls(stage_names, peer_names, ablation=args.ablation)
+    impl_list = impls_mod.build_impls(stage_names, peer_names,
+                                       ablation=_resolve_ablation(parser, args.ablation, stage_names))
     run_id = run_id_now()
     write_env(out, _environment(run_id))
     console = _console()

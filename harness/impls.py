@@ -106,13 +106,17 @@ def peer_impl(name: str) -> Impl:
                 train_workspace_bytes=functools.partial(peers.peer_train_workspace_bytes, name))
 
 
-def build_impls(stage_names: list[str], peer_names: list[str], ablation: bool = False) -> list[Impl]:
-    """Stages in order (each followed by its ablation rows when asked), then the peers."""
+def build_impls(stage_names: list[str], peer_names: list[str], ablation: bool | list[str] = False) -> list[Impl]:
+    """Stages in order (each followed by its ablation rows when asked: ``True`` every variant, a list
+    the named ones a stage has, "all" the stage itself), then the peers."""
     out: list[Impl] = []
     for name in stage_names:
         out.append(stage_impl(name))
-        if ablation and stages.get_stage(name).variants:
+        variants = stages.get_stage(name).variants
+        if ablation is True and variants:
             out.extend(ablation_impls(name))
+        elif isinstance(ablation, list):
+            out.extend(stage_impl(name, v) for v in ablation if v == "all" or v in variants)
     out.extend(peer_impl(p) for p in peer_names)
     return out
 

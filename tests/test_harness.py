@@ -381,6 +381,23 @@ def test_compare_ablation_rows(tmp_path, capsys, fake_stages):
     assert rows[1]["ms_median"] == rows[0]["ms_median"]  # 'all' reuses the stage's measurement
 
 
+def test_ablation_runs_only_the_variants_named(tmp_path, capsys, fake_stages):
+    fake_stages(_fake_stage("fake", variants={"+x": {}, "-x": {}, "deterministic": {}}))
+    code, out, err = _run_cli(["compare", "--N", "16", "--D", "16", "--H", "1", "--dtype", "fp32", "--stages", "fake",
+                               "--peers", "none", "--ablation", "deterministic", "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert [(r["kind"], r["variant"]) for r in _rows(tmp_path)] == [("stage", ""), ("ablation", "deterministic")]
+
+
+def test_an_unknown_ablation_variant_is_refused_naming_the_known_ones(tmp_path, capsys, fake_stages):
+    fake_stages(_fake_stage("fake", variants={"+x": {}}))
+    code, out, err = _run_cli(["sweep", "--N", "16", "--D", "16", "--stages", "fake", "--peers", "none",
+                               "--ablation", "+y", "--out", str(tmp_path)], capsys)
+    assert code == 2
+    assert "--ablation: unknown variant '+y'" in err and "all, +x" in err and "Traceback" not in err
+    assert not (tmp_path / "runs.csv").exists()
+
+
 def test_sweep_resume_cli(tmp_path, capsys, fake_stages):
     fake_stages(_fake_stage("fake"))
     argv = ["sweep", "--N", "16,32", "--D", "16", "--causal", "both", "--dtype", "fp32", "--B", "1", "--H", "1",

@@ -29,8 +29,11 @@ for _i, _name in enumerate(SWITCHES):
     if _name == "warp_specialization":
         _cumulative.update(WS_LADDER)
     _cumulative["+" + _name] = {s: (j <= _i) for j, s in enumerate(SWITCHES)}
+#: "deterministic": the stage with every optimization on and the backward's fixed summation order (dQ by
+#: its own kernel, no atomics): what bitwise-reproducible training costs (``--pass bwd --ablation
+#: deterministic``; the forward is the same kernel either way).
 VARIANTS = {"+none": {s: False for s in SWITCHES}, **_cumulative,
-            **{"-" + s: {s: False} for s in SWITCHES}}
+            **{"-" + s: {s: False} for s in SWITCHES}, "deterministic": {"deterministic": True}}
 
 STAGE = register(Stage(
     name="c",
