@@ -721,6 +721,13 @@ def render_models_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> 
     runs = suite_runs_table(views.suite_runs(all_rows))
     if runs:
         parts += ["Suite run by suite run:", runs]
+    backward = views.suite_lines(all_rows, "bwd")
+    if backward:
+        parts += ["**The backward** of the same cells (`--pass bwd`: the gradients of q, k and v given a saved "
+                  "forward, each impl's own), read the same way:", suite_table(backward)]
+        runs = suite_runs_table(views.suite_runs(all_rows, "bwd"))
+        if runs:
+            parts += ["Backward, suite run by suite run:", runs]
     return "\n\n".join(parts) + "\n"
 
 

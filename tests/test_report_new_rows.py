@@ -99,6 +99,22 @@ def test_models_block_renders_one_line_per_cell_from_the_latest_run(tmp_path):
     assert "(tiny)" in second
 
 
+def test_models_block_has_a_backward_table_only_where_backward_rows_exist(tmp_path):
+    d = build_suite(build_results(tmp_path / "r"))
+    assert "**The backward**" not in report.render_models_block(d, tmp_path / "r")
+    rows = build_suite_rows()
+    # the same cells timed backward, stage C twice as slow as its forward: the ratios halve
+    bwd = [r | {"pass": "bwd"} | ({"ms_median": r["ms_median"] * 2} if r["impl"] == "c" and "ms_median" in r else {})
+           for r in rows]
+    d = build_suite(build_results(tmp_path / "r2"), rows=rows + bwd)
+    block = report.render_models_block(d, tmp_path / "r2")
+    forward, backward = block.split("**The backward**")
+    gpt2_fwd = next(ln for ln in forward.splitlines() if ln.startswith("| gpt2 |")).split(" | ")
+    gpt2_bwd = next(ln for ln in backward.splitlines() if ln.startswith("| gpt2 |")).split(" | ")
+    assert gpt2_fwd[6] == f"{0.55 / 0.50:.2f}" and gpt2_bwd[6] == f"{0.55 / 1.00:.2f}"
+    assert "Backward, suite run by suite run:" in backward
+
+
 def test_suite_lines_pair_within_one_run():
     """A later run that timed only SDPA in a cell does not pair with an older run's stage C."""
     rows = build_suite_rows()
