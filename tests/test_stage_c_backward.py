@@ -225,6 +225,11 @@ def test_every_tuned_backward_plan_is_correct(name, key, entry, device):
     fused = hopper.get("ws_dq_config") == bwd.FUSED_DQ  # (atomics: never deterministic)
     check_gradients(attention, q, k, v, causal=causal, dtype_name=dtype_name, config=config, dq_config=dq_config,
                     deterministic=entry["dq_method"] == "separate" and not fused, **hopper)
+    if hopper and "deterministic" in entry:  # the plan kept for a deterministic backward, too
+        fixed = {name: entry["deterministic"][key] for name, key in (("ws_config", "ws"), ("ws_dq_config", "ws_dq"))
+                 if key in entry["deterministic"]}
+        check_gradients(attention, q, k, v, causal=causal, dtype_name=dtype_name, config=config,
+                        dq_config=dq_config, deterministic=True, **fixed)
 
 
 def test_backward_plan_reads_the_tuned_table(monkeypatch):
@@ -269,6 +274,31 @@ def test_a_tuned_fused_dq_plan_is_atomic_and_not_deterministic(monkeypatch):
         fused, separate = bwd.bwd_hbm_bytes(p), bwd.bwd_hbm_bytes(p, deterministic=True)
         assert fused.write > separate.write + 2 * p.heads * p.N * p.D * 4  # zeroing + the RMWs' writes, at least
         assert bwd.train_workspace_bytes(p) == bwd.train_workspace_bytes(p, deterministic=True) + p.heads * p.N * p.D * 4
+    finally:
+        bwd.backward_plan.cache_clear()
+
+
+@pytest.mark.parametrize("fixed, expect", [
+    ({"ws": "ws-M64-c2-s2", "ws_dq": "ws-M32-c2-s3"}, (bwd.WsConfig(64, 2, 2), bwd.WsConfig(32, 2, 3))),
+    ({"ws": "ws-M64-c2-s3"}, (bwd.WsConfig(64, 2, 3), None)),  # the tl dQ kernel beside the Hopper dK/dV
+    ({}, (None, None)),  # the tl kernels alone
+])
+def test_a_deterministic_backward_takes_the_plan_the_tuner_kept_for_it(fixed, expect, monkeypatch):
+    """Where fused dQ won, the entry also names the fastest plan without atomics ("deterministic"):
+    that is what ``deterministic=True`` runs (not the fused kernel's tiles with the tl dQ kernel), and
+    only where the Hopper kernels may run; the default plan ignores it."""
+    entry = {"dkdv": "M64-N64-w4-s2", "dq": "M64-N128-w8-s3", "dq_method": "separate", "ws": "ws-M64-c2-s3",
+             "ws_dq": "fused", "deterministic": fixed}
+    monkeypatch.setattr(bwd, "gpu_slug", lambda: "fake")
+    monkeypatch.setattr(bwd, "tuned_backward_table", lambda slug: {"arch": 90, "bf16/D128/causal1": entry})
+    bwd.backward_plan.cache_clear()
+    try:
+        exact = bwd.backward_plan(128, torch.bfloat16, 90, True, deterministic=True)
+        assert (exact.ws, exact.ws_dq, exact.separate_dq) == (*expect, True)
+        assert str(exact.dq) == "M64-N128-w8-s3" and not exact.atomic_dq
+        assert bwd.backward_plan(128, torch.bfloat16, 90, True).ws_dq == bwd.FUSED_DQ
+        off = bwd.backward_plan(128, torch.bfloat16, 90, True, deterministic=True, warp_specialization=False)
+        assert (off.ws, off.ws_dq, off.separate_dq) == (None, None, True)
     finally:
         bwd.backward_plan.cache_clear()
 

@@ -336,6 +336,7 @@ def backward_plan(D: int, dtype: torch.dtype, arch: int, causal: bool = False, *
     D_pad = padded_head_dim(D)
     e = torch.empty((), dtype=dtype).element_size()
     plan = BwdPlan(BASELINE, False, BASELINE)
+    hopper = False  # (whether the tuned entry's Hopper kernels may run here)
     if tuned_tiles:
         hand = _hand_config(D_pad, dtype, arch, e)
         plan = BwdPlan(hand, False, hand)
@@ -345,7 +346,8 @@ def backward_plan(D: int, dtype: torch.dtype, arch: int, causal: bool = False, *
             dq = BwdConfig.parse(entry["dq"]) if "dq" in entry else dkdv
             if fits(dkdv, D_pad, e, arch) and fits(dq, D_pad, e, arch):
                 plan = BwdPlan(dkdv, entry["dq_method"] == "separate", dq)
-            if warp_specialization and pipelining and hopper_ws.supported(dtype, D, arch, "backward"):
+            hopper = warp_specialization and pipelining and hopper_ws.supported(dtype, D, arch, "backward")
+            if hopper:
                 ws = WsConfig.parse(entry["ws"]) if "ws" in entry else None
                 ws_dq = parse_ws_dq(entry["ws_dq"]) if "ws_dq" in entry else None
                 if ws_dq == FUSED_DQ and ws is not None:
@@ -353,7 +355,13 @@ def backward_plan(D: int, dtype: torch.dtype, arch: int, causal: bool = False, *
                     plan = BwdPlan(dkdv, entry["dq_method"] == "separate", dq, ws, FUSED_DQ)
                 elif ws is not None or ws_dq not in (None, FUSED_DQ):
                     plan = BwdPlan(dkdv, True, dq, ws, ws_dq if ws_dq != FUSED_DQ else None)
-    if deterministic:
+    if deterministic and hopper and "deterministic" in entry:
+        # Where fused dQ (atomics) won, the tuner also kept the fastest plan without atomics: its Hopper
+        # kernels by name, {} for the tl kernels alone (tune_backward.tune_hopper_cell).
+        det = entry["deterministic"]
+        plan = replace(plan, separate_dq=True, ws=WsConfig.parse(det["ws"]) if "ws" in det else None,
+                       ws_dq=parse_ws_dq(det["ws_dq"]) if "ws_dq" in det else None)
+    elif deterministic:
         # (fused dQ is atomics: a deterministic backward takes the separate tl dQ kernel instead)
         plan = replace(plan, separate_dq=True, ws_dq=None if plan.ws_dq == FUSED_DQ else plan.ws_dq)
     if plan.ws is not None and plan.ws.reorder and plan.ws_dq != FUSED_DQ:

@@ -30,7 +30,9 @@ and keeps what was measured. Every timing goes to ``--csv``.
 ``--hopper`` races the Hopper kernels (``hopper_bwd.py``: the dK/dV and the dQ kernel, each with its
 own tile candidates, and the dK/dV kernel adding dQ itself, fused) against the tl plans already
 tuned, and keeps each where the whole backward measures faster with it (``ws`` and ``ws_dq`` in the
-JSON's entries; ``"ws_dq": "fused"`` for the fused one):
+JSON's entries; ``"ws_dq": "fused"`` for the fused one). Fused dQ adds with atomics, so where it wins
+the entry also keeps the fastest of the other plans, raced in the same rounds, for
+``deterministic=True`` (``"deterministic": {"ws": ..., "ws_dq": ...}``, ``{}`` for the tl kernels):
 
     python -m stages.c_optimized.tune_backward --hopper --D 64,128 --dtype bf16
 """
@@ -301,12 +303,19 @@ def tune_hopper_cell(dtype_name: str, D: int, causal: bool, N: int, entry: dict,
     winner = min(medians, key=medians.get)
     print(f"{dtype_name} D={D} causal={int(causal)} N={N} Hopper kernels: "
           + ", ".join(f"{n} {medians[n]:.3f} ms" for n in medians) + f" -> {winner}", flush=True)
-    out = {key: value for key, value in entry.items() if key not in ("ws", "ws_dq")}
+    out = {key: value for key, value in entry.items() if key not in ("ws", "ws_dq", "deterministic")}
     for key, config in plans[winner].items():
         if key != "deterministic":
             out["ws" if key == "ws_config" else "ws_dq"] = str(config)
     if winner not in ("tl", "ws+fused"):
         out["dq_method"] = "separate"  # the Hopper kernels form dQ in a kernel of its own
+    if winner == "ws+fused":
+        # Fused dQ adds with atomics; a deterministic backward needs a plan without them: the fastest
+        # of the others, raced in the same rounds ({} = the tl kernels alone).
+        fixed = min((name for name in medians if name != "ws+fused"), key=medians.get)
+        out["deterministic"] = {"ws" if key == "ws_config" else "ws_dq": str(config)
+                                for key, config in plans[fixed].items() if key != "deterministic"}
+        print(f"  deterministic: {fixed} {medians[fixed]:.3f} ms", flush=True)
     return out
 
 
