@@ -303,6 +303,48 @@ def test_a_deterministic_backward_takes_the_plan_the_tuner_kept_for_it(fixed, ex
         bwd.backward_plan.cache_clear()
 
 
+@pytest.mark.parametrize("n_tiles,heads", [(1, 1), (7, 3), (64, 8), (5, 40)])
+def test_program_order_visits_every_tile_once_heaviest_chunk_first(n_tiles, heads):
+    """The launch order both Hopper backward kernels decode (``hopper_bwd.program_order``): every (tile,
+    batch·head) exactly once for any chunk; a whole batch·head's tiles at a time when the chunk is all
+    of them (the order of a two-dimensional grid); chunk by chunk across every batch·head otherwise."""
+    from stages.c_optimized import hopper_bwd
+
+    every = {(t, h) for t in range(n_tiles) for h in range(heads)}
+    for chunk in range(1, n_tiles + 1):
+        order = hopper_bwd.program_order(n_tiles, heads, chunk)
+        assert len(order) == len(every) and set(order) == every
+        assert [t // chunk for t, _ in order] == sorted(t // chunk for t, _ in order)  # chunk after chunk
+    assert hopper_bwd.program_order(n_tiles, heads, n_tiles) == [(t, h) for h in range(heads) for t in range(n_tiles)]
+    assert hopper_bwd.program_order(n_tiles, heads, 1) == [(t, h) for t in range(n_tiles) for h in range(heads)]
+
+
+def test_heavy_first_is_for_causal_grids_and_balances_the_model(monkeypatch):
+    """``tiles_per_chunk``: one batch·head after another unless the switch is on and the mask causal;
+    and in the list-scheduling model the Llama 3 8B cell's causal dK/dV programs (64 K/V tiles of 8 heads,
+    each meeting 4 query heads' Q tiles from its own on) end much nearer the balanced time chunk by chunk."""
+    from stages.c_optimized import hopper_bwd
+
+    assert hopper_bwd.order_chunk(64, causal=True, heavy_first=0) == 64
+    assert hopper_bwd.order_chunk(64, causal=False, heavy_first=4) == 64
+    assert hopper_bwd.order_chunk(64, causal=True, heavy_first=4) == 4
+    assert hopper_bwd.order_chunk(3, causal=True, heavy_first=4) == 3
+    work = {(t, h): 4 * (128 - 2 * t) for t in range(64) for h in range(8)}
+    balanced = sum(work.values()) / 132
+    head_by_head, chunked = (hopper_bwd.makespan([work[p] for p in hopper_bwd.program_order(64, 8, c)], 132)
+                             for c in (64, 2))
+    assert head_by_head > 1.2 * balanced and chunked < 1.03 * balanced
+    monkeypatch.setattr(hopper_bwd, "HEAVY_FIRST", 2)
+    (launch,) = [launch for launch in bwd.plan_backward(
+        *(torch.empty(s, dtype=torch.bfloat16, device="meta") for s in [(1, 8, 1000, 64)] * 5),
+        torch.empty((1, 8, 1000), dtype=torch.float32, device="meta"),
+        torch.empty((1, 8, 1000), dtype=torch.float32, device="meta"),
+        *(torch.empty((1, 8, 1000, 64), dtype=torch.bfloat16, device="meta") for _ in range(3)), None,
+        causal=True, scale=0.125, arch=90, deterministic=True, ws=bwd.WsConfig(64, 2, 2))
+        if launch.kernel is hopper_bwd.ws_bwd_dkdv_kernel]
+    assert launch.args["tiles_per_chunk"] == 2 and launch.grid == (8 * 8,)
+
+
 def test_fused_dq_takes_32_row_q_tiles_only_when_a_pair_adds(monkeypatch):
     """Which Hopper dK/dV tiles fused dQ runs with, as the tuner races them: 64-row Q tiles always; 32-row
     ones only with two consumers adding once per pair (the transposed product); never 128-row ones."""
@@ -423,6 +465,28 @@ def test_reordered_fused_dq_config_matches_float64(shape, config, device):
         q, k, v = make_qkv(B, Hq, Nq, D, DTYPES[dtype_name], device, Hkv=Hkv, Nk=Nk, seed=17)
         check_gradients(attention, q, k, v, causal=causal, dtype_name=dtype_name, ws_config=config,
                         ws_dq_config="fused")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [1, 3])
+@pytest.mark.parametrize("shape", WS_SHAPES + [(2, 4, 2, 1000, 700, 80)],
+                         ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}-D{}".format(*s))
+def test_heavy_first_order_matches_float64(shape, chunk, monkeypatch, device):
+    """Both Hopper kernels with their programs in chunks of tiles across batch·heads
+    (``LAB_BWD_HEAVY_FIRST``): every tile computed once (dK/dV poisoned before, fused dQ's atomics
+    would count a tile twice), causal, GQA, Nq ≠ Nk, a tail, fused dQ and the dQ kernel."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper backward kernels need sm_90")
+    from stages.c_optimized import hopper_bwd
+
+    monkeypatch.setattr(hopper_bwd, "HEAVY_FIRST", chunk)
+    monkeypatch.setattr(bwd, "_KEPT", {})
+    B, Hq, Hkv, Nq, Nk, D = shape
+    q, k, v = make_qkv(B, Hq, Nq, D, torch.bfloat16, device, Hkv=Hkv, Nk=Nk, seed=23)
+    for ws, ws_dq in (("ws-M64-c2-s2", "fused"), ("ws-M64-c2-s2", "ws-M64-c2-s3")):
+        if ws_dq == "fused" and D % 64 and not hopper_bwd.fused_dq_takes_tail(64, 2):
+            continue
+        check_gradients(attention, q, k, v, causal=True, dtype_name="bf16", ws_config=ws, ws_dq_config=ws_dq)
 
 
 @pytest.mark.gpu

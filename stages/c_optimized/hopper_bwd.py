@@ -125,6 +125,19 @@ FUSED_DQ_STAGGER = os.environ.get("LAB_FUSED_DQ_STAGGER", "0") == "1"
 #: with fused dQ 3.17 -> 2.74 (causal 2.12 -> 1.43), which made fused dQ the faster plan at D 128 too
 #: (performance-log entry 70). On; ``LAB_COMPACT_ROW_STATS=0`` for the kernel before it.
 COMPACT_ROW_STATS = os.environ.get("LAB_COMPACT_ROW_STATS", "1") == "1"
+#: The order a causal backward's programs start in (``LAB_BWD_HEAVY_FIRST``, both Hopper kernels). A
+#: causal program's work depends on its tile: the dK/dV kernel's first K/V tile meets every Q tile, its
+#: last only the diagonal's (the dQ kernel the other way round), and the GPU starts programs in grid
+#: order as SMs free up. 0: one batch·head's tiles after another, heaviest first within each, so the
+#: last wave starts the heavy tiles of the last heads and the SMs that finished early wait for them (a
+#: list-scheduling model, :func:`makespan`: 24 % over the balanced time at Llama 3 8B's grouped cell,
+#: 1-7 % on the FA grid's causal cells). ``k`` ≥ 1: the tiles in chunks of ``k``, each chunk across every
+#: batch·head before the next, heaviest chunk first: balanced as ``k`` falls, but fewer programs of one
+#: head run side by side to share its Q and dO tiles in L2. Non-causal programs all do the same work
+#: and always run head by head. Not yet measured on a GPU (``experiments/program_order.py``); 0 until it is.
+HEAVY_FIRST = int(os.environ.get("LAB_BWD_HEAVY_FIRST", "0"))
+if HEAVY_FIRST < 0:
+    raise ValueError(f"LAB_BWD_HEAVY_FIRST must be 0 (off) or a chunk of tiles >= 1, got {HEAVY_FIRST}")
 if FUSED_DQ_ATOMICS not in FUSED_DQ_ATOMICS_CHOICES:
     raise ValueError(f"LAB_FUSED_DQ_ATOMICS must be one of {', '.join(FUSED_DQ_ATOMICS_CHOICES)}, "
                      f"got {FUSED_DQ_ATOMICS!r}")
@@ -659,22 +672,34 @@ def _consumer_shared_scores(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL:
     _store_halves(dk * sm_scale, dv, k_bufs, v_bufs, bars, dk_desc, dv_desc, b, h_kv, start_n, WG, COL0)
 
 
-@gluon.jit(do_not_specialize=["Hq", "Hkv", "Nq", "Nk"])
+@gluon.jit
+def _program_tile(n_tiles, chunk):
+    """(tile, batch·head) of this program in a one-dimensional grid of ``n_tiles`` per batch·head,
+    ordered as :func:`program_order` says."""
+    pid = gl.program_id(0)
+    per_chunk = chunk * (gl.num_programs(0) // n_tiles)
+    first = pid // per_chunk * chunk
+    in_chunk = gl.minimum(chunk, n_tiles - first)
+    r = pid % per_chunk
+    return first + r % in_chunk, r // in_chunk
+
+
+@gluon.jit(do_not_specialize=["Hq", "Hkv", "Nq", "Nk", "tiles_per_chunk"])
 def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail_desc, k_tail_desc, v_tail_desc,
                        do_tail_desc, dk_tail_desc, dv_tail_desc, LSE, DELTA, DQ_ACC, DQ_TAIL_ACC, qk_scale,
                        sm_scale,
-                       Hq, Hkv, Nq, Nk,
+                       Hq, Hkv, Nq, Nk, tiles_per_chunk,
                        STAGES: gl.constexpr, CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                        HEAD_DIM: gl.constexpr, ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr,
                        SHARE_SCORES: gl.constexpr, AHEAD: gl.constexpr, STAGGER: gl.constexpr, LAG: gl.constexpr,
                        COMPACT_STATS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Grid (K/V tiles of ``CONSUMERS / SPLIT_D × 64`` rows, B · Hkv). ``q_tail_desc`` ... ``dv_tail_desc``:
-    None, or the head-dim tail's descriptors (the columns from the main tiles' width on); with fused
-    dQ, ``DQ_TAIL_ACC`` the fp32 accumulator's tail descriptor. See the module docstring."""
+    """One program per (K/V tile of ``CONSUMERS / SPLIT_D × 64`` rows, batch·K/V head), in the order
+    ``tiles_per_chunk`` gives (:func:`program_order`). ``q_tail_desc`` ... ``dv_tail_desc``: None, or the
+    head-dim tail's descriptors (the columns from the main tiles' width on); with fused dQ,
+    ``DQ_TAIL_ACC`` the fp32 accumulator's tail descriptor. See the module docstring."""
     ROWS: gl.constexpr = k_desc.block_type.shape[2]
     KV_TILES: gl.constexpr = CONSUMERS // SPLIT_D
-    pid_n = gl.program_id(0)
-    bh = gl.program_id(1)
+    pid_n, bh = _program_tile(gl.cdiv(Nk, ROWS * KV_TILES), tiles_per_chunk)
     b = bh // Hkv
     h_kv = bh % Hkv
     start_n = pid_n * (ROWS * KV_TILES)
@@ -755,6 +780,40 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
 
 
 
+def order_chunk(n_tiles: int, causal: bool, heavy_first: int | None = None) -> int:
+    """The kernels' ``tiles_per_chunk`` for a grid of ``n_tiles`` per batch·head: ``heavy_first``
+    (default :data:`HEAVY_FIRST`) tiles per chunk where it is on and the mask is causal, else
+    ``n_tiles`` (one batch·head's tiles after another)."""
+    chunk = HEAVY_FIRST if heavy_first is None else heavy_first
+    return min(chunk, n_tiles) if causal and chunk > 0 else n_tiles
+
+
+def program_order(n_tiles: int, heads: int, chunk: int) -> list[tuple[int, int]]:
+    """(tile, batch·head) of each program in launch order, as the kernels decode it (``_program_tile``):
+    the tiles in chunks of ``chunk``, each chunk across every batch·head before the next; ``chunk`` =
+    ``n_tiles`` is one batch·head after another."""
+    out = []
+    per_chunk = chunk * heads
+    for pid in range(n_tiles * heads):
+        first = pid // per_chunk * chunk
+        in_chunk = min(chunk, n_tiles - first)
+        r = pid % per_chunk
+        out.append((first + r % in_chunk, r // in_chunk))
+    return out
+
+
+def makespan(work: list[float], sms: int) -> float:
+    """When the last of these programs ends if each SM runs one at a time and takes the next in list
+    order as it frees up (the GPU's block scheduler, modelled: one resident program per SM, as these
+    kernels' shared memory and registers allow)."""
+    import heapq
+
+    free = [0.0] * sms
+    for w in work:
+        heapq.heappush(free, heapq.heappop(free) + w)
+    return max(free)
+
+
 def kernel_options(consumers: int) -> tuple[int, int, dict]:
     """(consumer registers, producer registers, launch options): the forward's budget
     (``hopper_ws.register_budget``): with two consumers the producer keeps its minimum and each
@@ -830,6 +889,7 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
         raise ValueError(f"share_scores: the consumers share scores only where they split the head dim (above "
                          f"{SPLIT_ABOVE} columns); got D {q.shape[-1]}")
     rows = (1, 1, ROWS_PER_CONSUMER, main)
+    n_tiles = cdiv(Nk, ROWS_PER_CONSUMER * consumers // split)
     # (a pair of one consumer is the per-consumer bulk reduce)
     atomics = "tma" if FUSED_DQ_ATOMICS == "pair" and consumers == 1 else FUSED_DQ_ATOMICS
     consumer_regs, producer_regs, extra = kernel_options(consumers)
@@ -844,14 +904,14 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 else dq_acc,
                 DQ_TAIL_ACC=_dq_descriptor(dq_acc, tail, block_m) if dq_acc is not None and tail else None,
                 qk_scale=qk_scale,
-                sm_scale=sm_scale, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, STAGES=stages, CONSUMERS=consumers,
+                sm_scale=sm_scale, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, tiles_per_chunk=order_chunk(n_tiles, causal),
+                STAGES=stages, CONSUMERS=consumers,
                 GROUP=Hq // Hkv, CAUSAL=causal, HEAD_DIM=q.shape[-1], ATOMICS=atomics, SPLIT_D=split,
                 SHARE_SCORES=share_scores, AHEAD=FUSED_DQ_AHEAD,
                 STAGGER=(FUSED_DQ_STAGGER or reorder) and dq_acc is not None, LAG=FUSED_DQ_LAG or reorder,
                 COMPACT_STATS=COMPACT_ROW_STATS,
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
-    grid = (cdiv(Nk, ROWS_PER_CONSUMER * consumers // split), B * Hkv)
-    return Launch(ws_bwd_dkdv_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)
+    return Launch(ws_bwd_dkdv_kernel, (n_tiles * B * Hkv,), args, num_warps=4, num_stages=1, extra=extra)
 
 
 # ------------------------------------------------------------------------------------------ dQ
@@ -984,19 +1044,19 @@ def _dq_consumer(args, tail, WG: gl.constexpr, CAUSAL: gl.constexpr):
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["Hq", "Nq", "Nk"])
+@gluon.jit(do_not_specialize=["Hq", "Nq", "Nk", "tiles_per_chunk"])
 def ws_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, q_tail_desc, k_tail_desc, v_tail_desc, do_tail_desc,
-                     dq_tail_desc, LSE, DELTA, qk_scale, sm_scale, Hq, Nq, Nk,
+                     dq_tail_desc, LSE, DELTA, qk_scale, sm_scale, Hq, Nq, Nk, tiles_per_chunk,
                      STAGES: gl.constexpr, CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Grid (query blocks of ``CONSUMERS × 64`` rows, B · Hq); causal blocks longest first. The
-    ``*_tail_desc``: None, or the head-dim tail's descriptors (as ``ws_bwd_dkdv_kernel``'s)."""
+    """One program per (query block of ``CONSUMERS × 64`` rows, batch·query head), in the order
+    ``tiles_per_chunk`` gives (:func:`program_order`), causal blocks longest first. The ``*_tail_desc``:
+    None, or the head-dim tail's descriptors (as ``ws_bwd_dkdv_kernel``'s)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    n_tiles = gl.cdiv(Nq, ROWS * CONSUMERS)
+    pid_m, bh = _program_tile(n_tiles, tiles_per_chunk)
     if CAUSAL:
-        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # the last rows see the most keys: first
-    else:
-        pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
+        pid_m = n_tiles - 1 - pid_m  # the last rows see the most keys: first
     b = bh // Hq
     h = bh % Hq
     start_m = pid_m * (ROWS * CONSUMERS)
@@ -1044,6 +1104,7 @@ def plan_dq(q, k, v, do, dq, lse, delta, *, causal: bool, qk_scale: float, sm_sc
     Hkv = k.shape[1]
     main, tail = tile_widths(q.shape[-1], pad)
     rows = (1, 1, ROWS_PER_CONSUMER, main)
+    n_tiles = cdiv(Nq, ROWS_PER_CONSUMER * consumers)
     consumer_regs, producer_regs, extra = kernel_options(consumers)
     args = dict(q_desc=descriptor(q, rows), k_desc=descriptor(k, (1, 1, block_n, main)),
                 v_desc=descriptor(v, (1, 1, block_n, main)), do_desc=descriptor(do, rows), dq_desc=descriptor(dq, rows),
@@ -1051,7 +1112,7 @@ def plan_dq(q, k, v, do, dq, lse, delta, *, causal: bool, qk_scale: float, sm_sc
                                     dict(q=ROWS_PER_CONSUMER, do=ROWS_PER_CONSUMER, dq=ROWS_PER_CONSUMER, k=block_n,
                                          v=block_n), main, tail),
                 LSE=lse, DELTA=delta, qk_scale=qk_scale, sm_scale=sm_scale, Hq=Hq, Nq=Nq, Nk=k.shape[2],
+                tiles_per_chunk=order_chunk(n_tiles, causal),
                 STAGES=stages, CONSUMERS=consumers, GROUP=Hq // Hkv, CAUSAL=causal, CONSUMER_REGS=consumer_regs,
                 PRODUCER_REGS=producer_regs)
-    grid = (cdiv(Nq, ROWS_PER_CONSUMER * consumers), B * Hq)
-    return Launch(ws_bwd_dq_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)
+    return Launch(ws_bwd_dq_kernel, (n_tiles * B * Hq,), args, num_warps=4, num_stages=1, extra=extra)
