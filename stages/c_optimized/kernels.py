@@ -1070,6 +1070,7 @@ def compile(problem: Problem, arch: int, **switches) -> list[CompiledKernel]:
     starts and lengths)."""
     store_lse = switches.pop("store_lse", False)
     key_ranges = switches.pop("key_ranges", False)
+    switches.pop("deterministic", None)  # (the backward's summation order: the forward is the same kernel)
     dtype = DTYPES[problem.dtype]
     q = torch.empty((problem.B, problem.H, problem.N, problem.D), dtype=dtype, device="meta")
     k, v = (torch.empty((problem.B, problem.Hkv, problem.Nk, problem.D), dtype=dtype, device="meta")
