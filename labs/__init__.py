@@ -52,6 +52,8 @@ LABS: tuple[Lab, ...] = (
         "stages/c_optimized (tuned tiles), the harness"),
     Lab("backward_dq", "The backward's dQ as a second pass: a query tile's program walks the keys in a fixed order",
         "stages/c_optimized/backward.py (separate dQ)"),
+    Lab("program_order", "Launch a causal backward's programs so that no heavy one is left running alone at the end",
+        "stages/c_optimized/hopper_bwd.py (program order)"),
 )
 
 

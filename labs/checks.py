@@ -580,3 +580,61 @@ def check_gpu_timed(lab) -> str:
             f"({flops / sdpa / 1e9:.0f} TFLOPS) on {torch.cuda.get_device_name()}")
     assert ratio <= GPU_TARGET, f"{line}: {ratio:.2f}x SDPA's time, the target is <= {GPU_TARGET}x"
     return f"{line}: {ratio:.2f}x SDPA's time (target <= {GPU_TARGET}x)"
+
+
+# -------------------------------------------------------------------------------------------------
+# lab 14: the order a causal backward's programs start in
+
+def _makespan(work, sms: int) -> float:
+    """The check's own list scheduling: each program, in order, to the SM free first."""
+    import heapq
+
+    free = [0.0] * sms
+    for w in work:
+        heapq.heappush(free, heapq.heappop(free) + w)
+    return max(free)
+
+
+def _longest_first(work) -> list[tuple[int, int]]:
+    return sorted(((t, h) for h in range(len(work)) for t in range(len(work[h]))), key=lambda p: -work[p[1]][p[0]])
+
+
+#: How far after the check's longest-first order the learner's may end.
+ORDER_SLACK = 1.02
+
+
+def check_program_order(lab) -> str:
+    rng = _rng()
+    # makespan: random durations and SM counts, a few by hand (one SM; more SMs than programs; none)
+    cases = [([3.0, 1.0, 2.0], 1), ([5.0, 1.0, 1.0, 1.0], 2), ([], 4), ([2.0, 2.0], 8), ([1.0, 4.0, 1.0, 1.0, 1.0], 2)]
+    cases += [([rng.choice((rng.random(), float(rng.randint(1, 64)))) for _ in range(rng.randint(1, 400))],
+               rng.randint(1, 140)) for _ in range(40)]
+    # launch_order: causal problems (heads, N, group, SMs), the grouped Llama 3 8B cell among them
+    problems = [(8, 8192, 4, 132), (60, 1500, 1, 132), (256, 1024, 1, 132)]
+    problems += [(rng.randint(1, 128), rng.choice((rng.randint(64, 2048), rng.randint(64, 16384))),
+                  rng.choice((1, 2, 4, 8)), rng.choice((16, 66, 108, 114, 132))) for _ in range(30)]
+    # (the check's own durations, as the lab's causal_dkdv_work describes them: editing that helper
+    # changes nothing here)
+    works = [[[group * -(-(N - t * 128) // 64) for t in range(-(-N // 128))] for _ in range(heads)]
+             for heads, N, group, _ in problems]
+    with _no_peeking(lab, Path(stages.__file__).parent):
+        ends = [lab.makespan(list(work), sms) for work, sms in cases]
+        orders = [lab.launch_order([list(row) for row in work], sms) for work, (*_, sms) in zip(works, problems)]
+    for (work, sms), got in zip(cases, ends):
+        want = _makespan(work, sms) if work else 0.0
+        assert isinstance(got, (int, float)) and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9), \
+            (f"makespan of {len(work)} programs on {sms} SMs: got {got!r}, want {want:g}"
+             + (f" (programs {work})" if len(work) <= 6 else ""))
+    for (heads, N, group, sms), work, order in zip(problems, works, orders):
+        what = f"{heads} batch·heads, N {N}, groups of {group}, {sms} SMs"
+        every = sorted((t, h) for h in range(heads) for t in range(len(work[h])))
+        assert sorted(map(tuple, order)) == every, \
+            f"{what}: launch_order must give every (tile, batch·head) once; got {len(order)} of {len(every)}" + (
+                "" if len(order) != len(every) else " (some twice, some missing)")
+        mine = _makespan([work[h][t] for t, h in order], sms)
+        good = _makespan([work[h][t] for t, h in _longest_first(work)], sms)
+        assert mine <= ORDER_SLACK * good, \
+            (f"{what}: your order ends at {mine:g}, {mine / good:.3f}x the check's order ({good:g}); the target is "
+             f"<= {ORDER_SLACK}x; which programs are still running alone at the end?")
+    return (f"makespan exact on {len(cases)} cases; launch orders within {ORDER_SLACK}x of longest-first "
+            f"on {len(problems)} causal problems")

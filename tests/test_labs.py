@@ -315,6 +315,50 @@ def test_traffic_prediction_fp32_tile_matters(tmp_path):
 
 
 # -------------------------------------------------------------------------------------------------
+# lab 14: the launch order of a causal backward
+
+_SOLUTION_ORDER = "    return sorted(programs, key=lambda p: (-work[p[1]][p[0]], p[0], p[1]))"
+
+
+@pytest.mark.parametrize("order, what", [
+    ("    return programs", "the kernels' default, one head after another"),
+    ("    return sorted(programs, key=lambda p: work[p[1]][p[0]])", "shortest first"),
+], ids=["head-by-head", "shortest-first"])
+def test_program_order_that_leaves_heavy_programs_last_fails(tmp_path, order, what):
+    result = labs.grade("program_order", path=_variant(tmp_path, "program_order", (_SOLUTION_ORDER, order)))
+    assert result.status == "not_yet" and "the check's order" in result.message, (what, result.message)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (("    return max(free)", "    return sum(work) / sms"), "makespan of"),
+    ((_SOLUTION_ORDER, _SOLUTION_ORDER + "[:-1] + [(0, 0)]"), "every \\(tile, batch·head\\) once"),
+], ids=["average-load", "a-program-twice"])
+def test_program_order_shortcuts_fail(tmp_path, edit, match):
+    import re
+
+    result = labs.grade("program_order", path=_variant(tmp_path, "program_order", edit))
+    assert result.status == "not_yet" and re.search(match, result.message), result.message
+
+
+def test_program_order_durations_are_the_checks_own(tmp_path):
+    """A helper rewritten to make every program free does not make any order pass."""
+    path = _variant(tmp_path, "program_order", ("    return [[group * cdiv(N - t * kv_rows, q_rows)",
+                                                  "    return [[0 * cdiv(N - t * kv_rows, q_rows)"),
+                    (_SOLUTION_ORDER, "    return programs"))
+    result = labs.grade("program_order", path=path)
+    assert result.status == "not_yet" and "the check's order" in result.message, result.message
+
+
+def test_program_order_cannot_ask_the_kernels_model(monkeypatch):
+    from stages.c_optimized import hopper_bwd
+
+    lab = labs.load("program_order", solution=True)
+    monkeypatch.setattr(lab, "makespan", lambda work, sms: hopper_bwd.makespan(work, sms))
+    with pytest.raises(AssertionError, match="must not call stages/"):
+        checks.check_program_order(lab)
+
+
+# -------------------------------------------------------------------------------------------------
 # the CLI
 
 def test_cli_lists_and_checks(capsys):
