@@ -23,8 +23,10 @@ with its own ``makespan``; the one-head-after-another order fails there. Nothing
 run while your functions do.
 
 Past the lab: the order also decides which programs run side by side, and programs of one head share
-its Q and dO tiles in L2; ``stages/c_optimized/hopper_bwd.py`` has both orders (``LAB_BWD_HEAVY_FIRST``)
-and ``experiments/program_order.py`` times them (performance-log entry 75).
+its Q and dO tiles in L2. Stage C's forward lost a third of its speed to longest-first across every head
+for that reason, and won it back with pairs of a head's longest and shortest row blocks (performance
+log, scheduling, entries 7 and 10). ``stages/c_optimized/hopper_bwd.py`` has the backward's orders
+(``LAB_BWD_HEAVY_FIRST``) and ``experiments/program_order.py`` times them (backward, entry 75).
 
     python -m labs check program_order
 """
