@@ -31,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from stages.contract import cdiv  # noqa: E402
 
 #: name -> (B, Hq, Hkv, N, D, dtype): causal training shapes (the model suite's, and the FA grid's).
 CELLS = {
@@ -54,8 +53,8 @@ def model_ratio(cell, chunk: int, block_m: int = 64, kv_rows: int = 128, sms: in
     from stages.c_optimized import hopper_bwd
 
     B, Hq, Hkv, N, _, _ = cell
-    n_tiles = cdiv(N, kv_rows)
-    work = {t: (Hq // Hkv) * cdiv(N - t * kv_rows // block_m * block_m, block_m) for t in range(n_tiles)}
+    work = hopper_bwd.causal_dkdv_work(N, N, kv_rows, block_m, Hq // Hkv)
+    n_tiles = len(work)
     order = hopper_bwd.program_order(n_tiles, B * Hkv, hopper_bwd.order_chunk(n_tiles, True, chunk))
     total = sum(work[t] for t, _ in order)
     return hopper_bwd.makespan([work[t] for t, _ in order], sms) / (total / sms)

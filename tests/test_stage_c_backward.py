@@ -329,9 +329,12 @@ def test_heavy_first_is_for_causal_grids_and_balances_the_model(monkeypatch):
     assert hopper_bwd.order_chunk(64, causal=False, heavy_first=4) == 64
     assert hopper_bwd.order_chunk(64, causal=True, heavy_first=4) == 4
     assert hopper_bwd.order_chunk(3, causal=True, heavy_first=4) == 3
-    work = {(t, h): 4 * (128 - 2 * t) for t in range(64) for h in range(8)}
-    balanced = sum(work.values()) / 132
-    head_by_head, chunked = (hopper_bwd.makespan([work[p] for p in hopper_bwd.program_order(64, 8, c)], 132)
+    work = hopper_bwd.causal_dkdv_work(8192, 8192, group=4)
+    assert work[:2] == [4 * 128, 4 * 126] and work[-1] == 4 * 2 and len(work) == 64
+    assert hopper_bwd.causal_dkdv_work(100, 300) == [2, 2, 2]  # Nk > Nq: every query sees the first 200 keys
+    assert hopper_bwd.causal_dkdv_work(300, 100) == [2]  # Nq > Nk: only rows 200 on see a key (Q tiles from 192)
+    balanced = 8 * sum(work) / 132
+    head_by_head, chunked = (hopper_bwd.makespan([work[t] for t, _ in hopper_bwd.program_order(64, 8, c)], 132)
                              for c in (64, 2))
     assert head_by_head > 1.2 * balanced and chunked < 1.03 * balanced
     monkeypatch.setattr(hopper_bwd, "HEAVY_FIRST", 2)

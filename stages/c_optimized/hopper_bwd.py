@@ -802,6 +802,14 @@ def program_order(n_tiles: int, heads: int, chunk: int) -> list[tuple[int, int]]
     return out
 
 
+def causal_dkdv_work(Nq: int, Nk: int, kv_rows: int = 128, block_m: int = 64, group: int = 1) -> list[int]:
+    """Per K/V tile of ``kv_rows`` keys, the Q tiles of ``block_m`` rows a causal dK/dV program multiplies
+    (``_q_range``'s count, bottom-right aligned), times the ``group`` query heads it walks: the work
+    :func:`makespan` schedules."""
+    return [group * cdiv(Nq - max(t * kv_rows - (Nk - Nq), 0) // block_m * block_m, block_m)
+            for t in range(cdiv(Nk, kv_rows))]
+
+
 def makespan(work: list[float], sms: int) -> float:
     """When the last of these programs ends if each SM runs one at a time and takes the next in list
     order as it frees up (the GPU's block scheduler, modelled: one resident program per SM, as these
