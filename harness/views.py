@@ -382,14 +382,19 @@ def _suite_order(names) -> list[str]:
     return sorted(names, key=lambda n: (known.index(n), "") if n in known else (len(known), names.index(n)))
 
 
+def _suite_rows(all_rows: list[dict], pass_: str):
+    """The suite's stage and peer rows of one pass (a row without a pass is a forward one)."""
+    return (r for r in all_rows
+            if r.get("cell") and (r.get("pass") or "fwd") == pass_ and r["kind"] in ("stage", "peer"))
+
+
 def suite_lines(all_rows: list[dict], pass_: str = "fwd") -> list[dict]:
     """:func:`suite_cell_summary` of each named cell, from the latest run that measured stage C in
     it (so C and its peers were timed in turns, side by side); a cell no run measured C in uses
     the latest run that measured it at all. Rows of one pass (``fwd``, ``bwd``), in suite order."""
     by_cell: dict[str, list[dict]] = {}
-    for r in all_rows:
-        if r.get("cell") and (r.get("pass") or "fwd") == pass_ and r["kind"] in ("stage", "peer"):
-            by_cell.setdefault(r["cell"], []).append(r)
+    for r in _suite_rows(all_rows, pass_):
+        by_cell.setdefault(r["cell"], []).append(r)
     out = []
     for name in _suite_order(by_cell):
         rows = by_cell[name]
@@ -403,9 +408,8 @@ def suite_runs(all_rows: list[dict], pass_: str = "fwd") -> dict[str, list[dict]
     """Per run (in time order): :func:`suite_cell_summary` of every cell that run measured stage C
     in, in suite order, rows of one pass: how each whole suite run went."""
     by_run: dict[str, dict[str, list[dict]]] = {}
-    for r in all_rows:
-        if r.get("cell") and (r.get("pass") or "fwd") == pass_ and r["kind"] in ("stage", "peer"):
-            by_run.setdefault(r["run_id"], {}).setdefault(r["cell"], []).append(r)
+    for r in _suite_rows(all_rows, pass_):
+        by_run.setdefault(r["run_id"], {}).setdefault(r["cell"], []).append(r)
     out = {}
     for run in sorted(by_run):
         cells = by_run[run]

@@ -291,9 +291,9 @@ def tuning_file(slug: str | None, suffix: str = "", arch: int | None = None) -> 
     if slug is None:
         return None
     own = TUNED_DIR / f"{slug}{suffix}.json"
-    if own.exists() or arch is None:
-        return own if own.exists() else None
-    return _same_arch_file(suffix, arch)
+    if own.exists():
+        return own
+    return _same_arch_file(suffix, arch) if arch is not None else None
 
 
 @lru_cache(maxsize=None)
@@ -314,7 +314,8 @@ def seed_tuning(path: Path, suffix: str) -> dict:
     until now (:func:`tuning_file`), its cells copied and its name kept under ``seeded_from``, so a
     run that tunes only some cells leaves the others at the borrowed winners rather than untuned (a
     GPU's own file shadows the borrowed one whole). Empty where there is nothing to borrow."""
-    borrowed = _same_arch_file(suffix, this_arch()) if this_arch() is not None else None
+    arch = this_arch()
+    borrowed = _same_arch_file(suffix, arch) if arch is not None else None
     if borrowed is None or borrowed == path:
         return {}
     data = json.loads(borrowed.read_text())

@@ -303,18 +303,19 @@ def tune_hopper_cell(dtype_name: str, D: int, causal: bool, N: int, entry: dict,
     winner = min(medians, key=medians.get)
     print(f"{dtype_name} D={D} causal={int(causal)} N={N} Hopper kernels: "
           + ", ".join(f"{n} {medians[n]:.3f} ms" for n in medians) + f" -> {winner}", flush=True)
+    def entry_keys(plan: dict) -> dict:  # (a plan's Hopper kernels as the JSON names them)
+        return {"ws" if key == "ws_config" else "ws_dq": str(config) for key, config in plan.items()
+                if key != "deterministic"}
+
     out = {key: value for key, value in entry.items() if key not in ("ws", "ws_dq", "deterministic")}
-    for key, config in plans[winner].items():
-        if key != "deterministic":
-            out["ws" if key == "ws_config" else "ws_dq"] = str(config)
+    out.update(entry_keys(plans[winner]))
     if winner not in ("tl", "ws+fused"):
         out["dq_method"] = "separate"  # the Hopper kernels form dQ in a kernel of its own
     if winner == "ws+fused":
         # Fused dQ adds with atomics; a deterministic backward needs a plan without them: the fastest
         # of the others, raced in the same rounds ({} = the tl kernels alone).
         fixed = min((name for name in medians if name != "ws+fused"), key=medians.get)
-        out["deterministic"] = {"ws" if key == "ws_config" else "ws_dq": str(config)
-                                for key, config in plans[fixed].items() if key != "deterministic"}
+        out["deterministic"] = entry_keys(plans[fixed])
         print(f"  deterministic: {fixed} {medians[fixed]:.3f} ms", flush=True)
     return out
 
