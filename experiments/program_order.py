@@ -48,22 +48,28 @@ ROUNDS = 5
 SMS = 132  # (the H200's; a GPU's own count where one is present)
 
 
-def model_ratio(cell, chunk: int, block_m: int = 64, kv_rows: int = 128, sms: int = SMS) -> float:
-    """The modelled end of the causal dK/dV kernel's programs in this order over the balanced end."""
+def model_ratio(cell, chunk: int | str, block_m: int = 64, kv_rows: int = 128, sms: int = SMS) -> tuple[int, float]:
+    """The chunk the kernels take for this setting (``auto`` decides by the model; 0: head by head) and
+    the modelled end of the causal dK/dV kernel's programs in that order over the balanced end."""
     from stages.c_optimized import hopper_bwd
 
     B, Hq, Hkv, N, _, _ = cell
     work = hopper_bwd.causal_dkdv_work(N, N, kv_rows, block_m, Hq // Hkv)
-    n_tiles = len(work)
-    order = hopper_bwd.program_order(n_tiles, B * Hkv, hopper_bwd.order_chunk(n_tiles, True, chunk))
+    taken = hopper_bwd.order_chunk(work, B * Hkv, True, sms, chunk)
+    order = hopper_bwd.program_order(len(work), B * Hkv, taken)
     total = sum(work[t] for t, _ in order)
-    return hopper_bwd.makespan([work[t] for t, _ in order], sms) / (total / sms)
+    return (taken if taken < len(work) else 0), hopper_bwd.makespan([work[t] for t, _ in order], sms) / (total / sms)
+
+
+def _chunk(text: str) -> int | str:
+    return text if text == "auto" else int(text)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cells", default=",".join(CELLS), help=f"some of {','.join(CELLS)}")
-    ap.add_argument("--chunks", default="0,8,4,2,1", help="hopper_bwd.HEAVY_FIRST values (0: head by head)")
+    ap.add_argument("--chunks", default="0,8,4,2,1,auto",
+                    help="hopper_bwd.HEAVY_FIRST values (0: head by head; auto: the default, chosen by the model)")
     ap.add_argument("--model-only", action="store_true", help="print the model's column alone (no GPU needed)")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
@@ -71,15 +77,16 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--cells: unknown {', '.join(unknown)}; choose from {', '.join(CELLS)}")
     try:
-        chunks = [int(c) for c in args.chunks.split(",")]
+        chunks = [_chunk(c) for c in args.chunks.split(",")]
     except ValueError:
-        ap.error(f"--chunks: whole numbers >= 0, comma-separated; got {args.chunks!r}")
-    if any(c < 0 for c in chunks):
-        ap.error(f"--chunks: whole numbers >= 0, got {args.chunks!r}")
+        ap.error(f"--chunks: auto or whole numbers >= 0, comma-separated; got {args.chunks!r}")
+    if any(c != "auto" and c < 0 for c in chunks):
+        ap.error(f"--chunks: auto or whole numbers >= 0, got {args.chunks!r}")
     names = args.cells.split(",")
     if args.model_only:
         for name in names:
-            print(f"{name:18s} " + "  ".join(f"chunk {c}: {model_ratio(CELLS[name], c):.3f}" for c in chunks))
+            print(f"{name:18s} " + "  ".join("chunk {}: {:.3f}".format(c if c != "auto" else f"auto ({taken})", ratio)
+                                            for c in chunks for taken, ratio in [model_ratio(CELLS[name], c)]))
         return 0
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("program_order.py times the Hopper backward kernels: it needs an sm_90 GPU (--model-only runs "
@@ -144,8 +151,9 @@ def main(argv=None) -> int:
         cudnn_ms = statistics.median(samples["cudnn"])
         for chunk in chunks:
             ms = statistics.median(samples[chunk]) if chunk in fns else None
+            taken, ratio = model_ratio(cell, chunk, block_m, sms=sms)
             rows.append(dict(cell=name, B=B, Hq=Hq, Hkv=Hkv, N=N, D=D, dtype=dtype_name, causal=1, plan=str(plan),
-                             chunk=chunk, model=round(model_ratio(cell, chunk, block_m, sms=sms), 4),
+                             chunk=chunk, taken=taken, model=round(ratio, 4),
                              ms=round(ms, 4) if ms else "", cudnn_ms=round(cudnn_ms, 4),
                              c_over_cudnn=round(cudnn_ms / ms, 3) if ms else "", status=status[chunk]))
         print(f"{name}: cuDNN {cudnn_ms:.3f} ms; " + ", ".join(

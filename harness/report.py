@@ -708,20 +708,23 @@ def render_models_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> 
     rel = _posix_rel(results_dir, Path(readme_dir))
     all_rows = views.load_suite(results_dir)
     lines = views.suite_lines(all_rows)
+    backward = views.suite_lines(all_rows, "bwd")
     note = _generated_note(rel, f"{views.SUITE_DIR}/runs.csv")
-    if not lines:
+    if not lines and not backward:
         return note + f"\n\n_No model-suite rows yet: run `{views.HINTS['models']}` on a GPU._\n"
     parts = [note,
              "Each cell from the latest run that timed stage C in it, C and the SDPA backends taking turns. "
              "ms: the eager call as a program makes it (median); ms GPU: the same call replayed from a CUDA "
              "graph, the GPU's work alone. Best SDPA: the fastest backend that accepts the cell (by eager "
              "time; the GPU-only ratio takes the fastest by GPU time). Ratios are time ratios, above 1 when "
-             "stage C is faster; C / B is against stage B, eager.",
-             suite_table(lines)]
-    runs = suite_runs_table(views.suite_runs(all_rows))
-    if runs:
-        parts += ["Suite run by suite run:", runs]
-    backward = views.suite_lines(all_rows, "bwd")
+             "stage C is faster; C / B is against stage B, eager."]
+    if lines:
+        parts.append(suite_table(lines))
+        runs = suite_runs_table(views.suite_runs(all_rows))
+        if runs:
+            parts += ["Suite run by suite run:", runs]
+    else:
+        parts.append(f"_No forward rows yet: run `{views.HINTS['models']}` on a GPU._")
     if backward:
         parts += ["**The backward** of the same cells (`--pass bwd`: the gradients of q, k and v given a saved "
                   "forward, each impl's own), read the same way:", suite_table(backward)]
@@ -851,6 +854,45 @@ def backward_summary(rows: list[dict], *, dtypes, impl: str = "c", peers=BACKWAR
                       "|---|---|--:|--:|--:|--:|--:|", *lines])
 
 
+def deterministic_costs(rows: list[dict]) -> dict[tuple[str, int, int, int], float]:
+    """Per (dtype, D, causal, N): the time stage C's deterministic backward (``--ablation
+    deterministic``: dQ summed in a fixed order) takes beyond the default's, as a fraction, from the
+    latest run that timed both side by side."""
+    runs: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        if r["impl"] == "c" and is_ok(r) and r.get("ms_median") and (r.get("variant") or "") in ("", "deterministic"):
+            runs.setdefault((r["dtype"], r["D"], int(r["causal"]), r["N"], r["run_id"]), {})[r.get("variant") or ""] = r
+    costs: dict[tuple[str, int, int, int], float] = {}
+    for (dt, D, causal, N, _), pair in sorted(runs.items(), key=lambda kv: kv[0][4]):  # the latest run last
+        if "" in pair and "deterministic" in pair:
+            costs[dt, D, causal, N] = pair["deterministic"]["ms_median"] / pair[""]["ms_median"] - 1
+    return costs
+
+
+def deterministic_table(rows: list[dict]) -> str:
+    """:func:`deterministic_costs` as a sentence (their range) and a table per dtype over D × causal × N;
+    '' where no run timed both."""
+    costs = deterministic_costs(rows)
+    if not costs:
+        return ""
+    def pct(x):
+        return f"{x:+.0%}".replace("-0%", "+0%")  # (a cost rounding to zero from below is no saving)
+
+    values = sorted(costs.values())
+    out = [f"**Deterministic** (`{views.HINTS['bwd']} --ablation deterministic`: dQ summed in a fixed order, so "
+           "the gradients are the same bits run after run): the extra time over the default backward, timed in "
+           f"the same run, {pct(values[0])} to {pct(values[-1])} (median {pct(statistics.median(values))})."]
+    for dt in sorted({k[0] for k in costs}):
+        Ns = sorted({k[3] for k in costs if k[0] == dt})
+        out += ["", f"| {_md(dt)}: D | causal | " + " | ".join(f"N = {n}" for n in Ns) + " |",
+                "|--:|---|" + "--:|" * len(Ns)]
+        for D, causal in sorted({(k[1], k[2]) for k in costs if k[0] == dt}):
+            out.append(f"| {D} | {'yes' if causal else 'no'} | "
+                       + " | ".join(pct(costs[dt, D, causal, n]) if (dt, D, causal, n) in costs else "—"
+                                    for n in Ns) + " |")
+    return "\n".join(out)
+
+
 def render_backward_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> str:
     """Stage C's backward pass (``pass = bwd`` rows of ``results_dir/runs.csv``, the grid only)
     against SDPA FLASH and CUDNN: min/median/max of the TFLOPS ratio per peer and dtype, then the
@@ -875,6 +917,9 @@ def render_backward_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -
                                     peer="sdpa_cudnn", what="backward ")
         if table:
             parts.append(table)
+    deterministic = deterministic_table(rows)
+    if deterministic:
+        parts.append(deterministic)
     return "\n\n".join(parts) + "\n"
 
 

@@ -115,6 +115,16 @@ def test_models_block_has_a_backward_table_only_where_backward_rows_exist(tmp_pa
     assert "Backward, suite run by suite run:" in backward
 
 
+def test_models_block_with_backward_rows_alone_shows_them_and_asks_for_the_forward(tmp_path):
+    """A folder whose suite ran only ``--pass bwd`` (a second GPU's first run): its backward table, and
+    the command that would measure the forward."""
+    bwd = [r | {"pass": "bwd"} for r in build_suite_rows()]
+    block = report.render_models_block(build_suite(build_results(tmp_path / "r"), rows=bwd), tmp_path / "r")
+    assert "_No forward rows yet: run `python -m harness sweep --suite models` on a GPU._" in block
+    assert "**The backward**" in block and "| gpt2 |" in block.split("**The backward**")[1]
+    assert "No model-suite rows yet" not in block
+
+
 def test_suite_lines_pair_within_one_run():
     """A later run that timed only SDPA in a cell does not pair with an older run's stage C."""
     rows = build_suite_rows()
@@ -143,6 +153,24 @@ def test_backward_block_summary_and_grid(tmp_path):
     # forward tables are not touched by the backward rows
     plain = build_results(tmp_path / "plain", rows=build_rows())
     assert report.render_ratio_block(d, tmp_path) == report.render_ratio_block(plain, tmp_path).replace("plain", "r")
+
+
+def test_backward_block_prices_the_deterministic_variant_from_runs_that_timed_both(tmp_path):
+    """The deterministic backward's extra time per cell, paired within one run: a later run of the
+    default alone (at another speed) does not pair with the older deterministic row."""
+    bwd = build_backward_rows(dtypes=("bf16",))
+    run = bwd[0]["run_id"]
+    det = [dict(r, variant="deterministic", ms_median=r["ms_median"] * (1.10 if r["D"] == 64 else 1.04))
+           for r in bwd if r["impl"] == "c"]
+    later = [dict(r, run_id=run.replace("T", "T2"), ms_median=r["ms_median"] / 2) for r in bwd if r["impl"] == "c"]
+    assert all(r["run_id"] > run for r in later)
+    d = build_results(tmp_path / "r", rows=build_rows() + bwd + det + later)
+    block = report.render_backward_block(d, tmp_path / "r")
+    assert "**Deterministic**" in block and "+4% to +10% (median" in block
+    assert "| 64 | yes | " + " | ".join(["+10%"] * len({r["N"] for r in det})) + " |" in block
+    plain = build_results(tmp_path / "plain", rows=build_rows() + bwd)
+    assert "**Deterministic**" not in report.render_backward_block(plain, tmp_path / "plain")
+    assert report.deterministic_costs([dict(det[0], run_id="x"), dict(det[0], variant="")]) == {}
 
 
 def test_latency_block_takes_the_latest_run(tmp_path):

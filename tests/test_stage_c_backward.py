@@ -320,16 +320,17 @@ def test_program_order_visits_every_tile_once_heaviest_chunk_first(n_tiles, head
 
 
 def test_heavy_first_is_for_causal_grids_and_balances_the_model(monkeypatch):
-    """``tiles_per_chunk``: one batch·head after another unless the switch is on and the mask causal;
-    and in the list-scheduling model the Llama 3 8B cell's causal dK/dV programs (64 K/V tiles of 8 heads,
-    each meeting 4 query heads' Q tiles from its own on) end much nearer the balanced time chunk by chunk."""
+    """``tiles_per_chunk``: one batch·head after another where the switch is off or the mask is not
+    causal; and in the list-scheduling model the Llama 3 8B cell's causal dK/dV programs (64 K/V tiles of 8
+    heads, each meeting 4 query heads' Q tiles from its own on) end much nearer the balanced time chunk by
+    chunk."""
     from stages.c_optimized import hopper_bwd
 
-    assert hopper_bwd.order_chunk(64, causal=True, heavy_first=0) == 64
-    assert hopper_bwd.order_chunk(64, causal=False, heavy_first=4) == 64
-    assert hopper_bwd.order_chunk(64, causal=True, heavy_first=4) == 4
-    assert hopper_bwd.order_chunk(3, causal=True, heavy_first=4) == 3
     work = hopper_bwd.causal_dkdv_work(8192, 8192, group=4)
+    assert hopper_bwd.order_chunk(work, 8, causal=True, sms=132, heavy_first=0) == 64
+    assert hopper_bwd.order_chunk(work, 8, causal=False, sms=132, heavy_first=4) == 64
+    assert hopper_bwd.order_chunk(work, 8, causal=True, sms=132, heavy_first=4) == 4
+    assert hopper_bwd.order_chunk(work[:3], 8, causal=True, sms=132, heavy_first=4) == 3
     assert work[:2] == [4 * 128, 4 * 126] and work[-1] == 4 * 2 and len(work) == 64
     assert hopper_bwd.causal_dkdv_work(100, 300) == [2, 2, 2]  # Nk > Nq: every query sees the first 200 keys
     assert hopper_bwd.causal_dkdv_work(300, 100) == [2]  # Nq > Nk: only rows 200 on see a key (Q tiles from 192)
@@ -346,6 +347,42 @@ def test_heavy_first_is_for_causal_grids_and_balances_the_model(monkeypatch):
         causal=True, scale=0.125, arch=90, deterministic=True, ws=bwd.WsConfig(64, 2, 2))
         if launch.kernel is hopper_bwd.ws_bwd_dkdv_kernel]
     assert launch.args["tiles_per_chunk"] == 2 and launch.grid == (8 * 8,)
+
+
+def test_dq_work_counts_the_key_tiles_each_query_block_walks_last_rows_first():
+    """The dQ kernel's causal work per query block, in its launch order (it starts the last rows, which
+    see the most keys), bottom-right aligned: brute force over every row and key."""
+    from stages.c_optimized import hopper_bwd
+
+    for Nq, Nk, rows, block_n in [(1000, 1000, 128, 128), (300, 1000, 128, 64), (1000, 300, 64, 128), (1, 77, 128, 128)]:
+        want = []
+        for start in range(0, Nq, rows):
+            seen = {j // block_n for i in range(start, min(start + rows, Nq)) for j in range(Nk) if j <= i + Nk - Nq}
+            want.append(max(seen) + 1 if seen else 0)  # (the kernel walks every tile up to the last it needs)
+        assert hopper_bwd.causal_dq_work(Nq, Nk, rows, block_n) == want[::-1]
+
+
+def test_auto_order_chunks_only_where_the_model_promises_a_gain():
+    """``auto`` (the default): chunks of ``AUTO_CHUNK`` where head by head ends ≥ ``AUTO_MIN_GAIN`` of the
+    balanced time later in the model (the grouped Llama 3 8B cell, an odd-sized one), head by
+    head where it does not (many heads of a long sequence, where chunks only cost L2 sharing; non-causal)."""
+    from stages.c_optimized import hopper_bwd
+
+    def auto(N, heads, group=1, causal=True):
+        return hopper_bwd.order_chunk(hopper_bwd.causal_dkdv_work(N, N, 128, 64, group), heads, causal, 132, "auto")
+
+    assert auto(8192, 8, group=4) == hopper_bwd.AUTO_CHUNK  # Llama 3 8B: 24 % over the balanced time
+    assert auto(1500, 60) == hopper_bwd.AUTO_CHUNK  # B 3, H 20, N 1500: 21 % over
+    assert auto(16384, 16) == 128  # 1 % over: nothing to gain, 5 % of L2 sharing to lose (measured)
+    assert auto(8192, 8, group=4, causal=False) == 64
+    assert auto(100, 1) == 1  # one tile: no order to choose
+    for N, heads in [(1024, 512), (4096, 128), (1500, 60), (333, 7)]:  # the rule is the model's, not a table
+        work = hopper_bwd.causal_dkdv_work(N, N, 128, 64)
+        end = {c: hopper_bwd.makespan([work[t] for t, _ in hopper_bwd.program_order(len(work), heads, c)], 132)
+               for c in (len(work), min(hopper_bwd.AUTO_CHUNK, len(work)))}
+        gain = (end[len(work)] - end[min(hopper_bwd.AUTO_CHUNK, len(work))]) / (sum(work) * heads / 132)
+        chunked = auto(N, heads) != len(work)
+        assert chunked == (gain >= hopper_bwd.AUTO_MIN_GAIN and len(work) > hopper_bwd.AUTO_CHUNK), (N, heads, gain)
 
 
 def test_fused_dq_takes_32_row_q_tiles_only_when_a_pair_adds(monkeypatch):

@@ -77,6 +77,7 @@ of 8 from 40: with a tail, or in tiles of the padded width), Nq ≠ Nk, GQA, 16-
 
 from __future__ import annotations
 
+import functools
 import os
 
 from triton._C.libtriton import ir
@@ -128,16 +129,32 @@ COMPACT_ROW_STATS = os.environ.get("LAB_COMPACT_ROW_STATS", "1") == "1"
 #: The order a causal backward's programs start in (``LAB_BWD_HEAVY_FIRST``, both Hopper kernels). A
 #: causal program's work depends on its tile: the dK/dV kernel's first K/V tile meets every Q tile, its
 #: last only the diagonal's (the dQ kernel the other way round), and the GPU starts programs in grid
-#: order as SMs free up. 0: one batch·head's tiles after another, heaviest first within each, so the
+#: order as SMs free up. ``0``: one batch·head's tiles after another, heaviest first within each, so the
 #: last wave starts the heavy tiles of the last heads and the SMs that finished early wait for them (a
 #: list-scheduling model, :func:`makespan`: 24 % over the balanced time at Llama 3 8B's grouped cell,
 #: 1-7 % on the FA grid's causal cells). ``k`` ≥ 1: the tiles in chunks of ``k``, each chunk across every
 #: batch·head before the next, heaviest chunk first: balanced as ``k`` falls, but fewer programs of one
-#: head run side by side to share its Q and dO tiles in L2. Non-causal programs all do the same work
-#: and always run head by head. Not yet measured on a GPU (``experiments/program_order.py``); 0 until it is.
-HEAVY_FIRST = int(os.environ.get("LAB_BWD_HEAVY_FIRST", "0"))
-if HEAVY_FIRST < 0:
-    raise ValueError(f"LAB_BWD_HEAVY_FIRST must be 0 (off) or a chunk of tiles >= 1, got {HEAVY_FIRST}")
+#: head run side by side to share its Q and dO tiles in L2. ``auto`` (the default): chunks of
+#: :data:`AUTO_CHUNK` where the model says they end at least :data:`AUTO_MIN_GAIN` of the balanced time
+#: earlier than head by head, else head by head (:func:`auto_chunk`). Measured on the H200 (bf16 causal,
+#: whole backward; ``experiments/program_order.py``, performance-log entry 76): chunks of 8 took the
+#: Llama 3 8B cell from 3.32 to 3.01 ms and cost 5 % at B 1, H 16, N 16384, D 128, where the model
+#: promises nothing (16 heads' Q and dO streamed at once no longer share L2). Non-causal programs all
+#: do the same work and always run head by head.
+HEAVY_FIRST: int | str = os.environ.get("LAB_BWD_HEAVY_FIRST", "auto")
+if HEAVY_FIRST != "auto":
+    try:
+        HEAVY_FIRST = int(HEAVY_FIRST)
+    except ValueError:
+        HEAVY_FIRST = -1
+    if HEAVY_FIRST < 0:
+        raise ValueError(f"LAB_BWD_HEAVY_FIRST must be auto, 0 (head by head) or a chunk of tiles >= 1, got "
+                         f"{os.environ.get('LAB_BWD_HEAVY_FIRST')!r}")
+#: ``auto``'s chunk: the best of 8, 4, 2 and 1 over the measured cells (chunks of 1 and 2 lost L2 sharing
+#: everywhere but the most unbalanced cells).
+AUTO_CHUNK = 8
+#: ``auto`` takes the chunks where the model's end falls by this share of the balanced time or more.
+AUTO_MIN_GAIN = 0.02
 if FUSED_DQ_ATOMICS not in FUSED_DQ_ATOMICS_CHOICES:
     raise ValueError(f"LAB_FUSED_DQ_ATOMICS must be one of {', '.join(FUSED_DQ_ATOMICS_CHOICES)}, "
                      f"got {FUSED_DQ_ATOMICS!r}")
@@ -780,12 +797,36 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
 
 
 
-def order_chunk(n_tiles: int, causal: bool, heavy_first: int | None = None) -> int:
-    """The kernels' ``tiles_per_chunk`` for a grid of ``n_tiles`` per batch·head: ``heavy_first``
-    (default :data:`HEAVY_FIRST`) tiles per chunk where it is on and the mask is causal, else
-    ``n_tiles`` (one batch·head's tiles after another)."""
+def order_chunk(work: list[int], heads: int, causal: bool, sms: int, heavy_first: int | str | None = None) -> int:
+    """The kernels' ``tiles_per_chunk`` for a grid of ``len(work)`` tiles per batch·head (``work``: each
+    tile's work in launch order, :func:`causal_dkdv_work` or :func:`causal_dq_work`) on ``sms`` SMs:
+    ``heavy_first`` (default :data:`HEAVY_FIRST`) where the mask is causal, else ``len(work)`` (one
+    batch·head's tiles after another)."""
+    n_tiles = len(work)
     chunk = HEAVY_FIRST if heavy_first is None else heavy_first
-    return min(chunk, n_tiles) if causal and chunk > 0 else n_tiles
+    if not causal:
+        return n_tiles
+    if chunk == "auto":
+        return auto_chunk(tuple(work), heads, sms)
+    return min(chunk, n_tiles) if chunk > 0 else n_tiles
+
+
+@functools.lru_cache(maxsize=256)
+def auto_chunk(work: tuple[int, ...], heads: int, sms: int) -> int:
+    """:data:`AUTO_CHUNK` if the model (:func:`makespan`) ends that order at least :data:`AUTO_MIN_GAIN`
+    of the balanced time earlier than head by head, else ``len(work)`` (head by head). A list schedule
+    ends at most one program's work after the balanced time (Graham's bound), so where the heaviest
+    program is under that share no order can gain it and nothing is simulated."""
+    n_tiles = len(work)
+    chunk = min(AUTO_CHUNK, n_tiles)
+    balanced = sum(work) * heads / sms
+    if chunk == n_tiles or balanced == 0 or max(work) < AUTO_MIN_GAIN * balanced:
+        return n_tiles
+
+    def end(c):
+        return makespan([work[t] for t, _ in program_order(n_tiles, heads, c)], sms)
+
+    return chunk if end(n_tiles) - end(chunk) >= AUTO_MIN_GAIN * balanced else n_tiles
 
 
 def program_order(n_tiles: int, heads: int, chunk: int) -> list[tuple[int, int]]:
@@ -808,6 +849,28 @@ def causal_dkdv_work(Nq: int, Nk: int, kv_rows: int = 128, block_m: int = 64, gr
     :func:`makespan` schedules."""
     return [group * cdiv(Nq - max(t * kv_rows - (Nk - Nq), 0) // block_m * block_m, block_m)
             for t in range(cdiv(Nk, kv_rows))]
+
+
+def causal_dq_work(Nq: int, Nk: int, q_rows: int = 128, block_n: int = 128) -> list[int]:
+    """Per query block of ``q_rows`` rows in the dQ kernel's launch order (last rows first), the K/V tiles
+    of ``block_n`` keys it walks (bottom-right aligned, as ``_kv_range`` counts them)."""
+    n_tiles = cdiv(Nq, q_rows)
+    return [cdiv(max(min((t + 1) * q_rows + Nk - Nq, Nk), 0), block_n) for t in reversed(range(n_tiles))]
+
+
+#: The SMs a plan made without a GPU (meta tensors: the CPU tests, a compiler's trace) models: the H200's.
+SMS_WITHOUT_A_GPU = 132
+
+
+@functools.lru_cache(maxsize=8)
+def sm_count(device) -> int:
+    """The GPU's SMs: how many programs of these kernels run at once (one each)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return SMS_WITHOUT_A_GPU
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def makespan(work: list[float], sms: int) -> float:
@@ -912,7 +975,9 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 else dq_acc,
                 DQ_TAIL_ACC=_dq_descriptor(dq_acc, tail, block_m) if dq_acc is not None and tail else None,
                 qk_scale=qk_scale,
-                sm_scale=sm_scale, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, tiles_per_chunk=order_chunk(n_tiles, causal),
+                sm_scale=sm_scale, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, tiles_per_chunk=order_chunk(
+                    causal_dkdv_work(Nq, Nk, ROWS_PER_CONSUMER * consumers // split, block_m, Hq // Hkv) if causal
+                    else [0] * n_tiles, B * Hkv, causal, sm_count(q.device)),
                 STAGES=stages, CONSUMERS=consumers,
                 GROUP=Hq // Hkv, CAUSAL=causal, HEAD_DIM=q.shape[-1], ATOMICS=atomics, SPLIT_D=split,
                 SHARE_SCORES=share_scores, AHEAD=FUSED_DQ_AHEAD,
@@ -1120,7 +1185,9 @@ def plan_dq(q, k, v, do, dq, lse, delta, *, causal: bool, qk_scale: float, sm_sc
                                     dict(q=ROWS_PER_CONSUMER, do=ROWS_PER_CONSUMER, dq=ROWS_PER_CONSUMER, k=block_n,
                                          v=block_n), main, tail),
                 LSE=lse, DELTA=delta, qk_scale=qk_scale, sm_scale=sm_scale, Hq=Hq, Nq=Nq, Nk=k.shape[2],
-                tiles_per_chunk=order_chunk(n_tiles, causal),
+                tiles_per_chunk=order_chunk(
+                    causal_dq_work(Nq, k.shape[2], ROWS_PER_CONSUMER * consumers, block_n) if causal else [0] * n_tiles,
+                    B * Hq, causal, sm_count(q.device)),
                 STAGES=stages, CONSUMERS=consumers, GROUP=Hq // Hkv, CAUSAL=causal, CONSUMER_REGS=consumer_regs,
                 PRODUCER_REGS=producer_regs)
     return Launch(ws_bwd_dq_kernel, (n_tiles * B * Hq,), args, num_warps=4, num_stages=1, extra=extra)
