@@ -200,6 +200,26 @@ def fused_dq_ms(d: Data, causal: int, compact: bool) -> float:
     return float(rows[0]["ms"])
 
 
+def program_order_ms(d: Data, cell: str, chunk: str) -> float:
+    """Stage C's whole causal backward at one cell of ``experiments/program_order.py``'s committed run,
+    its programs in one launch order (``chunk``: 0 head by head, k chunks of k tiles; entry 76)."""
+    import csv
+
+    with (d.dir / "experiments" / "2026-12-05_program_order.csv").open() as f:
+        rows = [r for r in csv.DictReader(f) if r["cell"] == cell and r["chunk"] == chunk and r["status"] == "ok"]
+    assert len(rows) == 1, (cell, chunk, rows)
+    return float(rows[0]["ms"])
+
+
+def deterministic_costs(d: Data) -> dict:
+    """The deterministic backward's extra time per grid cell, as the results page's backward block
+    computes it (``report.deterministic_costs``)."""
+    from harness import report, views
+    from harness.results import load_rows
+
+    return report.deterministic_costs(views.grid_rows(load_rows(d.dir / "runs.csv"), "bwd"))
+
+
 def bwd_ratios(d: Data, dtype: str, head_dims) -> list[float]:
     """Stage C's backward TFLOPS over cuDNN's per grid cell of ``dtype`` at these head dims."""
     from harness import views
@@ -512,6 +532,17 @@ CLAIMS = [
           lambda d: tuple(f(c / n for c, n in bwd_pairs(d, "c", "sdpa_cudnn", (64, 128))) for f in (min, max))),
     Claim(NB["08"], "took a quarter of the loop's\ninstructions away and the fused kernel from {} to {} ms (D 128, causal)",
           lambda d: (fused_dq_ms(d, 1, False), fused_dq_ms(d, 1, True))),
+    Claim(C_DETAILS, "Bitwise reproducible gradients cost {}–{} % more time than the default backward on the bf16 grid",
+          lambda d: tuple(100 * f(v for k, v in deterministic_costs(d).items() if k[0] == "bf16") for f in (min, max))),
+    Claim(C_DETAILS, "the grouped Llama 3 8B cell went from {} to {} ms, and a cell\nwith nothing to gain lost {} % to chunks",
+          lambda d: (program_order_ms(d, "llama3-8b", "0"), program_order_ms(d, "llama3-8b", "8"),
+                     100 * (program_order_ms(d, "grid-d128-n16384", "8") / program_order_ms(d, "grid-d128-n16384", "0")
+                            - 1))),
+    Claim(NB["08"], "the head-by-head order ends late (the grouped Llama 3 8B cell {} → {} ms)",
+          lambda d: (program_order_ms(d, "llama3-8b", "0"), program_order_ms(d, "llama3-8b", "8"))),
+    Claim(NB["08"], "and lost a few percent where it\nsaid there was nothing to gain (16 heads of 16k tokens",
+          lambda d: 1.01 < program_order_ms(d, "grid-d128-n16384", "8") / program_order_ms(d, "grid-d128-n16384", "0")
+          < 1.1, why="chunk 8 against head by head at B 1, H 16, N 16384, D 128 in 2026-12-05_program_order.csv"),
     Claim(NB["08"], "the dK/dV kernel (at D 32 it is ahead",
           lambda d: all(c > n for c, n in bwd_pairs(d, "c", "sdpa_cudnn", (32,))), why="the bwd fp16 grid rows"),
 ]
