@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -347,6 +348,21 @@ def test_heavy_first_is_for_causal_grids_and_balances_the_model(monkeypatch):
         causal=True, scale=0.125, arch=90, deterministic=True, ws=bwd.WsConfig(64, 2, 2))
         if launch.kernel is hopper_bwd.ws_bwd_dkdv_kernel]
     assert launch.args["tiles_per_chunk"] == 2 and launch.grid == (8 * 8,)
+
+
+@pytest.mark.parametrize("value", ["-1", "eight", "1.5"])
+def test_a_bad_heavy_first_switch_names_itself_and_its_values(value):
+    """``LAB_BWD_HEAVY_FIRST`` is read at import: a value that is not ``auto`` or a whole number ≥ 0
+    stops the import with the switch's name, the allowed values and what was given."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, LAB_BWD_HEAVY_FIRST=value)
+    done = subprocess.run([sys.executable, "-c", "import stages.c_optimized.hopper_bwd"], env=env,
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode != 0
+    assert f"LAB_BWD_HEAVY_FIRST must be auto, 0 (head by head) or a chunk of tiles >= 1, got {value!r}" in done.stderr
 
 
 def test_dq_work_counts_the_key_tiles_each_query_block_walks_last_rows_first():
