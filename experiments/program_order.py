@@ -55,7 +55,7 @@ def model_ratio(cell, chunk: int | str, block_m: int = 64, kv_rows: int = 128, s
 
     B, Hq, Hkv, N, _, _ = cell
     work = hopper_bwd.causal_dkdv_work(N, N, kv_rows, block_m, Hq // Hkv)
-    taken = hopper_bwd.order_chunk(work, B * Hkv, True, sms, chunk)
+    taken = hopper_bwd.order_chunk(work, B * Hkv, sms, chunk)
     order = hopper_bwd.program_order(len(work), B * Hkv, taken)
     total = sum(work[t] for t, _ in order)
     return (taken if taken < len(work) else 0), hopper_bwd.makespan([work[t] for t, _ in order], sms) / (total / sms)

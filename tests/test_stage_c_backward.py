@@ -328,10 +328,9 @@ def test_heavy_first_is_for_causal_grids_and_balances_the_model(monkeypatch):
     from stages.c_optimized import hopper_bwd
 
     work = hopper_bwd.causal_dkdv_work(8192, 8192, group=4)
-    assert hopper_bwd.order_chunk(work, 8, causal=True, sms=132, heavy_first=0) == 64
-    assert hopper_bwd.order_chunk(work, 8, causal=False, sms=132, heavy_first=4) == 64
-    assert hopper_bwd.order_chunk(work, 8, causal=True, sms=132, heavy_first=4) == 4
-    assert hopper_bwd.order_chunk(work[:3], 8, causal=True, sms=132, heavy_first=4) == 3
+    assert hopper_bwd.order_chunk(work, 8, sms=132, heavy_first=0) == 64
+    assert hopper_bwd.order_chunk(work, 8, sms=132, heavy_first=4) == 4
+    assert hopper_bwd.order_chunk(work[:3], 8, sms=132, heavy_first=4) == 3
     assert work[:2] == [4 * 128, 4 * 126] and work[-1] == 4 * 2 and len(work) == 64
     assert hopper_bwd.causal_dkdv_work(100, 300) == [2, 2, 2]  # Nk > Nq: every query sees the first 200 keys
     assert hopper_bwd.causal_dkdv_work(300, 100) == [2]  # Nq > Nk: only rows 200 on see a key (Q tiles from 192)
@@ -340,14 +339,15 @@ def test_heavy_first_is_for_causal_grids_and_balances_the_model(monkeypatch):
                              for c in (64, 2))
     assert head_by_head > 1.2 * balanced and chunked < 1.03 * balanced
     monkeypatch.setattr(hopper_bwd, "HEAVY_FIRST", 2)
-    (launch,) = [launch for launch in bwd.plan_backward(
-        *(torch.empty(s, dtype=torch.bfloat16, device="meta") for s in [(1, 8, 1000, 64)] * 5),
-        torch.empty((1, 8, 1000), dtype=torch.float32, device="meta"),
-        torch.empty((1, 8, 1000), dtype=torch.float32, device="meta"),
-        *(torch.empty((1, 8, 1000, 64), dtype=torch.bfloat16, device="meta") for _ in range(3)), None,
-        causal=True, scale=0.125, arch=90, deterministic=True, ws=bwd.WsConfig(64, 2, 2))
-        if launch.kernel is hopper_bwd.ws_bwd_dkdv_kernel]
-    assert launch.args["tiles_per_chunk"] == 2 and launch.grid == (8 * 8,)
+    for causal, chunk in ((True, 2), (False, 8)):  # (8 tiles of 128 keys: head by head)
+        (launch,) = [launch for launch in bwd.plan_backward(
+            *(torch.empty(s, dtype=torch.bfloat16, device="meta") for s in [(1, 8, 1000, 64)] * 5),
+            torch.empty((1, 8, 1000), dtype=torch.float32, device="meta"),
+            torch.empty((1, 8, 1000), dtype=torch.float32, device="meta"),
+            *(torch.empty((1, 8, 1000, 64), dtype=torch.bfloat16, device="meta") for _ in range(3)), None,
+            causal=causal, scale=0.125, arch=90, deterministic=True, ws=bwd.WsConfig(64, 2, 2))
+            if launch.kernel is hopper_bwd.ws_bwd_dkdv_kernel]
+        assert launch.args["tiles_per_chunk"] == chunk and launch.grid == (8 * 8,)
 
 
 @pytest.mark.parametrize("value", ["-1", "eight", "1.5"])
@@ -381,16 +381,15 @@ def test_dq_work_counts_the_key_tiles_each_query_block_walks_last_rows_first():
 def test_auto_order_chunks_only_where_the_model_promises_a_gain():
     """``auto`` (the default): chunks of ``AUTO_CHUNK`` where head by head ends ≥ ``AUTO_MIN_GAIN`` of the
     balanced time later in the model (the grouped Llama 3 8B cell, an odd-sized one), head by
-    head where it does not (many heads of a long sequence, where chunks only cost L2 sharing; non-causal)."""
+    head where it does not (many heads of a long sequence, where chunks only cost L2 sharing)."""
     from stages.c_optimized import hopper_bwd
 
-    def auto(N, heads, group=1, causal=True):
-        return hopper_bwd.order_chunk(hopper_bwd.causal_dkdv_work(N, N, 128, 64, group), heads, causal, 132, "auto")
+    def auto(N, heads, group=1):
+        return hopper_bwd.order_chunk(hopper_bwd.causal_dkdv_work(N, N, 128, 64, group), heads, 132, "auto")
 
     assert auto(8192, 8, group=4) == hopper_bwd.AUTO_CHUNK  # Llama 3 8B: 24 % over the balanced time
     assert auto(1500, 60) == hopper_bwd.AUTO_CHUNK  # B 3, H 20, N 1500: 21 % over
     assert auto(16384, 16) == 128  # 1 % over: nothing to gain, 5 % of L2 sharing to lose (measured)
-    assert auto(8192, 8, group=4, causal=False) == 64
     assert auto(100, 1) == 1  # one tile: no order to choose
     for N, heads in [(1024, 512), (4096, 128), (1500, 60), (333, 7)]:  # the rule is the model's, not a table
         work = hopper_bwd.causal_dkdv_work(N, N, 128, 64)

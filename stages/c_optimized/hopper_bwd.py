@@ -797,15 +797,13 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
 
 
 
-def order_chunk(work: list[int], heads: int, causal: bool, sms: int, heavy_first: int | str | None = None) -> int:
-    """The kernels' ``tiles_per_chunk`` for a grid of ``len(work)`` tiles per batch·head (``work``: each
-    tile's work in launch order, :func:`causal_dkdv_work` or :func:`causal_dq_work`) on ``sms`` SMs:
-    ``heavy_first`` (default :data:`HEAVY_FIRST`) where the mask is causal, else ``len(work)`` (one
-    batch·head's tiles after another)."""
+def order_chunk(work: list[int], heads: int, sms: int, heavy_first: int | str | None = None) -> int:
+    """The kernels' ``tiles_per_chunk`` for a causal grid of ``len(work)`` tiles per batch·head
+    (``work``: each tile's work in launch order, :func:`causal_dkdv_work` or :func:`causal_dq_work`) on
+    ``sms`` SMs, as ``heavy_first`` (default :data:`HEAVY_FIRST`) says. (A non-causal grid's programs
+    all do the same work: it runs one batch·head after another, ``tiles_per_chunk`` = its tiles.)"""
     n_tiles = len(work)
     chunk = HEAVY_FIRST if heavy_first is None else heavy_first
-    if not causal:
-        return n_tiles
     if chunk == "auto":
         return auto_chunk(tuple(work), heads, sms)
     return min(chunk, n_tiles) if chunk > 0 else n_tiles
@@ -976,8 +974,8 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 DQ_TAIL_ACC=_dq_descriptor(dq_acc, tail, block_m) if dq_acc is not None and tail else None,
                 qk_scale=qk_scale,
                 sm_scale=sm_scale, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, tiles_per_chunk=order_chunk(
-                    causal_dkdv_work(Nq, Nk, ROWS_PER_CONSUMER * consumers // split, block_m, Hq // Hkv) if causal
-                    else [0] * n_tiles, B * Hkv, causal, sm_count(q.device)),
+                    causal_dkdv_work(Nq, Nk, ROWS_PER_CONSUMER * consumers // split, block_m, Hq // Hkv), B * Hkv,
+                    sm_count(q.device)) if causal else n_tiles,
                 STAGES=stages, CONSUMERS=consumers,
                 GROUP=Hq // Hkv, CAUSAL=causal, HEAD_DIM=q.shape[-1], ATOMICS=atomics, SPLIT_D=split,
                 SHARE_SCORES=share_scores, AHEAD=FUSED_DQ_AHEAD,
@@ -1185,9 +1183,8 @@ def plan_dq(q, k, v, do, dq, lse, delta, *, causal: bool, qk_scale: float, sm_sc
                                     dict(q=ROWS_PER_CONSUMER, do=ROWS_PER_CONSUMER, dq=ROWS_PER_CONSUMER, k=block_n,
                                          v=block_n), main, tail),
                 LSE=lse, DELTA=delta, qk_scale=qk_scale, sm_scale=sm_scale, Hq=Hq, Nq=Nq, Nk=k.shape[2],
-                tiles_per_chunk=order_chunk(
-                    causal_dq_work(Nq, k.shape[2], ROWS_PER_CONSUMER * consumers, block_n) if causal else [0] * n_tiles,
-                    B * Hq, causal, sm_count(q.device)),
+                tiles_per_chunk=order_chunk(causal_dq_work(Nq, k.shape[2], ROWS_PER_CONSUMER * consumers, block_n),
+                                            B * Hq, sm_count(q.device)) if causal else n_tiles,
                 STAGES=stages, CONSUMERS=consumers, GROUP=Hq // Hkv, CAUSAL=causal, CONSUMER_REGS=consumer_regs,
                 PRODUCER_REGS=producer_regs)
     return Launch(ws_bwd_dq_kernel, (n_tiles * B * Hq,), args, num_warps=4, num_stages=1, extra=extra)
