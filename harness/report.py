@@ -875,6 +875,7 @@ def deterministic_table(rows: list[dict]) -> str:
     costs = deterministic_costs(rows)
     if not costs:
         return ""
+
     def pct(x):
         return f"{x:+.0%}".replace("-0%", "+0%")  # (a cost rounding to zero from below is no saving)
 

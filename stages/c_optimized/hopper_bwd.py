@@ -141,15 +141,11 @@ COMPACT_ROW_STATS = os.environ.get("LAB_COMPACT_ROW_STATS", "1") == "1"
 #: Llama 3 8B cell from 3.32 to 3.01 ms and cost 5 % at B 1, H 16, N 16384, D 128, where the model
 #: promises nothing (16 heads' Q and dO streamed at once no longer share L2). Non-causal programs all
 #: do the same work and always run head by head.
-HEAVY_FIRST: int | str = os.environ.get("LAB_BWD_HEAVY_FIRST", "auto")
-if HEAVY_FIRST != "auto":
-    try:
-        HEAVY_FIRST = int(HEAVY_FIRST)
-    except ValueError:
-        HEAVY_FIRST = -1
-    if HEAVY_FIRST < 0:
-        raise ValueError(f"LAB_BWD_HEAVY_FIRST must be auto, 0 (head by head) or a chunk of tiles >= 1, got "
-                         f"{os.environ.get('LAB_BWD_HEAVY_FIRST')!r}")
+_HEAVY_FIRST = os.environ.get("LAB_BWD_HEAVY_FIRST", "auto")
+if _HEAVY_FIRST != "auto" and not _HEAVY_FIRST.isdigit():
+    raise ValueError(f"LAB_BWD_HEAVY_FIRST must be auto, 0 (head by head) or a chunk of tiles >= 1, got "
+                     f"{_HEAVY_FIRST!r}")
+HEAVY_FIRST: int | str = _HEAVY_FIRST if _HEAVY_FIRST == "auto" else int(_HEAVY_FIRST)
 #: ``auto``'s chunk: the best of 8, 4, 2 and 1 over the measured cells (chunks of 1 and 2 lost L2 sharing
 #: everywhere but the most unbalanced cells).
 AUTO_CHUNK = 8
