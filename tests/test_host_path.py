@@ -384,13 +384,14 @@ def test_a_growing_kv_cache_compiles_nothing_new(monkeypatch, D, Hq, Hkv, option
 def test_the_sizes_reach_the_kernels_unspecialized():
     """Every size argument of stage C's kernels is ``do_not_specialize``: Triton would otherwise make
     a size equal to 1 a constexpr and key kernels on divisibility by 16."""
-    from stages.c_optimized import backward, decode
+    from stages.c_optimized import backward, decode, decode_backward
 
     sizes = {"H", "Hq", "Hkv", "N", "N_Q", "N_K", "Nq", "Nk", "CAUSAL_OFFSET", "CHUNK", "ROWS_TOTAL", "SPLITS",
              "n_m", "total"}
     for kernel in (kernels.optimized_attention_kernel, decode.split_kv_attention_kernel,
                    decode.merge_splits_kernel, hopper_ws.ws_attention_kernel, backward.attention_bwd_delta_kernel,
-                   backward.attention_bwd_dkdv_kernel, backward.attention_bwd_dq_kernel):
+                   backward.attention_bwd_dkdv_kernel, backward.attention_bwd_dq_kernel,
+                   decode_backward.split_kv_backward_kernel, decode_backward.reduce_dq_kernel):
         jit = _jit_function(kernel)
         for param in jit.params:
             if param.name in sizes:

@@ -80,8 +80,8 @@ from .. import ops
 from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_output, padded_head_dim, \
     key_ranges_alignment, validate_backward_inputs
 from ..launch import KeptLaunch, Launch, compiles_without_interpreter
-from .configs import SHARED_MEMORY_LIMIT, device_arch, gpu_slug, this_arch, tuning_file
-from . import hopper_ws  # (where the Hopper kernels run: the warp-specialized forward's rule)
+from .configs import SHARED_MEMORY_LIMIT, device_arch, gpu_slug, sm_count, this_arch, tuning_file
+from . import decode_backward, hopper_ws  # (hopper_ws: where the Hopper kernels run, the forward's rule)
 from . import aligned
 from .aligned import aligned_strides, row_alignment
 from .decode import key_range
@@ -908,7 +908,7 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         if len(_KEPT) >= _KEPT_MAX:
             _KEPT.clear()  # a model's layouts come back every step; a cleared table refills
         _KEPT[key] = kept
-    tensors = _allocate(q, k, v, kept.separate)
+    tensors = _allocate(q, k, v, kept.separate, kept.workspace)
     tensors.update(do=do, q=q, k=k, v=v, o=o, lse=lse, key_starts=key_starts, key_lengths=key_lengths)
     bound = kept.bound
     if bound and all(b.open() for b in bound):
@@ -943,21 +943,24 @@ class KeptLayout:
     separate: bool
     launches: tuple
     bound: object = None
+    workspace: tuple | None = None  # the split backward's dQ partials (decode_backward.workspace_shape)
 
 #: Which call tensor each tensor or descriptor argument of the backward kernels takes.
 _ROLES = {"Q": "q", "K": "k", "V": "v", "O": "o", "DO": "do", "DQ": "dq", "DK": "dk", "DV": "dv", "LSE": "lse",
           "DELTA": "delta", "DQ_ACC": "dq_acc", "q_desc": "q", "k_desc": "k", "v_desc": "v", "do_desc": "do",
           "dq_desc": "dq", "dk_desc": "dk", "dv_desc": "dv", "q_tail_desc": "q", "k_tail_desc": "k",
           "v_tail_desc": "v", "do_tail_desc": "do", "dq_tail_desc": "dq", "dk_tail_desc": "dk", "dv_tail_desc": "dv", "DQ_TAIL_ACC": "dq_acc",
-          "KEY_STARTS": "key_starts", "KEY_LENGTHS": "key_lengths"}
+          "KEY_STARTS": "key_starts", "KEY_LENGTHS": "key_lengths", "DQ_PART": "dq_part"}
 
 
-def _allocate(q, k, v, separate: bool) -> dict:
+def _allocate(q, k, v, separate: bool, workspace: tuple | None = None) -> dict:
     """The buffers one backward writes: Δ, dK, dV, and dQ (separate kernel) or the fp32 atomic
-    accumulator (which fp32 inputs use as dQ itself)."""
+    accumulator (which fp32 inputs use as dQ itself); ``workspace``: the split backward's fp32 dQ
+    partials of that shape (``dq_part``)."""
     B, Hq, Nq, D = q.shape
     out = dict(delta=torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device), dk=_new_gradient(k),
-               dv=_new_gradient(v))
+               dv=_new_gradient(v),
+               dq_part=torch.empty(workspace, dtype=torch.float32, device=q.device) if workspace else None)
     if separate:
         out.update(dq=_new_gradient(q), dq_acc=None)
     else:
@@ -967,6 +970,17 @@ def _allocate(q, k, v, separate: bool) -> dict:
     return out
 
 
+def split_backward(q, k, *, tuned_tiles: bool = True, exp2: bool = True, forced: bool = False) -> tuple | None:
+    """(splits, keys per split) where the split backward runs (a decoding-shaped problem with the tuned
+    tiles and exp2 on, as the forward's split path asks, and no kernel forced), else None. The choice
+    depends on the group's rows and whether Nq < Nk, never on Nk itself; the split count follows Nk."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    if forced or not (tuned_tiles and exp2) or not decode_backward.takes_split_backward(Hq, Hkv, Nq, Nk):
+        return None
+    return decode_backward.backward_splits(B, Hkv, Hq // Hkv, Nq, Nk, D, sm_count(q.device))
+
+
 def _plan_layout(do, q, k, v, o, lse, *, causal, scale, deterministic, tuned_tiles, pipelining, exp2, causal_skip,
                  tma, warp_specialization, config, dq_config, ws_config, ws_dq_config, key_starts=None,
                  key_lengths=None) -> tuple:
@@ -974,6 +988,18 @@ def _plan_layout(do, q, k, v, o, lse, *, causal, scale, deterministic, tuned_til
     the ``tl`` kernels, whatever the plan)."""
     D = q.shape[-1]
     arch = device_arch(q.device)
+    forced = any(x is not None for x in (config, dq_config, ws_config, ws_dq_config))
+    split = split_backward(q, k, tuned_tiles=tuned_tiles, exp2=exp2, forced=forced)
+    if split is not None:
+        # A decoding-shaped backward: the keys shared out, every query row in each program
+        # (decode_backward.py). Deterministic by construction, whatever ``deterministic`` asks.
+        splits, chunk = split
+        workspace = decode_backward.workspace_shape(*q.shape[:3], D, splits)
+        t = _allocate(q, k, v, True, workspace)
+        launches = decode_backward.plan(do, q, k, v, o, lse, t["dq"], t["dk"], t["dv"], t["dq_part"], causal=causal,
+                                        scale=scale, splits=splits, chunk=chunk, pipelining=pipelining,
+                                        key_starts=key_starts, key_lengths=key_lengths)
+        return KeptLayout(True, tuple(KeptLaunch(launch, _ROLES) for launch in launches), workspace=workspace)
     plan = backward_plan(D, q.dtype, arch, causal, deterministic=deterministic, tuned_tiles=tuned_tiles,
                          pipelining=pipelining, warp_specialization=warp_specialization)
     ranged = key_starts is not None or key_lengths is not None
@@ -1016,6 +1042,18 @@ def compile_backward(problem: Problem, arch: int, **switches) -> list[CompiledKe
     k, v, dk, dv = (meta(B, Hkv, Nk, D) for _ in range(4))
     lse, delta = meta(B, Hq, Nq, dt=torch.float32), meta(B, Hq, Nq, dt=torch.float32)
     ws, ws_dq = (switches.pop(name, None) for name in ("ws_config", "ws_dq_config"))
+    split = split_backward(q, k, tuned_tiles=switches.get("tuned_tiles", True), exp2=switches.get("exp2", True),
+                           forced=any(x is not None for x in (ws, ws_dq, switches.get("config"),
+                                                               switches.get("dq_config"))))
+    if split is not None:
+        splits, chunk = split
+        workspace = decode_backward.workspace_shape(B, Hq, Nq, D, splits)
+        launches = decode_backward.plan(do, q, k, v, o, lse, dq, dk, dv,
+                                        meta(*workspace, dt=torch.float32) if workspace else None,
+                                        causal=problem.causal, scale=D ** -0.5, splits=splits, chunk=chunk,
+                                        pipelining=switches.get("pipelining", True),
+                                        key_starts=switches.get("key_starts"), key_lengths=switches.get("key_lengths"))
+        return [launch.compile(arch) for launch in launches]
     ws = WsConfig.parse(ws) if isinstance(ws, str) else ws
     ws_dq = parse_ws_dq(ws_dq) if ws_dq is not None else None
     deterministic = (switches.pop("deterministic", False) or ws is not None or ws_dq is not None) and ws_dq != FUSED_DQ
@@ -1042,6 +1080,10 @@ def bwd_hbm_bytes(p: Problem, deterministic: bool = False, tuned_tiles: bool = T
     * separate dQ (``deterministic``, or where the tuner found it faster): reads Q, dO, lse, Δ once,
       K and V rows for every visited K/V tile, writes dQ.
     """
+    forced = config is not None or any(_other.get(n) is not None for n in ("dq_config", "ws_config", "ws_dq_config"))
+    if not forced and tuned_tiles and _other.get("exp2", True) and \
+            decode_backward.takes_split_backward(p.H, p.Hkv, p.N, p.Nk):
+        return decode_backward.hbm_bytes(p, sm_count(None))  # a decoding-shaped backward: the split kernel's
     plan = backward_plan(p.D, DTYPES[p.dtype], device_arch(None), p.causal, deterministic=deterministic,
                          tuned_tiles=tuned_tiles, pipelining=pipelining)
     # The tiles plan_backward launches: a forced config serves the dQ kernel too.
@@ -1091,8 +1133,12 @@ def bwd_hbm_bytes(p: Problem, deterministic: bool = False, tuned_tiles: bool = T
 def train_workspace_bytes(p: Problem, deterministic: bool = False) -> int:
     """Extra device memory of one training step besides q, k, v, o, dO and the three gradients, bytes:
     the saved lse and the pre-pass's Δ (4 B per query row each) and, with atomic dQ and a 16-bit
-    dtype, the fp32 dQ accumulator (4·D B per query row; fp32 inputs accumulate in dq itself)."""
+    dtype, the fp32 dQ accumulator (4·D B per query row; fp32 inputs accumulate in dq itself); a
+    decoding-shaped problem, the split backward's fp32 dQ partials instead."""
     rows = p.heads * p.N
+    if decode_backward.takes_split_backward(p.H, p.Hkv, p.N, p.Nk):  # the split backward's fp32 dQ partials
+        splits, _ = decode_backward.backward_splits(p.B, p.Hkv, p.group, p.N, p.Nk, p.D, sm_count(None))
+        return 2 * rows * 4 + (splits * rows * p.D * 4 if splits > 1 else 0)
     plan = backward_plan(p.D, DTYPES[p.dtype], device_arch(None), p.causal, deterministic=deterministic)
     extra = rows * p.D * 4 if plan.atomic_dq and p.dtype != "fp32" else 0
     return 2 * rows * 4 + extra
