@@ -80,7 +80,7 @@ def main(argv=None) -> int:
 
     def use(enabled=True, tiles=None, waves=None):
         dbwd.ENABLED = enabled
-        dbwd.split_backward_tiles = (lambda group, Nq, D: tiles) if tiles is not None else default_tiles
+        dbwd.split_backward_tiles = (lambda group, Nq, D, element_bytes=2: tiles) if tiles is not None else default_tiles
         dbwd.BACKWARD_WAVES = default_waves if waves is None else waves
         bwd._KEPT.clear()
 
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
             for label, fn in peers.items():
                 row(label, rnd, fn, check=False)
         if not args.no_sweep:
-            t0 = default_tiles(Hq // Hkv, Nq, D)
+            t0 = default_tiles(Hq // Hkv, Nq, D, q.element_size())
             for block_n, warps, stages_ in itertools.product(BLOCK_N, WARPS, STAGES):
                 tiles = dbwd.SplitBwdTiles(t0.block_m, block_n, warps, stages_)
                 use(tiles=tiles)

@@ -978,7 +978,7 @@ def split_backward(q, k, *, tuned_tiles: bool = True, exp2: bool = True, forced:
     Hkv, Nk = k.shape[1], k.shape[2]
     if forced or not (tuned_tiles and exp2) or not decode_backward.takes_split_backward(Hq, Hkv, Nq, Nk):
         return None
-    return decode_backward.backward_splits(B, Hkv, Hq // Hkv, Nq, Nk, D, sm_count(q.device))
+    return decode_backward.backward_splits(B, Hkv, Hq // Hkv, Nq, Nk, D, sm_count(q.device), q.element_size())
 
 
 def _plan_layout(do, q, k, v, o, lse, *, causal, scale, deterministic, tuned_tiles, pipelining, exp2, causal_skip,
@@ -1137,7 +1137,8 @@ def train_workspace_bytes(p: Problem, deterministic: bool = False) -> int:
     decoding-shaped problem, the split backward's fp32 dQ partials instead."""
     rows = p.heads * p.N
     if decode_backward.takes_split_backward(p.H, p.Hkv, p.N, p.Nk):  # the split backward's fp32 dQ partials
-        splits, _ = decode_backward.backward_splits(p.B, p.Hkv, p.group, p.N, p.Nk, p.D, sm_count(None))
+        splits, _ = decode_backward.backward_splits(p.B, p.Hkv, p.group, p.N, p.Nk, p.D, sm_count(None),
+                                                    p.element_bytes)
         return 2 * rows * 4 + (splits * rows * p.D * 4 if splits > 1 else 0)
     plan = backward_plan(p.D, DTYPES[p.dtype], device_arch(None), p.causal, deterministic=deterministic)
     extra = rows * p.D * 4 if plan.atomic_dq and p.dtype != "fp32" else 0

@@ -58,8 +58,9 @@ ENABLED = _SWITCH == "1"
 
 #: Programs per SM the split count aims at: the forward's decode rule (``decode.DECODE_WAVES``).
 BACKWARD_WAVES = decode.DECODE_WAVES
-#: rows of dQ per program of the reduction
-REDUCE_ROWS = 16
+#: splits the reduction adds per step: one row per program, so a B 1 call's few rows with many splits
+#: are many short programs, not a few long chains of dependent loads (the forward's "wide" merge)
+REDUCE_SPLITS_PER_STEP = 32
 #: the kernels exponentiate in base 2, so the scores' scale carries log2(e)
 LOG2E = 1.4426950408889634
 
@@ -75,13 +76,19 @@ class SplitBwdTiles:
     num_stages: int = 2
 
 
-def split_backward_tiles(group: int, Nq: int, D: int) -> SplitBwdTiles:
-    """The one place the split backward's tiles are decided (the experiment sweeps through it): the
-    group's rows padded to ``tl.dot``'s smallest tile (16) or more, 64 keys (32 above 128 columns,
-    where a 64-key fp32 dK or dV tile would take a 4-warp program's registers)."""
+def split_backward_tiles(group: int, Nq: int, D: int, element_bytes: int = 2) -> SplitBwdTiles:
+    """The one place the split backward's tiles are decided (``experiments/decode_backward.py`` sweeps
+    through it): the group's rows padded to ``tl.dot``'s smallest tile (16) or more; 64 keys per step,
+    32 where a row is wider than 256 bytes (an fp32 dK or dV tile of 64 such keys would take a program's
+    registers). A 16-row tile of 16-bit data up to 128 columns gets 8 warps and a third K/V buffer:
+    on an H100 that was 13 % faster at D 64 and level elsewhere; 64 rows keep 4 warps and two
+    buffers (the third was 20 % slower there)."""
     rows = group * Nq
     block_m = min(decode.DECODE_ROWS, max(16, 1 << (rows - 1).bit_length()))
-    block_n = 64 if padded_head_dim(D) <= 128 else 32
+    row_bytes = padded_head_dim(D) * element_bytes
+    block_n = 64 if row_bytes <= 256 else 32
+    if block_m == 16 and element_bytes == 2 and row_bytes <= 256:
+        return SplitBwdTiles(block_m, block_n, num_warps=8, num_stages=3)
     return SplitBwdTiles(block_m, block_n)
 
 
@@ -91,10 +98,11 @@ def takes_split_backward(Hq: int, Hkv: int, Nq: int, Nk: int) -> bool:
     return ENABLED and decode.is_decoding(Hq // Hkv, Nq, Nk)
 
 
-def backward_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: int) -> tuple[int, int]:
+def backward_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: int,
+                    element_bytes: int = 2) -> tuple[int, int]:
     """(splits, keys per split): about :data:`BACKWARD_WAVES` programs per SM, each at least
     ``decode.MIN_TILES_PER_SPLIT`` tiles long, at most ``decode.MAX_SPLITS``; whole tiles per chunk."""
-    block_n = split_backward_tiles(group, Nq, D).block_n
+    block_n = split_backward_tiles(group, Nq, D, element_bytes).block_n
     wanted = round(BACKWARD_WAVES * sms / (B * Hkv))
     wanted = max(1, min(wanted, cdiv(Nk, block_n) // decode.MIN_TILES_PER_SPLIT, decode.MAX_SPLITS))
     return decode.split_counts(block_n, Nk, wanted)
@@ -195,19 +203,18 @@ def split_kv_backward_kernel(
 
 @triton.jit(do_not_specialize=["ROWS_TOTAL", "SPLITS"])
 def reduce_dq_kernel(DQ_PART, DQ, sm_scale, ROWS_TOTAL, SPLITS,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
-    """dQ = scale · Σ_s DQ_PART[s] for BLOCK_R rows, the splits added in order (deterministic)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PER_STEP: tl.constexpr):
+    """dQ = scale · Σ_s DQ_PART[s] for one row, ``SPLITS_PER_STEP`` splits loaded at a time and summed
+    by the same reduction tree every run (deterministic)."""
+    row = tl.program_id(0).to(tl.int64)
     ds = tl.arange(0, BLOCK_D)
-    mask = (rows[:, None] < ROWS_TOTAL) & (ds[None, :] < D)
-    offsets = rows.to(tl.int64)[:, None] * D + ds[None, :]
-    acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
-    parts = DQ_PART + offsets
-    step = tl.full((), 1, tl.int64) * ROWS_TOTAL * D  # (64-bit: splits · rows · D may pass 2^31)
-    for _ in range(0, SPLITS):
-        acc += tl.load(parts, mask=mask, other=0.0)
-        parts += step
-    tl.store(DQ + offsets, (acc * sm_scale).to(DQ.dtype.element_ty), mask=mask)
+    d_ok = ds < D
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for s0 in range(0, SPLITS, SPLITS_PER_STEP):
+        s = s0 + tl.arange(0, SPLITS_PER_STEP)
+        parts = DQ_PART + (s.to(tl.int64)[:, None] * ROWS_TOTAL + row) * D + ds[None, :]
+        acc += tl.sum(tl.load(parts, mask=(s < SPLITS)[:, None] & d_ok[None, :], other=0.0), axis=0)
+    tl.store(DQ + row * D + ds, (acc * sm_scale).to(DQ.dtype.element_ty), mask=d_ok)
 
 
 def plan(do, q, k, v, o, lse, dq, dk, dv, dq_part, *, causal: bool, scale: float, splits: int, chunk: int,
@@ -218,7 +225,7 @@ def plan(do, q, k, v, o, lse, dq, dk, dv, dq_part, *, causal: bool, scale: float
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     group = Hq // Hkv
-    tiles = split_backward_tiles(group, Nq, D)
+    tiles = split_backward_tiles(group, Nq, D, q.element_size())
     rows = B * Hq * Nq
     launches = [Launch(
         split_kv_backward_kernel, (splits, B * Hkv),
@@ -238,11 +245,15 @@ def plan(do, q, k, v, o, lse, dq, dk, dv, dq_part, *, causal: bool, scale: float
         num_warps=tiles.num_warps, num_stages=tiles.num_stages if pipelining else 1)]
     if dq_part is not None:
         launches.append(Launch(
-            reduce_dq_kernel, (cdiv(rows, REDUCE_ROWS),),
+            reduce_dq_kernel, (rows,),
             dict(DQ_PART=dq_part, DQ=dq, sm_scale=scale, ROWS_TOTAL=rows, SPLITS=splits, D=D,
-                 BLOCK_D=padded_head_dim(D), BLOCK_R=REDUCE_ROWS),
+                 BLOCK_D=padded_head_dim(D), SPLITS_PER_STEP=min(REDUCE_SPLITS_PER_STEP, _pow2(splits))),
             num_warps=4, num_stages=1))
     return launches
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def hbm_bytes(p: Problem, sms: int) -> HbmTraffic:
@@ -250,7 +261,7 @@ def hbm_bytes(p: Problem, sms: int) -> HbmTraffic:
     split, the group's Q, dO, O rows and their log-sum-exps read; dQ's fp32 partials written and read
     back by the reduction, which writes dQ (one split: dQ written directly)."""
     e, D = p.element_bytes, p.D
-    splits, _ = backward_splits(p.B, p.Hkv, p.H // p.Hkv, p.N, p.Nk, D, sms)
+    splits, _ = backward_splits(p.B, p.Hkv, p.H // p.Hkv, p.N, p.Nk, D, sms, e)
     rows = p.B * p.H * p.N
     read = 2 * p.kv_bytes + splits * rows * (3 * D * e + 4)
     write = 2 * p.kv_bytes + rows * D * e
