@@ -211,6 +211,20 @@ def program_order_ms(d: Data, cell: str, chunk: str) -> float:
     return float(rows[0]["ms"])
 
 
+def decode_backward_ms(cell: str, candidate: str) -> float:
+    """The median of one candidate's rounds at one cell of ``experiments/decode_backward.py``'s committed
+    H100 run (entry 77): ``split``, ``ordinary``, ``cudnn`` or ``flash``."""
+    import csv
+    import statistics
+
+    path = ROOT / "results" / "h100-80gb-hbm3" / "experiments" / "2026-12-05_decode_backward.csv"
+    with path.open() as f:
+        ms = [float(r["ms"]) for r in csv.DictReader(f)
+              if r["cell"] == cell and r["candidate"] == candidate and r["status"] == "ok"]
+    assert ms, (cell, candidate)
+    return statistics.median(ms)
+
+
 def deterministic_costs(d: Data) -> dict:
     """The deterministic backward's extra time per grid cell, as the results page's backward block
     computes it (``report.deterministic_costs``)."""
@@ -543,6 +557,12 @@ CLAIMS = [
     Claim(NB["08"], "and lost a few percent where it\nsaid there was nothing to gain (16 heads of 16k tokens",
           lambda d: 1.01 < program_order_ms(d, "grid-d128-n16384", "8") / program_order_ms(d, "grid-d128-n16384", "0")
           < 1.1, why="chunk 8 against head by head at B 1, H 16, N 16384, D 128 in 2026-12-05_program_order.csv"),
+    Claim(C_DETAILS, "took the suite's `decode-long` backward (B 4, 32 heads, one row against 32k keys) from {} to {} "
+                     "ms (cuDNN {}) and the grouped `decode-gqa` from {} to {} ms, {}× faster than cuDNN's",
+          lambda d: (decode_backward_ms("decode-long", "ordinary"), decode_backward_ms("decode-long", "split"),
+                     decode_backward_ms("decode-long", "cudnn"), decode_backward_ms("decode-gqa", "ordinary"),
+                     decode_backward_ms("decode-gqa", "split"),
+                     decode_backward_ms("decode-gqa", "cudnn") / decode_backward_ms("decode-gqa", "split"))),
     Claim(NB["08"], "the dK/dV kernel (at D 32 it is ahead",
           lambda d: all(c > n for c, n in bwd_pairs(d, "c", "sdpa_cudnn", (32,))), why="the bwd fp16 grid rows"),
 ]

@@ -33,13 +33,14 @@ def many_splits(monkeypatch):
 
 
 # (B, Hq, Hkv, Nq, Nk, D): decode MHA and MQA, GQA with a few new tokens, a padded head dim, the
-# largest group of rows one tile takes (64), a ragged last tile.
+# largest group of rows one tile takes (64), a ragged last tile, more splits than the reduction adds at once.
 SHAPES = [
     (2, 2, 2, 1, 300, 16),
     (1, 4, 1, 1, 200, 32),
     (1, 8, 2, 3, 150, 80),
     (2, 4, 1, 16, 130, 16),
     (1, 2, 2, 1, 77, 64),
+    (1, 2, 2, 1, 2560, 16),   # 40 splits: the reduction's second step of 32
 ]
 
 
