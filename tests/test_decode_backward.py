@@ -199,6 +199,22 @@ def test_compiles_for_sm90_without_spills(D, dtype):
         assert "ptxas_error" not in usage and usage["spill_stores"] == usage["spill_loads"] == 0, (c.name, usage)
 
 
+@pytest.mark.parametrize("arch,D,dtype,Hq,Hkv,Nq", [(90, 256, "fp16", 8, 2, 16), (90, 128, "bf16", 8, 2, 1),
+                                                   (80, 128, "fp32", 8, 2, 4), (80, 64, "fp16", 4, 1, 16)])
+def test_the_shared_memory_estimate_bounds_the_compiled_kernel(arch, D, dtype, Hq, Hkv, Nq):
+    """The path is taken only where ``shared_bytes`` fits the GPU: the estimate must not be below what
+    Triton allocates (at 64 rows on sm_90 the matmul operands live in shared memory too)."""
+    p = Problem(B=1, H=Hq, N=Nq, D=D, dtype=dtype, Hkv=Hkv, Nk=4096, causal=True)
+    compiled = bwd.compile_backward(p, arch)[0]
+    assert compiled.name == "split_kv_backward_kernel"
+    e = p.element_bytes
+    assert compiled.shared_bytes <= decode_backward.shared_bytes(decode_backward.split_backward_tiles(
+        Hq // Hkv, Nq, D, e), D, e)
+    # ... and a problem whose estimate does not fit takes the ordinary kernels
+    wide = Problem(B=1, H=8, N=16, D=256, dtype="fp32", Hkv=2, Nk=4096)
+    assert bwd.compile_backward(wide, arch)[0].name != "split_kv_backward_kernel"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(4, 32, 32, 1, 4099, 128), (2, 32, 8, 1, 8192, 128), (1, 8, 2, 16, 2000, 64),

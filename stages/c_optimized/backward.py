@@ -970,13 +970,16 @@ def _allocate(q, k, v, separate: bool, workspace: tuple | None = None) -> dict:
     return out
 
 
-def split_backward(q, k, *, tuned_tiles: bool = True, exp2: bool = True, forced: bool = False) -> tuple | None:
+def split_backward(q, k, *, tuned_tiles: bool = True, exp2: bool = True, forced: bool = False,
+                   arch: int = 90) -> tuple | None:
     """(splits, keys per split) where the split backward runs (a decoding-shaped problem with the tuned
-    tiles and exp2 on, as the forward's split path asks, and no kernel forced), else None. The choice
-    depends on the group's rows and whether Nq < Nk, never on Nk itself; the split count follows Nk."""
+    tiles and exp2 on, as the forward's split path asks, no kernel forced, and tiles that fit the shared
+    memory of the GPU, ``arch`` where the tensors are not on one), else None. The choice depends on the
+    group's rows and whether Nq < Nk, never on Nk itself; the split count follows Nk."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    if forced or not (tuned_tiles and exp2) or not decode_backward.takes_split_backward(Hq, Hkv, Nq, Nk):
+    if forced or not (tuned_tiles and exp2) or not decode_backward.takes_split_backward(
+            Hq, Hkv, Nq, Nk, D, q.element_size(), device_arch(q.device) if q.device.type != "meta" else arch):
         return None
     return decode_backward.backward_splits(B, Hkv, Hq // Hkv, Nq, Nk, D, sm_count(q.device), q.element_size())
 
@@ -1044,7 +1047,7 @@ def compile_backward(problem: Problem, arch: int, **switches) -> list[CompiledKe
     ws, ws_dq = (switches.pop(name, None) for name in ("ws_config", "ws_dq_config"))
     split = split_backward(q, k, tuned_tiles=switches.get("tuned_tiles", True), exp2=switches.get("exp2", True),
                            forced=any(x is not None for x in (ws, ws_dq, switches.get("config"),
-                                                               switches.get("dq_config"))))
+                                                               switches.get("dq_config"))), arch=arch)
     if split is not None:
         splits, chunk = split
         workspace = decode_backward.workspace_shape(B, Hq, Nq, D, splits)
@@ -1082,7 +1085,7 @@ def bwd_hbm_bytes(p: Problem, deterministic: bool = False, tuned_tiles: bool = T
     """
     forced = config is not None or any(_other.get(n) is not None for n in ("dq_config", "ws_config", "ws_dq_config"))
     if not forced and tuned_tiles and _other.get("exp2", True) and \
-            decode_backward.takes_split_backward(p.H, p.Hkv, p.N, p.Nk):
+            decode_backward.takes_split_backward(p.H, p.Hkv, p.N, p.Nk, p.D, p.element_bytes, device_arch(None)):
         return decode_backward.hbm_bytes(p, sm_count(None))  # a decoding-shaped backward: the split kernel's
     plan = backward_plan(p.D, DTYPES[p.dtype], device_arch(None), p.causal, deterministic=deterministic,
                          tuned_tiles=tuned_tiles, pipelining=pipelining)
@@ -1136,7 +1139,7 @@ def train_workspace_bytes(p: Problem, deterministic: bool = False) -> int:
     dtype, the fp32 dQ accumulator (4·D B per query row; fp32 inputs accumulate in dq itself); a
     decoding-shaped problem, the split backward's fp32 dQ partials instead."""
     rows = p.heads * p.N
-    if decode_backward.takes_split_backward(p.H, p.Hkv, p.N, p.Nk):  # the split backward's fp32 dQ partials
+    if decode_backward.takes_split_backward(p.H, p.Hkv, p.N, p.Nk, p.D, p.element_bytes, device_arch(None)):
         splits, _ = decode_backward.backward_splits(p.B, p.Hkv, p.group, p.N, p.Nk, p.D, sm_count(None),
                                                     p.element_bytes)
         return 2 * rows * 4 + (splits * rows * p.D * 4 if splits > 1 else 0)

@@ -92,10 +92,27 @@ def split_backward_tiles(group: int, Nq: int, D: int, element_bytes: int = 2) ->
     return SplitBwdTiles(block_m, block_n)
 
 
-def takes_split_backward(Hq: int, Hkv: int, Nq: int, Nk: int) -> bool:
+def shared_bytes(tiles: SplitBwdTiles, D: int, element_bytes: int) -> int:
+    """An upper estimate of the split kernel's shared memory: its K and V buffers (the compiler stages
+    the loads through them), up to four row tiles (Q, dO and the transposed P and dS as matmul operands:
+    on sm_90 a 64-row tile's wgmma reads them from shared memory) and one fp32 score tile. Triton's
+    own figure was under it for D 16-256, fp16 and fp32, every row count, on sm_80 and sm_90."""
+    D_pad = padded_head_dim(D)
+    return (tiles.num_stages * 2 * tiles.block_n + 4 * tiles.block_m) * D_pad * element_bytes \
+        + tiles.block_m * tiles.block_n * 4
+
+
+def takes_split_backward(Hq: int, Hkv: int, Nq: int, Nk: int, D: int = 64, element_bytes: int = 2,
+                         arch: int = 90) -> bool:
     """Whether a backward of these shapes is decoding-shaped (``decode.is_decoding``: the group's query
-    rows fit one tile, after a cache), the class the split backward is for, and the switch is on."""
-    return ENABLED and decode.is_decoding(Hq // Hkv, Nq, Nk)
+    rows fit one tile, after a cache), the class the split backward is for, its tiles fit this GPU's
+    shared memory, and the switch is on."""
+    from .configs import SHARED_MEMORY_LIMIT
+
+    if not (ENABLED and decode.is_decoding(Hq // Hkv, Nq, Nk)):
+        return False
+    tiles = split_backward_tiles(Hq // Hkv, Nq, D, element_bytes)
+    return shared_bytes(tiles, D, element_bytes) + 1024 <= SHARED_MEMORY_LIMIT.get(arch, 99 * 1024)
 
 
 def backward_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: int,
