@@ -908,7 +908,7 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         if len(_KEPT) >= _KEPT_MAX:
             _KEPT.clear()  # a model's layouts come back every step; a cleared table refills
         _KEPT[key] = kept
-    tensors = _allocate(q, k, v, kept.separate, kept.workspace)
+    tensors = _allocate(q, k, v, kept.separate, kept.workspace, kept.split)
     tensors.update(do=do, q=q, k=k, v=v, o=o, lse=lse, key_starts=key_starts, key_lengths=key_lengths)
     bound = kept.bound
     if bound and all(b.open() for b in bound):
@@ -944,6 +944,7 @@ class KeptLayout:
     launches: tuple
     bound: object = None
     workspace: tuple | None = None  # the split backward's dQ partials (decode_backward.workspace_shape)
+    split: bool = False  # the split backward (which forms Δ in its own programs: no buffer for it)
 
 #: Which call tensor each tensor or descriptor argument of the backward kernels takes.
 _ROLES = {"Q": "q", "K": "k", "V": "v", "O": "o", "DO": "do", "DQ": "dq", "DK": "dk", "DV": "dv", "LSE": "lse",
@@ -953,13 +954,13 @@ _ROLES = {"Q": "q", "K": "k", "V": "v", "O": "o", "DO": "do", "DQ": "dq", "DK": 
           "KEY_STARTS": "key_starts", "KEY_LENGTHS": "key_lengths", "DQ_PART": "dq_part"}
 
 
-def _allocate(q, k, v, separate: bool, workspace: tuple | None = None) -> dict:
+def _allocate(q, k, v, separate: bool, workspace: tuple | None = None, split: bool = False) -> dict:
     """The buffers one backward writes: Δ, dK, dV, and dQ (separate kernel) or the fp32 atomic
-    accumulator (which fp32 inputs use as dQ itself); ``workspace``: the split backward's fp32 dQ
-    partials of that shape (``dq_part``)."""
+    accumulator (which fp32 inputs use as dQ itself); ``split``: the split backward's, dK, dV, dQ
+    and, with ``workspace``, its fp32 dQ partials of that shape (``dq_part``), no Δ."""
     B, Hq, Nq, D = q.shape
-    out = dict(delta=torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device), dk=_new_gradient(k),
-               dv=_new_gradient(v),
+    out = dict(delta=None if split else torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device),
+               dk=_new_gradient(k), dv=_new_gradient(v),
                dq_part=torch.empty(workspace, dtype=torch.float32, device=q.device) if workspace else None)
     if separate:
         out.update(dq=_new_gradient(q), dq_acc=None)
@@ -998,11 +999,12 @@ def _plan_layout(do, q, k, v, o, lse, *, causal, scale, deterministic, tuned_til
         # (decode_backward.py). Deterministic by construction, whatever ``deterministic`` asks.
         splits, chunk = split
         workspace = decode_backward.workspace_shape(*q.shape[:3], D, splits)
-        t = _allocate(q, k, v, True, workspace)
+        t = _allocate(q, k, v, True, workspace, split=True)
         launches = decode_backward.plan(do, q, k, v, o, lse, t["dq"], t["dk"], t["dv"], t["dq_part"], causal=causal,
                                         scale=scale, splits=splits, chunk=chunk, pipelining=pipelining,
                                         key_starts=key_starts, key_lengths=key_lengths)
-        return KeptLayout(True, tuple(KeptLaunch(launch, _ROLES) for launch in launches), workspace=workspace)
+        return KeptLayout(True, tuple(KeptLaunch(launch, _ROLES) for launch in launches), workspace=workspace,
+                          split=True)
     plan = backward_plan(D, q.dtype, arch, causal, deterministic=deterministic, tuned_tiles=tuned_tiles,
                          pipelining=pipelining, warp_specialization=warp_specialization)
     ranged = key_starts is not None or key_lengths is not None
@@ -1137,12 +1139,12 @@ def train_workspace_bytes(p: Problem, deterministic: bool = False) -> int:
     """Extra device memory of one training step besides q, k, v, o, dO and the three gradients, bytes:
     the saved lse and the pre-pass's Δ (4 B per query row each) and, with atomic dQ and a 16-bit
     dtype, the fp32 dQ accumulator (4·D B per query row; fp32 inputs accumulate in dq itself); a
-    decoding-shaped problem, the split backward's fp32 dQ partials instead."""
+    decoding-shaped problem: the lse and the split backward's fp32 dQ partials (it forms Δ in its programs)."""
     rows = p.heads * p.N
     if decode_backward.takes_split_backward(p.H, p.Hkv, p.N, p.Nk, p.D, p.element_bytes, device_arch(None)):
         splits, _ = decode_backward.backward_splits(p.B, p.Hkv, p.group, p.N, p.Nk, p.D, sm_count(None),
                                                     p.element_bytes)
-        return 2 * rows * 4 + (splits * rows * p.D * 4 if splits > 1 else 0)
+        return rows * 4 + (splits * rows * p.D * 4 if splits > 1 else 0)
     plan = backward_plan(p.D, DTYPES[p.dtype], device_arch(None), p.causal, deterministic=deterministic)
     extra = rows * p.D * 4 if plan.atomic_dq and p.dtype != "fp32" else 0
     return 2 * rows * 4 + extra

@@ -102,8 +102,7 @@ def shared_bytes(tiles: SplitBwdTiles, D: int, element_bytes: int) -> int:
         + tiles.block_m * tiles.block_n * 4
 
 
-def takes_split_backward(Hq: int, Hkv: int, Nq: int, Nk: int, D: int = 64, element_bytes: int = 2,
-                         arch: int = 90) -> bool:
+def takes_split_backward(Hq: int, Hkv: int, Nq: int, Nk: int, D: int, element_bytes: int, arch: int) -> bool:
     """Whether a backward of these shapes is decoding-shaped (``decode.is_decoding``: the group's query
     rows fit one tile, after a cache), the class the split backward is for, its tiles fit this GPU's
     shared memory, and the switch is on."""
