@@ -41,6 +41,9 @@ The kernels
      K/V tiles, accumulates dQ in registers in a fixed order: bitwise reproducible. It recomputes
      QK^T and dO V^T, so seven matmuls per pair instead of five (3.5× the forward's FLOPs instead of
      2.5×, +40 %), and reads K and V once more per Q tile; no fp32 workspace, no atomics.
+4. A decoding-shaped problem (the group's query rows fit one tile after a cache, the forward's decode
+   class) runs none of these: the split backward of ``decode_backward.py`` holds every query row in each
+   program and shares out the keys, as the forward's split-KV path does (``split_backward``).
 
 The switches (each turns one optimization off for the ablation; all off = stage B's settings)
 -------------------------------------------------------------------------------------------
