@@ -83,8 +83,7 @@ def split_backward_tiles(group: int, Nq: int, D: int, element_bytes: int = 2) ->
     registers). A 16-row tile of 16-bit data up to 128 columns gets 8 warps and a third K/V buffer:
     on an H100 that was 13 % faster at D 64 and level elsewhere; 64 rows keep 4 warps and two
     buffers (the third was 20 % slower there)."""
-    rows = group * Nq
-    block_m = min(decode.DECODE_ROWS, max(16, 1 << (rows - 1).bit_length()))
+    block_m = decode.split_tiles(group, Nq, D).block_m  # (the forward's rows: the same tile of the group)
     row_bytes = padded_head_dim(D) * element_bytes
     block_n = 64 if row_bytes <= 256 else 32
     if block_m == 16 and element_bytes == 2 and row_bytes <= 256:
@@ -263,13 +262,9 @@ def plan(do, q, k, v, o, lse, dq, dk, dv, dq_part, *, causal: bool, scale: float
         launches.append(Launch(
             reduce_dq_kernel, (rows,),
             dict(DQ_PART=dq_part, DQ=dq, sm_scale=scale, ROWS_TOTAL=rows, SPLITS=splits, D=D,
-                 BLOCK_D=padded_head_dim(D), SPLITS_PER_STEP=min(REDUCE_SPLITS_PER_STEP, _pow2(splits))),
+                 BLOCK_D=padded_head_dim(D), SPLITS_PER_STEP=min(REDUCE_SPLITS_PER_STEP, triton.next_power_of_2(splits))),
             num_warps=4, num_stages=1))
     return launches
-
-
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def hbm_bytes(p: Problem, sms: int) -> HbmTraffic:
