@@ -16,10 +16,19 @@ Cells: grouped-query and multi-head decoding, batch 1 to 64, caches of 4k to 128
     python experiments/decode_tiles.py --cells b1-gqa-32k --out /tmp/t.csv
 
 ``--early-merge`` times something else: stage C's default decode call with the merge launched the
-ordinary way and launched early (``decode.EARLY_MERGE``, programmatic dependent launch), in three
-rounds of turns, beside cuDNN, on every cell (no tile sweep):
+ordinary way, launched early (``decode.EARLY_MERGE``, programmatic dependent launch) and fused into
+the split kernel (``LAB_DECODE_MERGE=fused``), in three rounds of turns, beside cuDNN, on every cell
+(no tile sweep):
 
     python experiments/decode_tiles.py --early-merge --out results/h200/experiments/<date>_decode_early_merge.csv
+
+``--one-chunk`` asks whether a grid that already has a program per SM needs splitting at all: the
+split kernel with a single chunk per KV head (no partials, no merge: one kernel, as cuDNN runs it)
+and with two, at deeper pipelines and wider tiles than the default (one program per SM leaves it
+the whole shared memory), beside the default call and cuDNN, timed before and after the candidates:
+
+    python experiments/decode_tiles.py --one-chunk --cells decode-gqa,decode-long,mistral-decode,b64-gqa-4k \
+        --out results/h200/experiments/<date>_decode_one_chunk.csv
 """
 
 from __future__ import annotations
@@ -67,11 +76,17 @@ def graph_ms(fn) -> float:
     return timing.summarize(timing.samples_graph(lambda: fn, 50, 100), True).ms_median
 
 
-def use_tiles(tiles: decode.SplitTiles | None, early_merge: bool | None = None) -> None:
-    """Make every plan from here on take ``tiles`` (None: the default) and launch the merge early or
-    not (None: the module's choice), forgetting what was cached."""
+def use_tiles(tiles: decode.SplitTiles | None, early_merge: bool | None = None, splits: int | None = None,
+              merge: str | None = None) -> None:
+    """Make every plan from here on take ``tiles`` (None: the default), launch the merge early or
+    not (None: the module's choice) and split a decoding call's keys into ``splits`` chunks (None:
+    as ``decode.decode_splits`` counts them; 1 is reachable only this way, ``split_kv=1`` means the
+    one-pass kernel) and merge the splits as ``merge`` says (``decode.MERGES``; None: the module's
+    choice), forgetting what was cached."""
     decode.split_tiles = (lambda group, Nq, D: tiles) if tiles is not None else DEFAULT_TILES
     decode.EARLY_MERGE = DEFAULT_EARLY_MERGE if early_merge is None else early_merge
+    decode.decode_splits = (lambda *args: splits) if splits is not None else DEFAULT_DECODE_SPLITS
+    decode.MERGE = DEFAULT_MERGE if merge is None else merge
     ck._select.cache_clear()
     ck._recipe.cache_clear()
     ck._LAYOUT_PLANS.clear()
@@ -80,6 +95,13 @@ def use_tiles(tiles: decode.SplitTiles | None, early_merge: bool | None = None) 
 
 DEFAULT_TILES = decode.split_tiles
 DEFAULT_EARLY_MERGE = decode.EARLY_MERGE
+DEFAULT_DECODE_SPLITS = decode.decode_splits
+DEFAULT_MERGE = decode.MERGE
+#: ``--early-merge``'s contestants: label -> (merge launched early, how the splits are merged)
+MERGE_VARIANTS = {"merge-after": (False, "wide"), "merge-early": (True, "wide"), "merge-fused": (False, "fused")}
+#: ``--one-chunk``'s tiles: (keys per tile, warps, pipeline stages), within one program's share of an
+#: SM when it is alone there
+ONE_CHUNK_TILES = [(64, w, s) for w in (4, 8) for s in (2, 3, 4, 5)] + [(128, w, s) for w in (4, 8) for s in (2, 3)]
 #: rounds of turns in ``--early-merge`` mode
 ROUNDS = 3
 
@@ -89,7 +111,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--cells", default="", help="comma-separated cell names (default: all)")
     ap.add_argument("--early-merge", action="store_true",
-                    help="time the merge launched early and not, in turns (no tile sweep)")
+                    help="time the merge launched after, early and fused, in turns (no tile sweep)")
+    ap.add_argument("--one-chunk", action="store_true",
+                    help="time one and two chunks per KV head at deeper pipelines against the default")
     args = ap.parse_args(argv)
     cells = [c for c in CELLS if not args.cells or c[0] in args.cells.split(",")]
     sms = num_sms(torch.device("cuda"))
@@ -130,8 +154,8 @@ def main(argv=None) -> int:
             cudnn = peer_attention("sdpa_cudnn")
             if args.early_merge:
                 for _ in range(ROUNDS):
-                    for label, early in (("merge-after", False), ("merge-early", True)):
-                        use_tiles(None, early)
+                    for label, (early, merge) in MERGE_VARIANTS.items():
+                        use_tiles(None, early, merge=merge)
                         row(label, tiles_default, "", lambda: ck.attention(q, k, v))
                     row("cudnn", None, "", lambda: cudnn(q, k, v, causal=False))
                 use_tiles(None)
@@ -140,6 +164,20 @@ def main(argv=None) -> int:
                 continue
             row("default", tiles_default, "", lambda: ck.attention(q, k, v))
             row("cudnn", None, "", lambda: cudnn(q, k, v, causal=False))
+            if args.one_chunk:
+                for (block_n, warps, stages_), splits in itertools.product(ONE_CHUNK_TILES, (1, 2)):
+                    if stages_ * block_n * D * 2 * 2 > SMEM_BYTES:
+                        continue
+                    tiles = decode.SplitTiles(default.block_m, block_n, warps, stages_)
+                    use_tiles(tiles, splits=splits)
+                    row(f"chunks-{splits}", (tiles.block_m, block_n, warps, stages_), splits,
+                        lambda: ck.attention(q, k, v))
+                use_tiles(None)
+                row("default", tiles_default, "", lambda: ck.attention(q, k, v))
+                row("cudnn", None, "", lambda: cudnn(q, k, v, causal=False))
+                del q, k, v, ref
+                torch.cuda.empty_cache()
+                continue
             for block_n, warps, stages_ in itertools.product(BLOCK_N, WARPS, STAGES):
                 if stages_ * block_n * D * 2 * 2 > SMEM_BYTES:
                     continue

@@ -502,3 +502,29 @@ def test_early_merge_launches_the_merge_before_the_split_kernel_ends(monkeypatch
             assert "ld.global" not in merge.asm["ptx"][:wait]
         assert not any("griddepcontrol" in k.asm["ptx"] for k in STAGES["c"].compile(p, 80))
     kernels._recipe.cache_clear()
+
+
+def test_fused_merge_releases_after_a_barrier_and_reads_past_l1(monkeypatch):
+    """The merge fused into the split kernel (decode.MERGE "fused"): one kernel; the block's threads
+    meet at a barrier before the one atomic add that releases their partials (acq_rel, gpu scope),
+    and the merging program reads the partials past the SM's L1 (ld.global.cg), on sm_80 and sm_90,
+    without spills."""
+    from stages.c_optimized import decode, kernels
+
+    p = Problem(B=1, H=32, N=1, Hkv=8, Nk=32768, D=128, dtype="bf16")
+    monkeypatch.setattr(decode, "MERGE", "fused")
+    monkeypatch.setenv("LAB_DECODE_MERGE", "fused")  # (an interpreting process compiles in a child)
+    kernels._recipe.cache_clear()
+    try:
+        for arch in (80, 90):
+            (split,) = STAGES["c"].compile(p, arch)
+            ptx = split.asm["ptx"]
+            atoms = re.findall(r"atom\.global\.(\S+)", ptx)
+            assert atoms == ["gpu.acq_rel.add.u32"]
+            before = ptx[:ptx.find("atom.global")]
+            assert before.rfind("bar.sync") > before.rfind("st.global")  # every partial stored, then the barrier
+            after = ptx[ptx.find("atom.global"):]
+            assert "ld.global.cg" in after and "ld.global.cg" not in before
+            assert run_ptxas(ptx, f"sm_{arch}a" if arch == 90 else f"sm_{arch}").get("spill_stores") == 0
+    finally:
+        kernels._recipe.cache_clear()

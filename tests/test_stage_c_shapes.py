@@ -138,9 +138,10 @@ def test_split_kv_decode(dtype, causal, device):
         _check_lse(lse, q, k, causal=causal)
 
 
-@pytest.fixture(params=sorted(decode.MERGE_SHAPES))
+@pytest.fixture(params=decode.MERGES)
 def merge(request, monkeypatch):
-    """Each of the merge kernel's shapes (``decode.MERGE``), with every plan made under the other forgotten."""
+    """Each way of merging the splits (``decode.MERGE``: the merge kernel's two shapes, and the merge
+    fused into the split kernel), with every plan made under another forgotten."""
     def clear():
         c_kernels._recipe.cache_clear()
         c_kernels._LAYOUT_PLANS.clear()
@@ -159,7 +160,10 @@ def test_split_kv_many_splits(merge, device):
         q, k, v = make_qkv(1, 4, 1, 32, torch.float16, device, Hkv=2, Nk=64 * 70 - 5)
         launches = c_kernels.plan(q, k, v, contract.new_output(q), causal=causal, scale=0.2, arch=80,
                                   split_kv=split_kv)
-        assert launches[1].grid[0] == -(-4 // decode.merge_shape()[0]) and launches[1].args["SPLITS"] == split_kv
+        if merge == "fused":  # one kernel, which counts its programs in
+            assert len(launches) == 1 and launches[0].args["COUNTERS"] is not None
+        else:
+            assert launches[1].grid[0] == -(-4 // decode.merge_shape()[0]) and launches[1].args["SPLITS"] == split_kv
         o, lse = c_kernels.attention_with_lse(q, k, v, causal=causal, split_kv=split_kv)
         check_against_reference(o, q, k, v, causal=causal, dtype_name="fp16")
         _check_lse(lse, q, k, causal=causal)

@@ -26,6 +26,12 @@ which the second, small kernel computes with the same running-maximum trick as t
 (``MERGE_SHAPES``). A row with no key anywhere has
 every L_s = −inf; it gets O = 0 and L = +inf (the backward's convention: P = 2^(x − L) = 0).
 
+**Or no merge kernel** (``LAB_DECODE_MERGE=fused``): each program, its partials written, adds one to a
+counter of its row block (an atomic add that releases its writes), and the program that finds every
+other split already counted merges the row block itself and zeroes the counter for the next call,
+the "last block" pattern of a reduction in one pass. One launch instead of two; the merge still
+runs, at the end of the last program.
+
 **Grouped-query attention.** One program takes *all* the query heads that share its KV head (and
 all their Nq rows) as the rows of one tile: row r is query head ``kv_head·group + r // Nq``, query
 row ``r % Nq``. Each K/V tile is then read once per KV head, not once per query head, and the
@@ -55,6 +61,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -228,12 +235,18 @@ def split_kv_attention_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr, ALIGN: tl.constexpr,
     KEY_STARTS, KEY_LENGTHS, EARLY_MERGE: tl.constexpr = False,
+    COUNTERS=None, FUSED_STEP: tl.constexpr = 0,
 ):
     """Program (split, b·Hkv + kv head, row block): the online softmax of its rows over one chunk of
     keys; writes the chunk's normalized O (fp32) and base-2 log-sum-exp per row (module docstring).
     With a single chunk (a short cache) that is the answer: it goes straight to O (and LSE), and
     no merge runs. ``KEY_STARTS``/``KEY_LENGTHS`` (int32 [B], or None): batch entry b attends to
-    keys [KEY_STARTS[b], KEY_LENGTHS[b]) only (module docstring, "Key ranges")."""
+    keys [KEY_STARTS[b], KEY_LENGTHS[b]) only (module docstring, "Key ranges").
+
+    ``COUNTERS`` (int32, one per (b·Hkv + kv head, row block), zero between calls; None: the merge
+    kernel runs after this one): the merge fused in (:data:`MERGE` ``fused``). Each program counts
+    itself in when its partials are written, and the last of its row block to arrive merges them,
+    ``FUSED_STEP`` splits a step, and sets the counter back to zero."""
     if EARLY_MERGE:
         # Let the merge's programs be launched now (:data:`EARLY_MERGE`): they wait for this grid's
         # end in gdc_wait, so nothing here needs to happen before this line.
@@ -313,6 +326,20 @@ def split_kv_attention_kernel(
         part = split.to(tl.int64) * ROWS_TOTAL + row
         tl.store(O_PART + part[:, None] * D + ds[None, :], out, mask=mask)
         tl.store(LSE_PART + part, tl.where(seen, lse, float("-inf")), mask=row_ok)
+        if COUNTERS is not None:
+            # The last to arrive merges. The barrier puts every thread's stores above before the
+            # one thread's atomic add; the add releases them (gpu scope) and acquires the others':
+            # the program that counts last sees every split's partials.
+            tl.debug_barrier()
+            counter = COUNTERS + tl.program_id(1) * tl.num_programs(2) + tl.program_id(2)
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(0) - 1:
+                merged, lse = merge_partials(O_PART, LSE_PART, row, row_ok, ROWS_TOTAL, tl.num_programs(0),
+                                             ds, d_ok, D, FUSED_STEP, ".cg")
+                tl.store(O + row[:, None] * D + ds[None, :], merged.to(O.dtype.element_ty), mask=mask)
+                if STORE_LSE:
+                    tl.store(LSE + row, lse, mask=row_ok)
+                tl.store(counter, 0)  # ready for the next call on this stream
 
 
 @triton.jit(do_not_specialize=["ROWS_TOTAL", "SPLITS"])
@@ -334,17 +361,29 @@ def merge_splits_kernel(
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < ROWS_TOTAL
     ds = tl.arange(0, BLOCK_D)
-    d_ok = ds < D
-    m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
-    den = tl.zeros((BLOCK_R,), tl.float32)
-    acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+    out, lse = merge_partials(O_PART, LSE_PART, rows, row_ok, ROWS_TOTAL, SPLITS, ds, ds < D, D, SPLITS_PER_STEP, "")
+    tl.store(O + rows.to(tl.int64)[:, None] * D + ds[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (ds < D)[None, :])
+    if STORE_LSE:
+        tl.store(LSE + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def merge_partials(O_PART, LSE_PART, rows, row_ok, ROWS_TOTAL, SPLITS, ds, d_ok, D: tl.constexpr,
+                   SPLITS_PER_STEP: tl.constexpr, CACHE: tl.constexpr):
+    """(O, L) of ``rows`` from their ``SPLITS`` partials, ``SPLITS_PER_STEP`` at a time: L = +inf for a
+    row no split saw a key of (O = 0 there). ``CACHE``: the loads' cache modifier (``".cg"``, past
+    the SM's L1, where other programs of the same kernel wrote the partials)."""
+    m = tl.full(rows.shape, float("-inf"), tl.float32)
+    den = tl.zeros(rows.shape, tl.float32)
+    acc = tl.zeros((rows.shape[0], ds.shape[0]), tl.float32)
     for s0 in range(0, SPLITS, SPLITS_PER_STEP):
         s = s0 + tl.arange(0, SPLITS_PER_STEP)
         ok = (s < SPLITS)[:, None] & row_ok[None, :]                          # [S, R]
         part = s.to(tl.int64)[:, None] * ROWS_TOTAL + rows[None, :]           # [S, R]
-        lse_s = tl.load(LSE_PART + part, mask=ok, other=float("-inf"))
+        lse_s = tl.load(LSE_PART + part, mask=ok, other=float("-inf"), cache_modifier=CACHE)
         o_s = tl.load(O_PART + part[:, :, None] * D + ds[None, None, :],        # [S, R, BLOCK_D]
-                      mask=ok[:, :, None] & d_ok[None, None, :], other=0.0)
+                      mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=CACHE)
         m_new = tl.maximum(m, tl.max(lse_s, axis=0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         w_old = tl.math.exp2(m - m_use)
@@ -354,11 +393,8 @@ def merge_splits_kernel(
         m = m_new
     seen = den > 0.0
     out = acc / tl.where(seen, den, 1.0)[:, None]
-    tl.store(O + rows.to(tl.int64)[:, None] * D + ds[None, :], out.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
-    if STORE_LSE:
-        lse = tl.where(seen, m + tl.math.log2(tl.where(seen, den, 1.0)), float("inf"))
-        tl.store(LSE + rows, lse, mask=row_ok)
+    lse = tl.where(seen, m + tl.math.log2(tl.where(seen, den, 1.0)), float("inf"))
+    return out, lse
 
 
 #: The merge kernel's (rows per program, splits per step). "wide", the default: one row per program,
@@ -367,10 +403,49 @@ def merge_splits_kernel(
 #: first version. On the H200 the wide merge made B 1 grouped decoding 1.5x (Nk 4096) and 1.7x (Nk
 #: 32768) faster, at the split counts the code picks, and tied or won every other decode cell
 #: (docs/performance-log/model-shapes.md, entry 47).
+#: "fused" (``LAB_DECODE_MERGE=fused``) runs no merge kernel: the split kernel's last program of each
+#: row block to finish merges its rows (:func:`fused_step` splits a step), counted in by an atomic add
+#: on a per-stream counter buffer (:func:`merge_counters`) that the merging program zeroes again. It
+#: saves a launch, the gap before it and a read of the partials' addresses from a cold start; it pays
+#: with a merge at the end of the kernel's critical path, in one program per row block.
 MERGE_SHAPES = {"serial": (16, 1), "wide": (1, 32)}
+MERGES = (*MERGE_SHAPES, "fused")
 MERGE = os.environ.get("LAB_DECODE_MERGE", "wide")
-if MERGE not in MERGE_SHAPES:
-    raise ValueError(f"LAB_DECODE_MERGE must be one of {', '.join(MERGE_SHAPES)}, got {MERGE!r}")
+if MERGE not in MERGES:
+    raise ValueError(f"LAB_DECODE_MERGE must be one of {', '.join(MERGES)}, got {MERGE!r}")
+
+
+def fused_merge() -> bool:
+    """Whether split-KV calls merge in the split kernel (:data:`MERGE` ``fused``)."""
+    return MERGE == "fused"
+
+
+def fused_step(block_m: int, block_d: int, num_warps: int) -> int:
+    """Splits the fused merge folds per step: as many [block_m, block_d] fp32 partials as keep a
+    step's loads within 64 registers a thread (the loads of one step are all in flight at once; the
+    steps follow one another), a power of two from 1 to 32."""
+    fit = 64 * 32 * num_warps // (block_m * block_d)
+    return max(1, min(32, 1 << (max(fit, 1).bit_length() - 1)))
+
+
+#: (device, stream) -> int32 counters, zero between calls: the fused merge's arrivals. Per stream, so
+#: that calls on two streams never count into one buffer; a CUDA graph captures the buffer of its
+#: capture stream (its replays run in order on one stream, as the partials they share require too).
+_MERGE_COUNTERS: dict = {}
+
+
+def merge_counters(q, slots: int):
+    """At least ``slots`` zeroed int32 counters for a fused-merge call with ``q`` on its device's
+    current stream."""
+    index = q.get_device()
+    # (the raw stream handle: what compiled PyTorch code asks for; building a Stream object costs more)
+    key = (index, torch._C._cuda_getCurrentRawStream(index) if index >= 0 else 0)
+    counters = _MERGE_COUNTERS.get(key)
+    if counters is None or counters.numel() < slots:
+        # Grown, never shrunk; the old buffer goes back to the allocator in stream order.
+        size = max(slots, 1024, 2 * counters.numel() if counters is not None else 0)
+        counters = _MERGE_COUNTERS[key] = torch.zeros(size, dtype=torch.int32, device=q.device)
+    return counters
 
 
 #: Launch the merge before the split kernel ends (programmatic dependent launch, sm_90 and later). A
@@ -392,8 +467,9 @@ def early_merge(arch: int) -> bool:
 
 
 def merge_shape() -> tuple[int, int]:
-    """(rows per program, splits per step) of the merge kernel, as :data:`MERGE` picks."""
-    return MERGE_SHAPES[MERGE]
+    """(rows per program, splits per step) of the merge kernel, as :data:`MERGE` picks (the fused
+    merge runs none: the default's shape, for a caller that asks anyway)."""
+    return MERGE_SHAPES.get(MERGE, MERGE_SHAPES["wide"])
 
 
 def workspace_shapes(B: int, Hq: int, Nq: int, D: int, splits: int) -> tuple[tuple, tuple]:

@@ -476,6 +476,16 @@ class _Recipe:
     runtime: object
     #: what the host path has done once for this recipe (``_prepare_merge``)
     done: set = field(default_factory=set, compare=False, repr=False)
+    #: whether the first launch counts its programs in (the fused merge, ``decode.merge_counters``)
+    counters: bool = False
+
+    def counter_slots(self, runs: tuple) -> int:
+        """Counters a call with these runs needs: one per (b·Hkv + kv head, row block) of the split
+        kernel's grid (0: none)."""
+        if not self.counters:
+            return 0
+        grid = runs[0][0]
+        return grid[1] * grid[2]
 
 
 def _strides(role: str) -> tuple:
@@ -506,7 +516,7 @@ _SPLIT_INTS = (*_strides("q"), *_strides("k"), *_strides("v"), "Hq", "Hkv", "N_Q
                "ROWS_TOTAL")
 
 
-def _split_runtime(q, k, v, o, choice: Choice, sms: int, merge_rows: int) -> tuple:
+def _split_runtime(q, k, v, o, choice: Choice, sms: int, merge_rows: int | None) -> tuple:
     split = choice.config
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -520,8 +530,10 @@ def _split_runtime(q, k, v, o, choice: Choice, sms: int, merge_rows: int) -> tup
              (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], Hq, Hkv, Nq, Nk, Nk - Nq, chunk, rows_total))
     if splits == 1:  # one chunk: the split kernel writes O itself, no partials, no merge
         return (("o_part", None), ("lse_part", None)), (first,)
-    merge = ((cdiv(rows_total, merge_rows),), (rows_total, splits))
-    return (("o_part", (splits, rows_total, D)), ("lse_part", (splits, rows_total))), (first, merge)
+    partials = (("o_part", (splits, rows_total, D)), ("lse_part", (splits, rows_total)))
+    if merge_rows is None:  # the merge fused into the split kernel
+        return partials, (first,)
+    return partials, (first, ((cdiv(rows_total, merge_rows),), (rows_total, splits)))
 
 
 def _kernel_config(choice: Choice):
@@ -547,7 +559,7 @@ def _recipe(path: str, config, dtype: torch.dtype, D: int, group: int, causal: b
     dot_precision = "ieee" if dtype == torch.float32 else "tf32"  # fp32 inputs get exact fp32 products
     if path == "split":
         return _split_recipe(config, dtype, D, group, causal, dot_precision, store_lse, sms, ranges, align,
-                             decode.early_merge(arch))
+                             decode.early_merge(arch), decode.fused_merge())
     if path == "ws":
         options = config.ws_options(ws_rung)
         # Tiles as wide as the padded head dim, or its main part and a narrow tail (tile_widths): TMA
@@ -608,14 +620,22 @@ def _range_arguments(ranges: tuple, static: dict) -> tuple:
 
 
 def _split_recipe(split, dtype, D, group, causal, dot_precision, store_lse, sms, ranges=(False, False),
-                  align=1, early_merge=False) -> _Recipe:
+                  align=1, early_merge=False, fused=False) -> _Recipe:
     BD = padded_head_dim(D)
     tensors = (("Q", "q"), ("K", "k"), ("V", "v"), ("O_PART", "o_part"), ("LSE_PART", "lse_part"), ("O", "o"))
     static = dict(GROUP=group, D=D, BLOCK_D=BD, BLOCK_M=split.block_m, BLOCK_N=split.block_n, CAUSAL=causal,
-                  DOT_PRECISION=dot_precision, STORE_LSE=store_lse, ALIGN=align, EARLY_MERGE=early_merge)
+                  DOT_PRECISION=dot_precision, STORE_LSE=store_lse, ALIGN=align,
+                  EARLY_MERGE=early_merge and not fused)
     tensors = _lse_argument(tensors, static, store_lse) + _range_arguments(ranges, static)
+    if fused:  # no merge kernel: the split kernel's last program of each row block merges (decode.MERGE)
+        static["FUSED_STEP"] = decode.fused_step(split.block_m, BD, split.num_warps)
+        tensors += (("COUNTERS", "merge_counters"),)
+    else:
+        static.update(COUNTERS=None, FUSED_STEP=0)
     first = _LaunchRecipe(decode.split_kv_attention_kernel, tuple(static.items()), tensors, (), _SPLIT_INTS,
                           split.num_warps, split.num_stages)
+    if fused:
+        return _Recipe("split", (first,), functools.partial(_split_runtime, sms=sms, merge_rows=None), counters=True)
     merge_rows, splits_per_step = decode.merge_shape()
     merge_static = dict(D=D, BLOCK_D=BD, BLOCK_R=merge_rows, SPLITS_PER_STEP=splits_per_step, STORE_LSE=store_lse,
                         EARLY_MERGE=early_merge)
@@ -684,10 +704,13 @@ def _select(B, Hq, Hkv, Nq, Nk, D, dtype, causal, arch, sms, tma_ok, config, spl
                   **dict(zip(SWITCH_NAMES, switches)))
 
 
-def _call_tensors(workspace: tuple, q, k, v, o, lse, key_starts=None, key_lengths=None) -> dict:
+def _call_tensors(workspace: tuple, q, k, v, o, lse, key_starts=None, key_lengths=None, counters: int = 0) -> dict:
     """The call's tensors by role, with the fp32 workspace the recipe asks for (the split path's
-    partials: one allocation, cut into the buffers; a shape of None: an unused fp32 argument)."""
+    partials: one allocation, cut into the buffers; a shape of None: an unused fp32 argument) and
+    ``counters`` zeroed counters of the fused merge (``decode.merge_counters``; 0: none)."""
     tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse, "key_starts": key_starts, "key_lengths": key_lengths}
+    if counters:
+        tensors["merge_counters"] = decode.merge_counters(q, counters)
     sizes = [math.prod(shape) for _, shape in workspace if shape is not None]
     flat = torch.empty(sum(sizes), dtype=torch.float32, device=q.device) if sizes else None
     offset = 0
@@ -727,7 +750,7 @@ def plan(q, k, v, o, *, causal: bool, scale: float, arch: int, config: Config | 
                                 causal_skip=causal_skip, warp_specialization=warp_specialization, ws_rung=ws_rung,
                                 ranges=(key_starts is not None, key_lengths is not None))
     workspace, runs = recipe.runtime(q, k, v, o, choice)
-    tensors = _call_tensors(workspace, q, k, v, o, lse, key_starts, key_lengths)
+    tensors = _call_tensors(workspace, q, k, v, o, lse, key_starts, key_lengths, recipe.counter_slots(runs))
     return [r.bind(grid, tensors, ints, scale) for r, (grid, ints) in zip(recipe.launches, runs)]
 
 
@@ -814,7 +837,8 @@ def _forward(q, k, v, causal: bool, scale: float, store_lse: bool, config, split
     if bound and bound.open():
         bound.launch(q, k, v, o, lse, qa, ka, va, scale, key_starts, key_lengths)
         return o, lse
-    tensors = _call_tensors(planned.workspace, q, k, v, o, lse, key_starts, key_lengths)
+    tensors = _call_tensors(planned.workspace, q, k, v, o, lse, key_starts, key_lengths,
+                            planned.recipe.counter_slots(planned.runs))
     for launch, (grid, ints), f in zip(planned.recipe.launches, planned.runs, planned.facts):
         launch.launch(grid, tensors, ints, scale, facts=f)
     if len(planned.runs) < len(planned.recipe.launches):
@@ -864,6 +888,7 @@ class _BoundLayout:
     workspace: tuple   # (role, offset in fp32 elements into the workspace, or None: unused, _stand_in_fp32)
     floats: int        # fp32 elements of the workspace (0: none)
     descriptors: bool  # whether a launch takes TMA descriptors (built over the call's tensors)
+    counters: int = 0  # the fused merge's counters (0: none), looked up per call: they are per stream
 
     @classmethod
     def of(cls, planned: _LayoutPlan, tensors: dict, scale: float):
@@ -884,7 +909,8 @@ class _BoundLayout:
                 return False  # (an empty buffer has no address to hand over: such calls take the full path)
             workspace.append((role, None if shape is None else offset))
             offset += 0 if shape is None else math.prod(shape)
-        return cls(tuple(launches), tuple(workspace), offset, any(descs for _, _, descs, _ in launches))
+        return cls(tuple(launches), tuple(workspace), offset, any(descs for _, _, descs, _ in launches),
+                   planned.recipe.counter_slots(planned.runs))
 
     def open(self) -> bool:
         """Whether the bound launches may run now (one check for all: they were bound on one device)."""
@@ -899,6 +925,8 @@ class _BoundLayout:
             addresses["key_starts"] = key_starts.data_ptr()
         if key_lengths is not None:
             addresses["key_lengths"] = key_lengths.data_ptr()
+        if self.counters:
+            addresses["merge_counters"] = decode.merge_counters(q, self.counters).data_ptr()
         # (held until the launches are queued: freed before them, its memory could go to another tensor)
         flat = torch.empty(self.floats, dtype=torch.float32, device=q.device) if self.floats else None
         for role, offset in self.workspace:
