@@ -18,7 +18,7 @@ Cells: grouped-query and multi-head decoding, batch 1 to 64, caches of 4k to 128
 ``--early-merge`` times something else: stage C's default decode call with the merge launched the
 ordinary way, launched early (``decode.EARLY_MERGE``, programmatic dependent launch) and fused into
 the split kernel (``LAB_DECODE_MERGE=fused``), in three rounds of turns, beside cuDNN, on every cell
-(no tile sweep):
+(no tile sweep), each in CUDA-graph replay and launched eagerly (``<label> eager`` rows):
 
     python experiments/decode_tiles.py --early-merge --out results/h200/experiments/<date>_decode_early_merge.csv
 
@@ -74,6 +74,12 @@ SMEM_BYTES = 220 * 1024
 
 def graph_ms(fn) -> float:
     return timing.summarize(timing.samples_graph(lambda: fn, 50, 100), True).ms_median
+
+
+def eager_ms(fn) -> float:
+    """Launched from Python call by call (CUDA events around each, the L2 flushed before it), as a
+    model without CUDA graphs runs it: each launch's gap is in the time."""
+    return timing.summarize(timing.samples_gpu(fn, 50, 100), True).ms_median
 
 
 def use_tiles(tiles: decode.SplitTiles | None, early_merge: bool | None = None, splits: int | None = None,
@@ -134,12 +140,12 @@ def main(argv=None) -> int:
             default = DEFAULT_TILES(group, 1, D)
             items = B * Hkv * -(-group // default.block_m)
 
-            def row(label, tiles, splits, fn):
+            def row(label, tiles, splits, fn, eager=False):
                 try:
                     out = fn()
                     torch.cuda.synchronize()
                     diff = (out.float() - ref.float()).abs().max().item() if label != "cudnn" else ""
-                    ms = graph_ms(fn)
+                    ms = eager_ms(fn) if eager else graph_ms(fn)
                     w.writerow([name, B, Hq, Hkv, Nk, D, label, *(tiles or ("",) * 4), splits, f"{ms:.5f}",
                                 f"{nbytes / ms / 1e6:.0f}", diff, "ok"])
                     print(f"{name} {label} {tiles} splits={splits}: {ms * 1e3:.1f} us "
@@ -157,7 +163,9 @@ def main(argv=None) -> int:
                     for label, (early, merge) in MERGE_VARIANTS.items():
                         use_tiles(None, early, merge=merge)
                         row(label, tiles_default, "", lambda: ck.attention(q, k, v))
+                        row(label + " eager", tiles_default, "", lambda: ck.attention(q, k, v), eager=True)
                     row("cudnn", None, "", lambda: cudnn(q, k, v, causal=False))
+                    row("cudnn eager", None, "", lambda: cudnn(q, k, v, causal=False), eager=True)
                 use_tiles(None)
                 del q, k, v, ref
                 torch.cuda.empty_cache()

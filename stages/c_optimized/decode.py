@@ -406,8 +406,9 @@ def merge_partials(O_PART, LSE_PART, rows, row_ok, ROWS_TOTAL, SPLITS, ds, d_ok,
 #: "fused" (``LAB_DECODE_MERGE=fused``) runs no merge kernel: the split kernel's last program of each
 #: row block to finish merges its rows (:func:`fused_step` splits a step), counted in by an atomic add
 #: on a per-stream counter buffer (:func:`merge_counters`) that the merging program zeroes again. It
-#: saves a launch, the gap before it and a read of the partials' addresses from a cold start; it pays
-#: with a merge at the end of the kernel's critical path, in one program per row block.
+#: saves a launch and the gap before it; it pays with a merge at the end of the kernel's critical
+#: path, in one program per row block, and with a buffer that must be zero when a call starts (kept
+#: per stream; a CUDA graph captures the zeroing of a buffer of its own, one more node per replay).
 MERGE_SHAPES = {"serial": (16, 1), "wide": (1, 32)}
 MERGES = (*MERGE_SHAPES, "fused")
 MERGE = os.environ.get("LAB_DECODE_MERGE", "wide")
@@ -429,15 +430,19 @@ def fused_step(block_m: int, block_d: int, num_warps: int) -> int:
 
 
 #: (device, stream) -> int32 counters, zero between calls: the fused merge's arrivals. Per stream, so
-#: that calls on two streams never count into one buffer; a CUDA graph captures the buffer of its
-#: capture stream (its replays run in order on one stream, as the partials they share require too).
+#: that calls on two streams never count into one buffer.
 _MERGE_COUNTERS: dict = {}
 
 
 def merge_counters(q, slots: int):
-    """At least ``slots`` zeroed int32 counters for a fused-merge call with ``q`` on its device's
-    current stream."""
+    """At least ``slots`` zeroed int32 counters for a fused-merge call with ``q``, on its device's
+    current stream. While a CUDA graph is being captured, a fresh zeroed buffer of the graph's own
+    (the zeroing is captured too): a buffer kept from the capture would live in the graph's memory
+    pool past its outputs, which PyTorch refuses, and one kept from before it would be shared by
+    the graph's replays and whatever else runs on that stream."""
     index = q.get_device()
+    if index >= 0 and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(slots, dtype=torch.int32, device=q.device)
     # (the raw stream handle: what compiled PyTorch code asks for; building a Stream object costs more)
     key = (index, torch._C._cuda_getCurrentRawStream(index) if index >= 0 else 0)
     counters = _MERGE_COUNTERS.get(key)
