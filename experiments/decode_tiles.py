@@ -22,6 +22,13 @@ the split kernel (``LAB_DECODE_MERGE=fused``), in three rounds of turns, beside 
 
     python experiments/decode_tiles.py --early-merge --out results/h200/experiments/<date>_decode_early_merge.csv
 
+``--plans`` times stage C's default decode call under each decoding plan (``LAB_DECODE_PLAN``:
+"waves", two-stage tiles at about four programs per SM; "deep", three-stage tiles as wide as the
+shared memory holds at one program per SM), in three rounds of turns, graph replay and eager, beside
+cuDNN:
+
+    python experiments/decode_tiles.py --plans --out results/h200/experiments/<date>_decode_plans.csv
+
 ``--one-chunk`` asks whether a grid that already has a program per SM needs splitting at all: the
 split kernel with a single chunk per KV head (no partials, no merge: one kernel, as cuDNN runs it)
 and with two, at deeper pipelines and wider tiles than the default (one program per SM leaves it
@@ -83,13 +90,16 @@ def eager_ms(fn) -> float:
 
 
 def use_tiles(tiles: decode.SplitTiles | None, early_merge: bool | None = None, splits: int | None = None,
-              merge: str | None = None) -> None:
+              merge: str | None = None, plan: str | None = None) -> None:
     """Make every plan from here on take ``tiles`` (None: the default), launch the merge early or
     not (None: the module's choice) and split a decoding call's keys into ``splits`` chunks (None:
     as ``decode.decode_splits`` counts them; 1 is reachable only this way, ``split_kv=1`` means the
-    one-pass kernel) and merge the splits as ``merge`` says (``decode.MERGES``; None: the module's
-    choice), forgetting what was cached."""
+    one-pass kernel), merge the splits as ``merge`` says (``decode.MERGES``; None: the module's
+    choice) and plan decoding calls as ``plan`` says (``decode.DECODE_PLANS``), forgetting what was
+    cached."""
     decode.split_tiles = (lambda group, Nq, D: tiles) if tiles is not None else DEFAULT_TILES
+    # (the deep plan would replace the tiles; None: the module's plan)
+    decode.DECODE_PLAN = "waves" if tiles is not None else plan or DEFAULT_PLAN
     decode.EARLY_MERGE = DEFAULT_EARLY_MERGE if early_merge is None else early_merge
     decode.decode_splits = (lambda *args: splits) if splits is not None else DEFAULT_DECODE_SPLITS
     decode.MERGE = DEFAULT_MERGE if merge is None else merge
@@ -103,6 +113,7 @@ DEFAULT_TILES = decode.split_tiles
 DEFAULT_EARLY_MERGE = decode.EARLY_MERGE
 DEFAULT_DECODE_SPLITS = decode.decode_splits
 DEFAULT_MERGE = decode.MERGE
+DEFAULT_PLAN = decode.DECODE_PLAN
 #: ``--early-merge``'s contestants: label -> (merge launched early, how the splits are merged)
 MERGE_VARIANTS = {"merge-after": (False, "wide"), "merge-early": (True, "wide"), "merge-fused": (False, "fused")}
 #: ``--one-chunk``'s tiles: (keys per tile, warps, pipeline stages), within one program's share of an
@@ -118,6 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cells", default="", help="comma-separated cell names (default: all)")
     ap.add_argument("--early-merge", action="store_true",
                     help="time the merge launched after, early and fused, in turns (no tile sweep)")
+    ap.add_argument("--plans", action="store_true",
+                    help="time each decoding plan (decode.DECODE_PLANS) in turns, graph replay and eager")
     ap.add_argument("--one-chunk", action="store_true",
                     help="time one and two chunks per KV head at deeper pipelines against the default")
     args = ap.parse_args(argv)
@@ -158,6 +171,20 @@ def main(argv=None) -> int:
             use_tiles(None)
             tiles_default = (default.block_m, default.block_n, default.num_warps, default.num_stages)
             cudnn = peer_attention("sdpa_cudnn")
+            if args.plans:
+                for _ in range(ROUNDS):
+                    for plan in decode.DECODE_PLANS:
+                        use_tiles(None, plan=plan)
+                        t = ck._plan_call(q, k, v, ref, None, False, ck._arch_and_sms(q)[0], sms)[0].config
+                        label_tiles = (t.block_m, t.block_n, t.num_warps, t.num_stages)
+                        row(f"plan-{plan}", label_tiles, "", lambda: ck.attention(q, k, v))
+                        row(f"plan-{plan} eager", label_tiles, "", lambda: ck.attention(q, k, v), eager=True)
+                    row("cudnn", None, "", lambda: cudnn(q, k, v, causal=False))
+                    row("cudnn eager", None, "", lambda: cudnn(q, k, v, causal=False), eager=True)
+                use_tiles(None)
+                del q, k, v, ref
+                torch.cuda.empty_cache()
+                continue
             if args.early_merge:
                 for _ in range(ROUNDS):
                     for label, (early, merge) in MERGE_VARIANTS.items():

@@ -527,3 +527,49 @@ def test_grouped_decode_on_a_full_gpu_reads_each_kv_head_once(monkeypatch, devic
     q, k, v = make_qkv(2, 4, 1, 64, torch.float16, device, Hkv=2, Nk=300)
     o = attention(q, k, v)
     check_against_reference(o, q, k, v, causal=False, dtype_name="fp16")
+
+
+@pytest.fixture
+def deep_plan(monkeypatch):
+    """Decoding calls planned "deep" (``decode.DECODE_PLAN``), every plan made under the other forgotten."""
+    def clear():
+        c_kernels._select.cache_clear()
+        c_kernels._recipe.cache_clear()
+        c_kernels._LAYOUT_PLANS.clear()
+        decode._wanted_splits.cache_clear()
+
+    monkeypatch.setattr(decode, "DECODE_PLAN", "deep")
+    clear()
+    yield
+    monkeypatch.undo()
+    clear()
+
+
+def test_deep_decode_plan_fills_one_program_per_sm(deep_plan):
+    """The deep plan: three-stage tiles, as wide as the shared memory holds for the dtype and GPU (an
+    sm_80 block has less than an sm_90 one; fp32 needs twice the bytes), and a split count aiming at
+    one program per SM: a grid that already has one runs unsplit, with no merge."""
+    for D, element_bytes, arch, tile in ((128, 2, 90, (128, 3)), (128, 2, 80, (64, 3)), (128, 4, 90, (64, 3)),
+                                         (256, 2, 90, (64, 3)), (64, 2, 80, (128, 3)),
+                                         (256, 4, 80, (32, 2))):  # (no ring of three fits: the waves plan's tiles)
+        tiles = decode.decode_tiles(4, 1, D, element_bytes, configs.SHARED_MEMORY_LIMIT[arch])
+        assert (tiles.block_n, tiles.num_stages) == tile, (D, element_bytes, arch)
+    sms = 132
+    assert decode.decode_splits(16, 8, 4, 1, 8192, 128, sms, 128) == 1       # 128 programs unsplit: a wave
+    assert decode.decode_splits(8, 8, 4, 1, 16384, 128, sms, 128) == 2       # 64: two chunks each
+    assert decode.decode_splits(1, 8, 4, 1, 32768, 128, sms, 128) == 16
+    assert decode.decode_splits(1, 8, 4, 1, 1024, 128, sms, 128) == 2        # a short cache: whole tiles first
+    # The path does not change with the plan: multi-head decoding on a full GPU stays one-pass.
+    assert decode.decoding_splits_keys(256, 32, 1, 1, 128, sms) is False
+    choice = c_kernels.select(1, 32, 8, 1, None, 128, torch.bfloat16, False, 90, sms)
+    assert choice.path == "split" and (choice.config.block_n, choice.config.num_stages) == (128, 3)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_deep_decode_plan_matches_float64(deep_plan, dtype, device):
+    """Decoding under the deep plan, one chunk and many, GQA and MHA, causal both, against float64."""
+    for B, Hq, Hkv, Nq, Nk, causal in ((2, 8, 2, 1, 700, False), (1, 4, 4, 2, 900, True), (3, 2, 1, 1, 130, True)):
+        q, k, v = make_qkv(B, Hq, Nq, 40, DTYPES[dtype], device, Hkv=Hkv, Nk=Nk)
+        o, lse = c_kernels.attention_with_lse(q, k, v, causal=causal)
+        check_against_reference(o, q, k, v, causal=causal, dtype_name=dtype)
+        _check_lse(lse, q, k, causal=causal)

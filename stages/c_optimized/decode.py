@@ -113,6 +113,44 @@ def split_tiles(group: int, Nq: int, D: int) -> SplitTiles:
     return SplitTiles(block_m, block_n)
 
 
+#: How a decoding call is planned (``LAB_DECODE_PLAN``). "waves", the default: :func:`split_tiles`' two-stage
+#: tiles, split to about :data:`DECODE_WAVES` programs per SM. "deep": one program per SM, each with a
+#: three-stage ring of the widest K/V tile whose ring fills the SM's shared memory
+#: (:func:`decode_tiles`), so a grid that already has a program per SM runs unsplit, with no merge,
+#: as cuDNN runs it. On an H100 its tiles and chunk counts took decode-gqa (B 16, H 32/8, Nk 8192)
+#: from 184.7 to 178.2 µs (cuDNN 178.0), B 4 · H 32 · Nk 32768 from 703.5 to 691.3 (cuDNN 688.8),
+#: B 8 · H 32/8 · Nk 16384 from 183.7 to 181.9 (cuDNN 182.8) and B 64 · H 32/8 · Nk 4096 from 354.8 to
+#: 351.9 (cuDNN 352.8) (``experiments/decode_tiles.py --one-chunk``, performance log entry 78). Off
+#: until the plan itself is timed beside the default on the H200, B 1 included (``--plans``).
+DECODE_PLANS = ("waves", "deep")
+DECODE_PLAN = os.environ.get("LAB_DECODE_PLAN", "waves")
+if DECODE_PLAN not in DECODE_PLANS:
+    raise ValueError(f"LAB_DECODE_PLAN must be one of {', '.join(DECODE_PLANS)}, got {DECODE_PLAN!r}")
+#: the deep plan's K/V tiles in flight per program
+DEEP_STAGES = 3
+
+
+def decode_tiles(group: int, Nq: int, D: int, element_bytes: int, shared_bytes: int) -> SplitTiles:
+    """A decoding call's tiles under :data:`DECODE_PLAN`, for inputs of ``element_bytes`` on a GPU with
+    ``shared_bytes`` of shared memory per block: :func:`split_tiles`' ("waves"), or ("deep") their rows
+    and warps with :data:`DEEP_STAGES` K/V tiles of 128, 64 or 32 keys, the widest whose ring (and
+    the Q tile, and some room for the compiler's own) fits."""
+    tiles = split_tiles(group, Nq, D)
+    if DECODE_PLAN != "deep":
+        return tiles
+    width = padded_head_dim(D)
+    for block_n in (128, 64, 32):
+        ring = DEEP_STAGES * 2 * block_n * width * element_bytes  # K and V
+        if ring + tiles.block_m * width * element_bytes + 8 * 1024 <= shared_bytes:
+            return SplitTiles(tiles.block_m, block_n, tiles.num_warps, DEEP_STAGES)
+    return tiles
+
+
+def decode_waves() -> int:
+    """Programs per SM a decoding call's split count aims at, under :data:`DECODE_PLAN`."""
+    return 1 if DECODE_PLAN == "deep" else DECODE_WAVES
+
+
 def _config(tiles: SplitTiles, splits: int, chunk: int, forced: int | None = None) -> SplitConfig:
     return SplitConfig(tiles.block_m, tiles.block_n, splits, chunk, tiles.num_warps, tiles.num_stages, forced)
 
@@ -134,11 +172,11 @@ DECODE_WAVES = 4
 
 
 @lru_cache(maxsize=1024)  # asked on every decoding call, with the same arguments a whole loop long
-def _wanted_splits(B: int, Hkv: int, group: int, Nq: int, D: int, sms: int) -> int:
-    """Splits that would fill the GPU, before the keys limit them: about :data:`DECODE_WAVES` programs
-    per SM when decoding, about one wave otherwise."""
+def _wanted_splits(B: int, Hkv: int, group: int, Nq: int, D: int, sms: int, waves: int = DECODE_WAVES) -> int:
+    """Splits that would fill the GPU, before the keys limit them: about ``waves`` programs per SM
+    when decoding, about one wave otherwise."""
     items = B * Hkv * cdiv(group * Nq, split_tiles(group, Nq, D).block_m)
-    return round(DECODE_WAVES * sms / items) if group * Nq <= DECODE_ROWS else sms // items
+    return round(waves * sms / items) if group * Nq <= DECODE_ROWS else sms // items
 
 
 def decoding_splits_keys(B: int, Hkv: int, group: int, Nq: int, D: int, sms: int) -> bool:
@@ -151,16 +189,17 @@ def decoding_splits_keys(B: int, Hkv: int, group: int, Nq: int, D: int, sms: int
     return group > 1 or _wanted_splits(B, Hkv, group, Nq, D, sms) >= 2
 
 
-def decode_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: int) -> int:
-    """The chunks a decoding call splits its ``Nk`` keys into: :func:`_wanted_splits`, at most one
-    per ``MIN_TILES_PER_SPLIT`` tiles and :data:`MAX_SPLITS`, at least 1 (a short cache: one chunk,
-    the same kernel)."""
-    block_n = split_tiles(group, Nq, D).block_n
-    wanted = _wanted_splits(B, Hkv, group, Nq, D, sms)
+def decode_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: int, block_n: int | None = None) -> int:
+    """The chunks a decoding call splits its ``Nk`` keys into: :func:`_wanted_splits` at the plan's
+    :func:`decode_waves`, at most one per ``MIN_TILES_PER_SPLIT`` tiles of ``block_n`` keys (default:
+    :func:`split_tiles`') and :data:`MAX_SPLITS`, at least 1 (a short cache: one chunk, the same kernel)."""
+    block_n = block_n or split_tiles(group, Nq, D).block_n
+    wanted = _wanted_splits(B, Hkv, group, Nq, D, sms, decode_waves())
     return max(1, min(wanted, cdiv(Nk, block_n) // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
 
-def choose_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: int) -> SplitConfig | None:
+def choose_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: int,
+                  tiles: SplitTiles | None = None) -> SplitConfig | None:
     """The split-KV configuration for this problem, or None when splitting does not pay.
 
     Programs without splitting: ``items = B·Hkv·⌈group·Nq/BLOCK_M⌉``.
@@ -175,11 +214,14 @@ def choose_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: i
       chunks then fill about one wave; with more items, a second wave of split programs would take
       as long as the unsplit ones, so the one-pass kernel runs instead.
 
-    Never more chunks than the K/V tiles allow at ``MIN_TILES_PER_SPLIT`` tiles each."""
+    Never more chunks than the K/V tiles allow at ``MIN_TILES_PER_SPLIT`` tiles each. ``tiles``: a
+    decoding call's (:func:`decode_tiles`; default :func:`split_tiles`')."""
     if is_decoding(group, Nq, Nk):
         if not decoding_splits_keys(B, Hkv, group, Nq, D, sms):
             return None
-        return forced_splits(group, Nq, Nk, D, decode_splits(B, Hkv, group, Nq, Nk, D, sms))
+        tiles = tiles or split_tiles(group, Nq, D)
+        return _config(tiles, *split_counts(tiles.block_n, Nk,
+                                            decode_splits(B, Hkv, group, Nq, Nk, D, sms, tiles.block_n)))
     block_n = split_tiles(group, Nq, D).block_n
     splits = min(_wanted_splits(B, Hkv, group, Nq, D, sms), cdiv(Nk, block_n) // MIN_TILES_PER_SPLIT, MAX_SPLITS)
     if splits < 2:
@@ -202,10 +244,12 @@ def forced_splits(group: int, Nq: int, Nk: int, D: int, splits: int) -> SplitCon
     return _config(tiles, *split_counts(tiles.block_n, Nk, splits))
 
 
-def per_call_config(group: int, Nq: int, D: int, forced: int | None = None) -> SplitConfig:
-    """The split kernel's config for decoding calls of every cache length: its tiles, the count of
-    chunks left to each call (``splits = 0``), ``forced`` chunks if given."""
-    return _config(split_tiles(group, Nq, D), 0, 0, forced)
+def per_call_config(group: int, Nq: int, D: int, forced: int | None = None,
+                    tiles: SplitTiles | None = None) -> SplitConfig:
+    """The split kernel's config for decoding calls of every cache length: its tiles (default
+    :func:`split_tiles`'), the count of chunks left to each call (``splits = 0``), ``forced`` chunks
+    if given."""
+    return _config(tiles or split_tiles(group, Nq, D), 0, 0, forced)
 
 
 @triton.jit
@@ -409,6 +453,9 @@ def merge_partials(O_PART, LSE_PART, rows, row_ok, ROWS_TOTAL, SPLITS, ds, d_ok,
 #: saves a launch and the gap before it; it pays with a merge at the end of the kernel's critical
 #: path, in one program per row block, and with a buffer that must be zero when a call starts (kept
 #: per stream; a CUDA graph captures the zeroing of a buffer of its own, one more node per replay).
+#: Timed on an H100 it lost: decode-gqa 199.3 µs against the wide merge's 184.6, B 1 at 32k keys
+#: (64 splits folded by 8 programs) 212 against 54.6; level or 0.5 % ahead only at B 4 · H 32 · 32k
+#: keys (performance log entry 78). It stays a switch, off.
 MERGE_SHAPES = {"serial": (16, 1), "wide": (1, 32)}
 MERGES = (*MERGE_SHAPES, "fused")
 MERGE = os.environ.get("LAB_DECODE_MERGE", "wide")

@@ -62,7 +62,7 @@ from ..launch import (FastLaunch, Launch, compiles_without_interpreter, descript
 from . import decode, hopper_ws
 from .aligned import aligned_strides, row_alignment
 from .decode import key_range
-from .configs import (BASELINE, Config, choose_config, device_arch, shape_aware_config, shared_memory_bytes,
+from .configs import (BASELINE, SHARED_MEMORY_LIMIT, Config, choose_config, device_arch, shape_aware_config, shared_memory_bytes,
                       sm_count, with_deep_q, ws_rung_config, ws_shapes)
 
 LOG2E = 1.4426950408889634
@@ -330,16 +330,18 @@ def select(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: torch.dty
         return _ws_rung_choice(B, Hq, Nq, Nk, D, dtype, causal, arch, sms, tma_ok, config, split_kv, store_lse,
                                ws_rung, tuned_tiles=tuned_tiles, pipelining=pipelining, tma=tma, exp2=exp2,
                                causal_skip=causal_skip, warp_specialization=warp_specialization)
+    # A decoding call's tiles follow the plan (decode.DECODE_PLAN), its dtype and the GPU's shared memory.
+    tiles = decode.decode_tiles(group, Nq, D, dtype.itemsize, SHARED_MEMORY_LIMIT.get(arch, 99 * 1024))
     if split_kv is not None and split_kv >= 2:
         if Nk is None:
-            return Choice("split", decode.per_call_config(group, Nq, D, forced=split_kv))
+            return Choice("split", decode.per_call_config(group, Nq, D, forced=split_kv, tiles=tiles))
         return Choice("split", decode.forced_splits(group, Nq, Nk, D, split_kv))
     if split_kv is None and config is None and tuned_tiles and exp2:
         if Nk is None:
             if decode.decoding_splits_keys(B, Hkv, group, Nq, D, sms):
-                return Choice("split", decode.per_call_config(group, Nq, D))
+                return Choice("split", decode.per_call_config(group, Nq, D, tiles=tiles))
         else:
-            split = decode.choose_splits(B, Hkv, group, Nq, Nk, D, sms)
+            split = decode.choose_splits(B, Hkv, group, Nq, Nk, D, sms, tiles)
             if split is not None:
                 return Choice("split", split)
     ws_allowed = (_ws_switches_on(causal, tuned_tiles=tuned_tiles, pipelining=pipelining, tma=tma, exp2=exp2,
@@ -523,7 +525,7 @@ def _split_runtime(q, k, v, o, choice: Choice, sms: int, merge_rows: int | None)
     group = Hq // Hkv
     splits, chunk = split.splits, split.chunk
     if splits == 0:  # a decoding call's kernel config: the count follows this call's cache length
-        wanted = split.forced or decode.decode_splits(B, Hkv, group, Nq, Nk, D, sms)
+        wanted = split.forced or decode.decode_splits(B, Hkv, group, Nq, Nk, D, sms, split.block_n)
         splits, chunk = decode.split_counts(split.block_n, Nk, wanted)
     rows_total = B * Hq * Nq
     first = ((splits, B * Hkv, cdiv(group * Nq, split.block_m)),
