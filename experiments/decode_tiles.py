@@ -114,8 +114,12 @@ DEFAULT_EARLY_MERGE = decode.EARLY_MERGE
 DEFAULT_DECODE_SPLITS = decode.decode_splits
 DEFAULT_MERGE = decode.MERGE
 DEFAULT_PLAN = decode.DECODE_PLAN
-#: ``--early-merge``'s contestants: label -> (merge launched early, how the splits are merged)
-MERGE_VARIANTS = {"merge-after": (False, "wide"), "merge-early": (True, "wide"), "merge-fused": (False, "fused")}
+#: ``--early-merge``'s contestants: label -> ``use_tiles`` settings (merge launched early, how the splits merge)
+MERGE_VARIANTS = {"merge-after": dict(early_merge=False, merge="wide"),
+                  "merge-early": dict(early_merge=True, merge="wide"),
+                  "merge-fused": dict(early_merge=False, merge="fused")}
+#: ``--plans``' contestants: each decoding plan
+PLAN_VARIANTS = {f"plan-{plan}": dict(plan=plan) for plan in decode.DECODE_PLANS}
 #: ``--one-chunk``'s tiles: (keys per tile, warps, pipeline stages), within one program's share of an
 #: SM when it is alone there
 ONE_CHUNK_TILES = [(64, w, s) for w in (4, 8) for s in (2, 3, 4, 5)] + [(128, w, s) for w in (4, 8) for s in (2, 3)]
@@ -171,26 +175,15 @@ def main(argv=None) -> int:
             use_tiles(None)
             tiles_default = (default.block_m, default.block_n, default.num_warps, default.num_stages)
             cudnn = peer_attention("sdpa_cudnn")
-            if args.plans:
+            contestants = PLAN_VARIANTS if args.plans else MERGE_VARIANTS if args.early_merge else None
+            if contestants:  # rounds of turns, each way in graph replay and eagerly, then cuDNN
                 for _ in range(ROUNDS):
-                    for plan in decode.DECODE_PLANS:
-                        use_tiles(None, plan=plan)
+                    for label, settings in contestants.items():
+                        use_tiles(None, **settings)
                         t = ck._plan_call(q, k, v, ref, None, False, ck._arch_and_sms(q)[0], sms)[0].config
                         label_tiles = (t.block_m, t.block_n, t.num_warps, t.num_stages)
-                        row(f"plan-{plan}", label_tiles, "", lambda: ck.attention(q, k, v))
-                        row(f"plan-{plan} eager", label_tiles, "", lambda: ck.attention(q, k, v), eager=True)
-                    row("cudnn", None, "", lambda: cudnn(q, k, v, causal=False))
-                    row("cudnn eager", None, "", lambda: cudnn(q, k, v, causal=False), eager=True)
-                use_tiles(None)
-                del q, k, v, ref
-                torch.cuda.empty_cache()
-                continue
-            if args.early_merge:
-                for _ in range(ROUNDS):
-                    for label, (early, merge) in MERGE_VARIANTS.items():
-                        use_tiles(None, early, merge=merge)
-                        row(label, tiles_default, "", lambda: ck.attention(q, k, v))
-                        row(label + " eager", tiles_default, "", lambda: ck.attention(q, k, v), eager=True)
+                        row(label, label_tiles, "", lambda: ck.attention(q, k, v))
+                        row(label + " eager", label_tiles, "", lambda: ck.attention(q, k, v), eager=True)
                     row("cudnn", None, "", lambda: cudnn(q, k, v, causal=False))
                     row("cudnn eager", None, "", lambda: cudnn(q, k, v, causal=False), eager=True)
                 use_tiles(None)

@@ -62,8 +62,8 @@ from ..launch import (FastLaunch, Launch, compiles_without_interpreter, descript
 from . import decode, hopper_ws
 from .aligned import aligned_strides, row_alignment
 from .decode import key_range
-from .configs import (BASELINE, SHARED_MEMORY_LIMIT, Config, choose_config, device_arch, shape_aware_config, shared_memory_bytes,
-                      sm_count, with_deep_q, ws_rung_config, ws_shapes)
+from .configs import (BASELINE, SHARED_MEMORY_LIMIT, Config, choose_config, device_arch, shape_aware_config,
+                      shared_memory_bytes, sm_count, with_deep_q, ws_rung_config, ws_shapes)
 
 LOG2E = 1.4426950408889634
 
