@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 A_README, B_README, C_README = ("stages/a_naive/README.md", "stages/b_tiled/README.md",
                                 "stages/c_optimized/README.md")
 C_DETAILS = "docs/stage-c-details.md"
+PERF_MODELS = "docs/performance-log/model-shapes.md"
 TWINS = "stages/CUDA_TWINS.md"
 GLOSSARY = "docs/glossary.md"
 NB = {p.name.split("_")[0]: f"notebooks/{p.name}" for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))}
@@ -223,6 +224,21 @@ def decode_backward_ms(cell: str, candidate: str) -> float:
               if r["cell"] == cell and r["candidate"] == candidate and r["status"] == "ok"]
     assert ms, (cell, candidate)
     return statistics.median(ms)
+
+
+def decode_h100_us(name: str, cell: str, candidate: str, block_n: str = "", num_stages: str = "") -> float:
+    """The median ``ms_gpu`` (as µs) of one candidate at one cell of a committed H100 run of
+    ``experiments/decode_tiles.py`` (entry 78): ``name`` ``merges`` or ``one_chunk``."""
+    import csv
+    import statistics
+
+    path = ROOT / "results" / "h100-80gb-hbm3" / "experiments" / f"2026-12-06_decode_{name}.csv"
+    with path.open() as f:
+        ms = [float(r["ms_gpu"]) for r in csv.DictReader(f)
+              if r["cell"] == cell and r["candidate"] == candidate and r["status"] == "ok"
+              and (not block_n or r["block_n"] == block_n) and (not num_stages or r["num_stages"] == num_stages)]
+    assert ms, (name, cell, candidate)
+    return 1000 * (ms[0] if name == "one_chunk" else statistics.median(ms))  # (one_chunk: the first timing)
 
 
 def deterministic_costs(d: Data) -> dict:
@@ -563,6 +579,22 @@ CLAIMS = [
                      decode_backward_ms("decode-long", "cudnn"), decode_backward_ms("decode-gqa", "ordinary"),
                      decode_backward_ms("decode-gqa", "split"),
                      decode_backward_ms("decode-gqa", "cudnn") / decode_backward_ms("decode-gqa", "split"))),
+    Claim(PERF_MODELS, "| B 1 · Nk 32768 (64 splits) | {} | {} | {} | {} |",
+          lambda d: tuple(decode_h100_us("merges", "b1-gqa-32k", c)
+                          for c in ("merge-after", "merge-early", "merge-fused", "cudnn"))),
+    Claim(PERF_MODELS, "| decode-gqa (4 splits) | {} | {} | {} | {} |",
+          lambda d: tuple(decode_h100_us("merges", "decode-gqa", c)
+                          for c in ("merge-after", "merge-early", "merge-fused", "cudnn"))),
+    Claim(PERF_MODELS, "| decode-gqa: B 16 · H 32/8 · 8k (128 KV heads) | {} | **{}** | {} | {} |",
+          lambda d: (decode_h100_us("one_chunk", "decode-gqa", "default"),
+                     decode_h100_us("one_chunk", "decode-gqa", "chunks-1", "128", "3"),
+                     decode_h100_us("one_chunk", "decode-gqa", "chunks-2", "128", "3"),
+                     decode_h100_us("one_chunk", "decode-gqa", "cudnn")), rel=0.002),
+    Claim(PERF_MODELS, "| B 4 · H 32 · 32k (128) | {} | **{}** | {} | {} |",
+          lambda d: (decode_h100_us("one_chunk", "decode-long", "default"),
+                     decode_h100_us("one_chunk", "decode-long", "chunks-1", "128", "3"),
+                     decode_h100_us("one_chunk", "decode-long", "chunks-2", "128", "3"),
+                     decode_h100_us("one_chunk", "decode-long", "cudnn")), rel=0.002),
     Claim(NB["08"], "the dK/dV kernel (at D 32 it is ahead",
           lambda d: all(c > n for c, n in bwd_pairs(d, "c", "sdpa_cudnn", (32,))), why="the bwd fp16 grid rows"),
 ]
