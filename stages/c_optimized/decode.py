@@ -220,8 +220,7 @@ def choose_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: i
         if not decoding_splits_keys(B, Hkv, group, Nq, D, sms):
             return None
         tiles = tiles or split_tiles(group, Nq, D)
-        return _config(tiles, *split_counts(tiles.block_n, Nk,
-                                            decode_splits(B, Hkv, group, Nq, Nk, D, sms, tiles.block_n)))
+        return forced_splits(group, Nq, Nk, D, decode_splits(B, Hkv, group, Nq, Nk, D, sms, tiles.block_n), tiles)
     block_n = split_tiles(group, Nq, D).block_n
     splits = min(_wanted_splits(B, Hkv, group, Nq, D, sms), cdiv(Nk, block_n) // MIN_TILES_PER_SPLIT, MAX_SPLITS)
     if splits < 2:
@@ -237,10 +236,10 @@ def split_counts(block_n: int, Nk: int, splits: int) -> tuple[int, int]:
     return cdiv(tiles, chunk_tiles), chunk_tiles * block_n
 
 
-def forced_splits(group: int, Nq: int, Nk: int, D: int, splits: int) -> SplitConfig:
+def forced_splits(group: int, Nq: int, Nk: int, D: int, splits: int, tiles: SplitTiles | None = None) -> SplitConfig:
     """``splits`` chunks (``attention(..., split_kv=splits)``), each a whole number of K/V tiles
-    (:func:`split_counts`)."""
-    tiles = split_tiles(group, Nq, D)
+    (:func:`split_counts`) of ``tiles`` (default :func:`split_tiles`')."""
+    tiles = tiles or split_tiles(group, Nq, D)
     return _config(tiles, *split_counts(tiles.block_n, Nk, splits))
 
 
