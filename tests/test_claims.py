@@ -228,7 +228,7 @@ def decode_backward_ms(cell: str, candidate: str) -> float:
 
 def decode_h100_us(name: str, cell: str, candidate: str, block_n: str = "", num_stages: str = "") -> float:
     """The median ``ms_gpu`` (as µs) of one candidate at one cell of a committed H100 run of
-    ``experiments/decode_tiles.py`` (entry 78): ``name`` ``merges`` or ``one_chunk``."""
+    ``experiments/decode_tiles.py`` (entries 78 and 79): ``name`` ``merges``, ``one_chunk`` or ``plans``."""
     import csv
     import statistics
 
@@ -239,6 +239,14 @@ def decode_h100_us(name: str, cell: str, candidate: str, block_n: str = "", num_
               and (not block_n or r["block_n"] == block_n) and (not num_stages or r["num_stages"] == num_stages)]
     assert ms, (name, cell, candidate)
     return 1000 * (ms[0] if name == "one_chunk" else statistics.median(ms))  # (one_chunk: the first timing)
+
+
+def plans_row(cell: str) -> tuple:
+    """Entry 79's row for one cell: the waves and deep plans and cuDNN (graph replay), cuDNN / deep,
+    then deep and cuDNN eagerly."""
+    waves, deep, cudnn = (decode_h100_us("plans", cell, c) for c in ("plan-waves", "plan-deep", "cudnn"))
+    return (waves, deep, cudnn, cudnn / deep, decode_h100_us("plans", cell, "plan-deep eager"),
+            decode_h100_us("plans", cell, "cudnn eager"))
 
 
 def deterministic_costs(d: Data) -> dict:
@@ -595,6 +603,11 @@ CLAIMS = [
                      decode_h100_us("one_chunk", "decode-long", "chunks-1", "128", "3"),
                      decode_h100_us("one_chunk", "decode-long", "chunks-2", "128", "3"),
                      decode_h100_us("one_chunk", "decode-long", "cudnn")), rel=0.002),
+    *[Claim(PERF_MODELS, f"| {label} | {{}} | **{{}}** | {{}} | {{}} | {{}} | {{}} |",
+            lambda d, cell=cell: plans_row(cell), rel=0.002)
+      for label, cell in (("B 1 · H 32/8 · 4k", "b1-gqa-4k"), ("B 1 · H 32/8 · 128k", "b1-gqa-128k"),
+                          ("B 1 · H 32 · 32k", "b1-mha-32k"), ("decode-gqa: B 16 · H 32/8 · 8k", "decode-gqa"),
+                          ("decode-long: B 4 · H 32 · 32k", "decode-long"))],
     Claim(NB["08"], "the dK/dV kernel (at D 32 it is ahead",
           lambda d: all(c > n for c, n in bwd_pairs(d, "c", "sdpa_cudnn", (32,))), why="the bwd fp16 grid rows"),
 ]

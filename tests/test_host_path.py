@@ -23,7 +23,8 @@ from triton.compiler import make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from stages import launch
-from stages.c_optimized import hopper_ws, kernels
+from stages.c_optimized import decode, hopper_ws, kernels
+from stages.c_optimized.configs import SHARED_MEMORY_LIMIT
 from stages.contract import new_output
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -359,11 +360,14 @@ def _decode_loop(path_options: dict, D: int, Hq: int, Hkv: int, nks: range, arch
 @pytest.mark.parametrize("Hq,Hkv,options", [(12, 12, {}), (16, 4, {}), (8, 8, dict(split_kv=1))],
                          ids=["mha", "gqa", "mha-unsplit"])
 def test_a_growing_kv_cache_compiles_nothing_new(monkeypatch, D, Hq, Hkv, options):
-    """A decode loop over Nk = 420 ... 483 (where a split of the keys starts to pay: the split count
-    changes within the loop): one recipe for every call, and the specializations that Triton would
-    compile a kernel for stop growing after the first two calls (at most two values of the cache's
-    head-stride divisibility; the sizes and the split count are runtime values)."""
-    calls = _decode_loop(options, D, Hq, Hkv, range(420, 484))
+    """A decode loop of 64 calls around the cache length where a split of the keys starts to pay (the
+    split count changes within the loop): one recipe for every call, and the specializations that
+    Triton would compile a kernel for stop growing after the first two calls (at most two values of
+    the cache's head-stride divisibility; the sizes and the split count are runtime values)."""
+    # A second chunk needs 2 * MIN_TILES_PER_SPLIT tiles of the plan's width (sm_90, fp16)
+    block_n = decode.decode_tiles(Hq // Hkv, 1, D, 2, SHARED_MEMORY_LIMIT[90]).block_n
+    first_split = (2 * decode.MIN_TILES_PER_SPLIT - 1) * block_n + 1
+    calls = _decode_loop(options, D, Hq, Hkv, range(first_split - 30, first_split + 34))
     split_counts = {recipe.runtime(*tensors, choice)[1][0][0][0] for tensors, (choice, recipe) in calls
                     if choice.path == "split"}
     assert len(split_counts) == (0 if options else 2), split_counts  # one chunk, then two, in one loop
@@ -384,7 +388,7 @@ def test_a_growing_kv_cache_compiles_nothing_new(monkeypatch, D, Hq, Hkv, option
 def test_the_sizes_reach_the_kernels_unspecialized():
     """Every size argument of stage C's kernels is ``do_not_specialize``: Triton would otherwise make
     a size equal to 1 a constexpr and key kernels on divisibility by 16."""
-    from stages.c_optimized import backward, decode, decode_backward
+    from stages.c_optimized import backward, decode_backward
 
     sizes = {"H", "Hq", "Hkv", "N", "N_Q", "N_K", "Nq", "Nk", "CAUSAL_OFFSET", "CHUNK", "ROWS_TOTAL", "SPLITS",
              "n_m", "total"}

@@ -156,8 +156,10 @@ def merge(request, monkeypatch):
 def test_split_kv_many_splits(merge, device):
     """More splits than the wide merge folds in one step (70 chunks of one tile, 32 per step: a ragged
     last step), GQA rows, causal both; and 24 chunks (fewer than one step)."""
+    # one K/V tile per chunk, of the width the decoding plan gives this call on an sm_80
+    block_n = decode.decode_tiles(2, 1, 32, 2, configs.SHARED_MEMORY_LIMIT[80]).block_n
     for split_kv, causal in ((70, False), (70, True), (24, True)):
-        q, k, v = make_qkv(1, 4, 1, 32, torch.float16, device, Hkv=2, Nk=64 * 70 - 5)
+        q, k, v = make_qkv(1, 4, 1, 32, torch.float16, device, Hkv=2, Nk=block_n * 70 - 5)
         launches = c_kernels.plan(q, k, v, contract.new_output(q), causal=causal, scale=0.2, arch=80,
                                   split_kv=split_kv)
         if merge == "fused":  # one kernel, which counts its programs in
@@ -180,10 +182,11 @@ def test_split_kv_with_empty_rows_and_chunks(merge, device):
         _check_lse(lse, q_, k_, causal=True)
 
 
-def test_split_kv_is_chosen_from_the_work():
+def test_split_kv_is_chosen_from_the_work(waves_plan):
     """Too few programs for the SMs and a long key sequence: split; enough programs, or short keys:
-    do not. Decoding splits to about DECODE_WAVES programs per SM, each chunk whole tiles and at
-    least a few of them; a prefill with few programs splits to about one wave."""
+    do not. Decoding under the "waves" plan splits to about DECODE_WAVES programs per SM, each chunk
+    whole tiles and at least a few of them (the deep plan's counts: the test named for it below); a
+    prefill with few programs splits to about one wave."""
     sms = 132
     split = decode.choose_splits(B=1, Hkv=8, group=4, Nq=1, Nk=8192, D=128, sms=sms)
     assert split is not None and split.splits >= 2
@@ -529,28 +532,45 @@ def test_grouped_decode_on_a_full_gpu_reads_each_kv_head_once(monkeypatch, devic
     check_against_reference(o, q, k, v, causal=False, dtype_name="fp16")
 
 
-@pytest.fixture
-def deep_plan(monkeypatch):
-    """Decoding calls planned "deep" (``decode.DECODE_PLAN``), every plan made under the other forgotten."""
+def _plan_decoding(monkeypatch, plan: str):
+    """Decoding calls planned as ``plan`` says (``decode.DECODE_PLAN``), every plan made under another
+    forgotten, before and after."""
     def clear():
         c_kernels._select.cache_clear()
         c_kernels._recipe.cache_clear()
         c_kernels._LAYOUT_PLANS.clear()
         decode._wanted_splits.cache_clear()
 
-    monkeypatch.setattr(decode, "DECODE_PLAN", "deep")
+    monkeypatch.setattr(decode, "DECODE_PLAN", plan)
     clear()
-    yield
+    yield plan
     monkeypatch.undo()
     clear()
 
 
+@pytest.fixture
+def deep_plan(monkeypatch):
+    yield from _plan_decoding(monkeypatch, "deep")
+
+
+@pytest.fixture
+def waves_plan(monkeypatch):
+    yield from _plan_decoding(monkeypatch, "waves")
+
+
+@pytest.fixture(params=decode.DECODE_PLANS)
+def each_plan(request, monkeypatch):
+    yield from _plan_decoding(monkeypatch, request.param)
+
+
 def test_deep_decode_plan_fills_one_program_per_sm(deep_plan):
     """The deep plan: three-stage tiles, as wide as the shared memory holds for the dtype and GPU (an
-    sm_80 block has less than an sm_90 one; fp32 needs twice the bytes), and a split count aiming at
+    sm_80 block has less than an sm_90 one; fp32 needs twice the bytes and more registers per key, so
+    no wider than the waves plan's), and a split count aiming at
     one program per SM: a grid that already has one runs unsplit, with no merge."""
     for D, element_bytes, arch, tile in ((128, 2, 90, (128, 3)), (128, 2, 80, (64, 3)), (128, 4, 90, (64, 3)),
                                          (256, 2, 90, (64, 3)), (64, 2, 80, (128, 3)),
+                                         (64, 4, 90, (64, 3)),  # fp32: no wider than the waves plan (spills)
                                          (256, 4, 80, (32, 2))):  # (no ring of three fits: the waves plan's tiles)
         tiles = decode.decode_tiles(4, 1, D, element_bytes, configs.SHARED_MEMORY_LIMIT[arch])
         assert (tiles.block_n, tiles.num_stages) == tile, (D, element_bytes, arch)
@@ -566,8 +586,8 @@ def test_deep_decode_plan_fills_one_program_per_sm(deep_plan):
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "fp32"])
-def test_deep_decode_plan_matches_float64(deep_plan, dtype, device):
-    """Decoding under the deep plan, one chunk and many, GQA and MHA, causal both, against float64."""
+def test_each_decode_plan_matches_float64(each_plan, dtype, device):
+    """Decoding under each plan (the default and the one a user may switch to), one chunk and many, GQA and MHA, causal both, against float64."""
     for B, Hq, Hkv, Nq, Nk, causal in ((2, 8, 2, 1, 700, False), (1, 4, 4, 2, 900, True), (3, 2, 1, 1, 130, True)):
         q, k, v = make_qkv(B, Hq, Nq, 40, DTYPES[dtype], device, Hkv=Hkv, Nk=Nk)
         o, lse = c_kernels.attention_with_lse(q, k, v, causal=causal)

@@ -113,17 +113,16 @@ def split_tiles(group: int, Nq: int, D: int) -> SplitTiles:
     return SplitTiles(block_m, block_n)
 
 
-#: How a decoding call is planned (``LAB_DECODE_PLAN``). "waves", the default: :func:`split_tiles`' two-stage
-#: tiles, split to about :data:`DECODE_WAVES` programs per SM. "deep": one program per SM, each with a
-#: three-stage ring of the widest K/V tile whose ring fills the SM's shared memory
+#: How a decoding call is planned (``LAB_DECODE_PLAN``). "deep", the default: one program per SM, each
+#: with a three-stage ring of the widest K/V tile whose ring fits the SM's shared memory
 #: (:func:`decode_tiles`), so a grid that already has a program per SM runs unsplit, with no merge,
-#: as cuDNN runs it. On an H100 its tiles and chunk counts took decode-gqa (B 16, H 32/8, Nk 8192)
-#: from 184.7 to 178.2 µs (cuDNN 178.0), B 4 · H 32 · Nk 32768 from 703.5 to 691.3 (cuDNN 688.8),
-#: B 8 · H 32/8 · Nk 16384 from 183.7 to 181.9 (cuDNN 182.8) and B 64 · H 32/8 · Nk 4096 from 354.8 to
-#: 351.9 (cuDNN 352.8) (``experiments/decode_tiles.py --one-chunk``, performance log entry 78). Off
-#: until the plan itself is timed beside the default on the H200, B 1 included (``--plans``).
+#: as cuDNN runs it. "waves": :func:`split_tiles`' two-stage tiles, split to about :data:`DECODE_WAVES`
+#: programs per SM, then merged. Timed in turns on an H100 (``experiments/decode_tiles.py --plans``,
+#: performance log entry 79), "deep" was ahead in all nine cells, B 1 to 64 and 4k to 128k keys
+#: (decode-gqa 179.9 -> 174.3 µs, cuDNN 174.1; B 1 · H 32/8 · Nk 4096 17.6 -> 15.6, cuDNN 17.2), and
+#: within 0.4 % of cuDNN or ahead of it in each.
 DECODE_PLANS = ("waves", "deep")
-DECODE_PLAN = os.environ.get("LAB_DECODE_PLAN", "waves")
+DECODE_PLAN = os.environ.get("LAB_DECODE_PLAN", "deep")
 if DECODE_PLAN not in DECODE_PLANS:
     raise ValueError(f"LAB_DECODE_PLAN must be one of {', '.join(DECODE_PLANS)}, got {DECODE_PLAN!r}")
 #: the deep plan's K/V tiles in flight per program
@@ -133,13 +132,18 @@ DEEP_STAGES = 3
 def decode_tiles(group: int, Nq: int, D: int, element_bytes: int, shared_bytes: int) -> SplitTiles:
     """A decoding call's tiles under :data:`DECODE_PLAN`, for inputs of ``element_bytes`` on a GPU with
     ``shared_bytes`` of shared memory per block: :func:`split_tiles`' ("waves"), or ("deep") their rows
-    and warps with :data:`DEEP_STAGES` K/V tiles of 128, 64 or 32 keys, the widest whose ring (and
-    the Q tile, and some room for the compiler's own) fits."""
+    and warps with :data:`DEEP_STAGES` K/V tiles of 128, 64 or 32 keys (fp32: no wider than
+    :func:`split_tiles`'), the widest whose ring (and the Q tile, and some room for the compiler's own)
+    fits."""
     tiles = split_tiles(group, Nq, D)
     if DECODE_PLAN != "deep":
         return tiles
     width = padded_head_dim(D)
-    for block_n in (128, 64, 32):
+    # fp32 runs its products as tf32 with more registers per key: compiled for sm_90, a 128-key fp32
+    # tile spills 200-480 bytes per thread at D 64 where a 64-key one spills none
+    # (``experiments/resource_check.py --shapes decode``), so fp32 stays at the waves plan's width.
+    widest = tiles.block_n if element_bytes > 2 else 128
+    for block_n in (b for b in (128, 64, 32) if b <= widest):
         ring = DEEP_STAGES * 2 * block_n * width * element_bytes  # K and V
         if ring + tiles.block_m * width * element_bytes + 8 * 1024 <= shared_bytes:
             return SplitTiles(tiles.block_m, block_n, tiles.num_warps, DEEP_STAGES)
@@ -206,7 +210,7 @@ def choose_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: i
 
     * Decoding (every query row of a KV head's group fits one BLOCK_M tile, after a cache: e.g. one
       new token per sequence): the work is reading the cache once, a bandwidth problem, and the unsplit grid has
-      one program per KV head. Split so the grid holds about :data:`DECODE_WAVES` programs per SM
+      one program per KV head. Split so the grid holds about :func:`decode_waves` programs per SM
       (one chunk while the cache is too short for more: the path does not change as it grows,
       :func:`decoding_splits_keys`); multi-head decoding whose unsplit grid already fills the GPU
       runs the one-pass kernel.
