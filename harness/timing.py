@@ -42,7 +42,12 @@ class Timing:
 
 #: How GPU times are taken, for the results' provenance (``env.json``'s ``timing``).
 METHOD = ("CUDA events around each repetition (do_bench's counts: 100 ms of warm-up, then 100 ms of "
-          "repetitions), the L2 flushed before each by reading a 256 MB buffer")
+          "repetitions, at least 5 of them), the L2 flushed before each by reading a 256 MB buffer")
+
+#: Repetitions a sample set takes however long the call: do_bench's count alone gives a 60 ms call one
+#: repetition per 100 ms, and one repetition reads whatever clock the power cap had just then (a long
+#: call right after a pause runs at boost, one after a long call at the capped clock: up to 15 %).
+MIN_REPS = 5
 
 #: Bytes read between repetitions: more than any GPU's L2 (60 MB on an H200), so nothing the timed
 #: call left there survives.
@@ -66,8 +71,8 @@ def flush_l2() -> None:
 def samples_gpu(fn: Callable[[], object], warmup_ms: int = 100, rep_ms: int = 100,
                 flush: Callable[[], object] = flush_l2) -> list[float]:
     """Every repetition's time (ms) on the current CUDA device (call ``fn`` once before: compilation is
-    not timed): the module docstring's recipe, ``flush()`` before each repetition (``experiments/l2_flush.py``
-    passes others to compare)."""
+    not timed): the module docstring's recipe with at least :data:`MIN_REPS` repetitions, ``flush()``
+    before each repetition (``experiments/l2_flush.py`` passes others to compare)."""
     import torch
 
     torch.cuda.synchronize()
@@ -79,7 +84,7 @@ def samples_gpu(fn: Callable[[], object], warmup_ms: int = 100, rep_ms: int = 10
     end.record()
     torch.cuda.synchronize()
     estimate_ms = max(start.elapsed_time(end) / 5, 1e-3)
-    warmup, reps = max(1, int(warmup_ms / estimate_ms)), max(1, int(rep_ms / estimate_ms))
+    warmup, reps = max(1, int(warmup_ms / estimate_ms)), max(MIN_REPS, int(rep_ms / estimate_ms))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for _ in range(warmup):

@@ -685,7 +685,8 @@ def test_a_run_records_the_stage_switches_its_environment_set(tmp_path, monkeypa
 
 @pytest.mark.gpu
 def test_gpu_timing_counts_its_repetitions_and_flushes_by_reading():
-    """``timing.samples_gpu``: do_bench's counts (one repetition per ~estimate within rep_ms), every
+    """``timing.samples_gpu``: do_bench's counts (one repetition per ~estimate within rep_ms, at least
+    MIN_REPS), every
     sample positive; the flush buffer is made once per device and is larger than the L2, and the
     flush only reads it (its contents are unchanged)."""
     if not torch.cuda.is_available():
@@ -695,6 +696,8 @@ def test_gpu_timing_counts_its_repetitions_and_flushes_by_reading():
     x = torch.randn(1 << 20, device="cuda")
     samples = timing.samples_gpu(lambda: x.mul_(1.0), warmup_ms=5, rep_ms=20)
     assert len(samples) >= 2 and all(t > 0 for t in samples)
+    # a call longer than rep_ms still gets MIN_REPS repetitions, not one
+    assert len(timing.samples_gpu(lambda: x.mul_(1.0), warmup_ms=0, rep_ms=0)) == timing.MIN_REPS
     buf = timing._FLUSH_BUFFERS[torch.cuda.current_device()]
     assert buf.numel() * buf.element_size() == timing.FLUSH_BYTES > torch.cuda.get_device_properties(0).L2_cache_size
     before = buf[:1024].clone()

@@ -927,9 +927,12 @@ class _BoundLayout:
             addresses["key_starts"] = key_starts.data_ptr()
         if key_lengths is not None:
             addresses["key_lengths"] = key_lengths.data_ptr()
-        if self.counters:
-            addresses["merge_counters"] = decode.merge_counters(q, self.counters).data_ptr()
-        # (held until the launches are queued: freed before them, its memory could go to another tensor)
+        # The counters and the workspace are held until the launches are queued: freed before them, their
+        # memory could go to the next allocation of this call (a CUDA graph's fresh counters to the
+        # workspace, so the partials would overwrite the counts).
+        counters = decode.merge_counters(q, self.counters) if self.counters else None
+        if counters is not None:
+            addresses["merge_counters"] = counters.data_ptr()
         flat = torch.empty(self.floats, dtype=torch.float32, device=q.device) if self.floats else None
         for role, offset in self.workspace:
             # (an unused fp32 pointer: the output's address, as _stand_in_fp32 hands it over)
@@ -940,7 +943,7 @@ class _BoundLayout:
             if factor is not None:
                 varying.append(scale * factor)
             bound.launch([addresses[role] for role in roles], varying)
-        del flat
+        del flat, counters
 
 
 
