@@ -249,6 +249,23 @@ def plans_row(cell: str) -> tuple:
             decode_h100_us("plans", cell, "cudnn eager"))
 
 
+#: entry 80's three consecutive H100 suite runs (results/h100-80gb-hbm3/models/runs.csv)
+H100_SUITE_RUNS = ("2026-12-06T05:11:15.917081Z", "2026-12-06T05:27:27.253172Z", "2026-12-06T05:29:48.060461Z")
+
+
+def h100_suite_ratios(cell: str) -> tuple:
+    """C / the fastest SDPA backend at one cell, eager then GPU-only, in each of entry 80's runs."""
+    from harness.results import load_rows
+
+    rows = load_rows(ROOT / "results" / "h100-80gb-hbm3" / "models" / "runs.csv")
+    out = ()
+    for run in H100_SUITE_RUNS:
+        here = {r["impl"]: r for r in rows if r["run_id"] == run and r["cell"] == cell}
+        peers = [r for impl, r in here.items() if impl.startswith("sdpa")]
+        out += tuple(min(p[key] for p in peers) / here["c"][key] for key in ("ms_median", "ms_gpu"))
+    return out
+
+
 def deterministic_costs(d: Data) -> dict:
     """The deterministic backward's extra time per grid cell, as the results page's backward block
     computes it (``report.deterministic_costs``)."""
@@ -608,6 +625,9 @@ CLAIMS = [
       for label, cell in (("B 1 · H 32/8 · 4k", "b1-gqa-4k"), ("B 1 · H 32/8 · 128k", "b1-gqa-128k"),
                           ("B 1 · H 32 · 32k", "b1-mha-32k"), ("decode-gqa: B 16 · H 32/8 · 8k", "decode-gqa"),
                           ("decode-long: B 4 · H 32 · 32k", "decode-long"))],
+    *[Claim(PERF_MODELS, f"| {cell} | {{}} / {{}} | {{}} / {{}} | {{}} / {{}} |",
+            lambda d, cell=cell: h100_suite_ratios(cell), rel=0.0005)
+      for cell in ("decode-gqa", "decode-long", "long-context", "short")],
     Claim(NB["08"], "the dK/dV kernel (at D 32 it is ahead",
           lambda d: all(c > n for c, n in bwd_pairs(d, "c", "sdpa_cudnn", (32,))), why="the bwd fp16 grid rows"),
 ]
