@@ -97,7 +97,7 @@ def use_tiles(tiles: decode.SplitTiles | None, early_merge: bool | None = None, 
     one-pass kernel), merge the splits as ``merge`` says (``decode.MERGES``; None: the module's
     choice) and plan decoding calls as ``plan`` says (``decode.DECODE_PLANS``), forgetting what was
     cached."""
-    decode.split_tiles = (lambda group, Nq, D: tiles) if tiles is not None else DEFAULT_TILES
+    decode.split_tiles = (lambda group, Nq, D, element_bytes=2: tiles) if tiles is not None else DEFAULT_TILES
     # (the deep plan would replace the tiles; None: the module's plan)
     decode.DECODE_PLAN = "waves" if tiles is not None else plan or DEFAULT_PLAN
     decode.EARLY_MERGE = DEFAULT_EARLY_MERGE if early_merge is None else early_merge

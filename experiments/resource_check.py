@@ -48,12 +48,14 @@ from stages.contract import HEAD_DIMS, CompiledKernel, Problem  # noqa: E402
 SPILL_TOLERANCE_BYTES = 16
 
 #: Shapes that send stage C down each of its paths: one-pass prefill, grouped heads with a longer
-#: key sequence, single-query decode (split-KV), a grid too small to fill the GPU (shape-aware tiles).
+#: key sequence, single-query decode (split-KV), a grid too small to fill the GPU (shape-aware tiles),
+#: and a few query rows against many keys (split-KV outside decoding: its own tiles).
 SHAPES = {
     "prefill": dict(B=2, H=8, N=1000),
     "gqa-cross": dict(B=2, H=8, N=300, Hkv=2, Nk=700),
     "decode": dict(B=4, H=8, N=1, Hkv=2, Nk=8192),
     "tiny": dict(B=1, H=1, N=64),
+    "long-keys": dict(B=1, H=2, N=128, Nk=65536),
 }
 
 

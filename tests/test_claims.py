@@ -266,6 +266,14 @@ def h100_suite_ratios(cell: str) -> tuple:
     return out
 
 
+def split_fp32_spill_bytes() -> int:
+    """The largest spill of the split kernel in entry 81's fp32 walk."""
+    import csv
+
+    with (ROOT / "results" / "compiled" / "2026-12-06_resource_check_fp32_split.csv").open() as f:
+        return max(int(r["spill_bytes"] or 0) for r in csv.DictReader(f) if r["kernel"] == "split_kv_attention_kernel")
+
+
 def deterministic_costs(d: Data) -> dict:
     """The deterministic backward's extra time per grid cell, as the results page's backward block
     computes it (``report.deterministic_costs``)."""
@@ -628,6 +636,8 @@ CLAIMS = [
     *[Claim(PERF_MODELS, f"| {cell} | {{}} / {{}} | {{}} / {{}} | {{}} / {{}} |",
             lambda d, cell=cell: h100_suite_ratios(cell), rel=0.0005)
       for cell in ("decode-gqa", "decode-long", "long-context", "short")],
+    Claim("docs/performance-log/tuning.md", "distinct kernels): the split kernel spills at most {} B anywhere",
+          lambda d: (split_fp32_spill_bytes(),), rel=0),
     Claim(NB["08"], "the dK/dV kernel (at D 32 it is ahead",
           lambda d: all(c > n for c, n in bwd_pairs(d, "c", "sdpa_cudnn", (32,))), why="the bwd fp16 grid rows"),
 ]

@@ -1,7 +1,8 @@
 """A slice of experiments/resource_check.py: the kernels stage C launches for an odd head dim fit the
 shared memory and registers of sm_80 and sm_90 on every path (prefill, grouped heads with Nq != Nk,
-decode, a tiny grid; forward, training forward, both backward flavours). Compiled, not run: no GPU
-needed. The whole contract is `python experiments/resource_check.py` (about half an hour)."""
+decode, a tiny grid, a few rows against many keys; forward, training forward, both backward
+flavours). Compiled, not run: no GPU needed. The whole contract is
+`python experiments/resource_check.py` (about half an hour)."""
 
 from __future__ import annotations
 

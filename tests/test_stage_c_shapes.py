@@ -194,6 +194,12 @@ def test_split_kv_is_chosen_from_the_work(waves_plan):
     assert decode.choose_splits(B=16, Hkv=8, group=4, Nq=1, Nk=8192, D=128, sms=sms).splits == 4
     prefill = decode.choose_splits(B=1, Hkv=1, group=1, Nq=128, Nk=65536, D=64, sms=sms)
     assert prefill is not None and 2 * prefill.splits <= sms
+    # fp32 (exact products on the FMA units) takes 8 warps, and 32 keys from D 128 on, prefill or decode
+    # (and at most 16 rows there: wider fp32 tiles spill)
+    fp32 = decode.choose_splits(B=1, Hkv=1, group=1, Nq=128, Nk=65536, D=128, sms=sms, element_bytes=4)
+    assert (fp32.block_m, fp32.block_n, fp32.num_warps) == (16, 32, 8)
+    fp32 = c_kernels.select(1, 8, 8, 64, 65536, 128, torch.float32, False, 90, sms, split_kv=4).config
+    assert (fp32.block_m, fp32.block_n, fp32.num_warps) == (16, 32, 8)
     assert split.chunk >= decode.MIN_TILES_PER_SPLIT * split.block_n
     assert split.splits * split.chunk >= 8192 > (split.splits - 1) * split.chunk
     assert decode.choose_splits(B=1, Hkv=8, group=4, Nq=1, Nk=128, D=128, sms=sms).splits == 1  # too short
@@ -568,12 +574,13 @@ def test_deep_decode_plan_fills_one_program_per_sm(deep_plan):
     sm_80 block has less than an sm_90 one; fp32 needs twice the bytes and more registers per key, so
     no wider than the waves plan's), and a split count aiming at
     one program per SM: a grid that already has one runs unsplit, with no merge."""
-    for D, element_bytes, arch, tile in ((128, 2, 90, (128, 3)), (128, 2, 80, (64, 3)), (128, 4, 90, (64, 3)),
+    for D, element_bytes, arch, tile in ((128, 2, 90, (128, 3)), (128, 2, 80, (64, 3)), (128, 4, 90, (32, 3)),
                                          (256, 2, 90, (64, 3)), (64, 2, 80, (128, 3)),
-                                         (64, 4, 90, (64, 3)),  # fp32: no wider than the waves plan (spills)
+                                         (64, 4, 90, (64, 3)),  # fp32: no wider than split_tiles' (spills)
                                          (256, 4, 80, (32, 2))):  # (no ring of three fits: the waves plan's tiles)
         tiles = decode.decode_tiles(4, 1, D, element_bytes, configs.SHARED_MEMORY_LIMIT[arch])
         assert (tiles.block_n, tiles.num_stages) == tile, (D, element_bytes, arch)
+        assert tiles.num_warps == (8 if element_bytes == 4 else 4)  # fp32's FMA products: 8 warps share them
     sms = 132
     assert decode.decode_splits(16, 8, 4, 1, 8192, 128, sms, 128) == 1       # 128 programs unsplit: a wave
     assert decode.decode_splits(8, 8, 4, 1, 16384, 128, sms, 128) == 2       # 64: two chunks each
@@ -583,6 +590,16 @@ def test_deep_decode_plan_fills_one_program_per_sm(deep_plan):
     assert decode.decoding_splits_keys(256, 32, 1, 1, 128, sms) is False
     choice = c_kernels.select(1, 32, 8, 1, None, 128, torch.bfloat16, False, 90, sms)
     assert choice.path == "split" and (choice.config.block_n, choice.config.num_stages) == (128, 3)
+
+
+def test_split_kv_fp32_wide_head_dim(device):
+    """fp32's own split tiles (8 warps, 16 rows of 32 keys from D 128 on): a prefill forced to split
+    and a grouped decode step at D 136 (padded to 256 columns), causal both, against float64."""
+    for B, Hq, Hkv, Nq, Nk, causal in ((1, 2, 1, 40, 300, True), (2, 4, 2, 1, 200, False)):
+        q, k, v = make_qkv(B, Hq, Nq, 136, torch.float32, device, Hkv=Hkv, Nk=Nk)
+        o, lse = c_kernels.attention_with_lse(q, k, v, causal=causal, split_kv=3)
+        check_against_reference(o, q, k, v, causal=causal, dtype_name="fp32")
+        _check_lse(lse, q, k, causal=causal)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "fp32"])

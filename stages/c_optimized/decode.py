@@ -103,14 +103,25 @@ class SplitTiles:
     num_stages: int = 2
 
 
-def split_tiles(group: int, Nq: int, D: int) -> SplitTiles:
-    """The split kernel's tiles: BLOCK_M covers the group's rows (16: ``tl.dot``'s smallest tile, up
-    to 64), BLOCK_N 64 keys (32 at the widest head dims, to fit shared memory). The one place the
-    split path's tiles are decided (``experiments/decode_tiles.py`` sweeps alternatives through it)."""
+def split_tiles(group: int, Nq: int, D: int, element_bytes: int = 2) -> SplitTiles:
+    """The split kernel's tiles for inputs of ``element_bytes``: BLOCK_M covers the group's rows (16:
+    ``tl.dot``'s smallest tile, up to 64), BLOCK_N 64 keys (32 at the widest head dims, to fit shared
+    memory), 4 warps. fp32: 8 warps, at most 32 rows and from D 128 on 16 rows of 32 keys. The one
+    place the split path's tiles are decided (``experiments/decode_tiles.py`` sweeps alternatives
+    through it; :func:`decode_tiles` deepens them for decoding)."""
     rows = group * Nq
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
-    block_n = 64 if padded_head_dim(D) <= 128 else 32
-    return SplitTiles(block_m, block_n)
+    width = padded_head_dim(D)
+    if element_bytes > 2:
+        # fp32's exact products run on the FMA units, each thread holding its slice of both operands
+        # across the head dim. Compiled with 4 warps, 16-64 rows of 32-64 keys spilled 1-20 KB per
+        # thread at D 128-256 on sm_90 (64 rows: 44 KB), and 128-key decoding tiles 0.2-0.5 KB at D 64.
+        # These spill nothing on sm_80 or sm_90 (``experiments/resource_check.py --shapes
+        # decode,long-keys``); the one-pass kernel's fp32 tiles shrink the same way (configs.py).
+        if width >= 128:
+            return SplitTiles(16, 32, 8)
+        return SplitTiles(min(block_m, 32), 64, 8)
+    return SplitTiles(block_m, 64 if width <= 128 else 32)
 
 
 #: How a decoding call is planned (``LAB_DECODE_PLAN``). "deep", the default: one program per SM, each
@@ -135,14 +146,11 @@ def decode_tiles(group: int, Nq: int, D: int, element_bytes: int, shared_bytes: 
     and warps with :data:`DEEP_STAGES` K/V tiles of 128, 64 or 32 keys (fp32: no wider than
     :func:`split_tiles`'), the widest whose ring (and the Q tile, and some room for the compiler's own)
     fits."""
-    tiles = split_tiles(group, Nq, D)
+    tiles = split_tiles(group, Nq, D, element_bytes)
     if DECODE_PLAN != "deep":
         return tiles
     width = padded_head_dim(D)
-    # fp32 runs its products as tf32 with more registers per key: compiled for sm_90, a 128-key fp32
-    # tile spills 200-480 bytes per thread at D 64 where a 64-key one spills none
-    # (``experiments/resource_check.py --shapes decode``), so fp32 stays at the waves plan's width.
-    widest = tiles.block_n if element_bytes > 2 else 128
+    widest = tiles.block_n if element_bytes > 2 else 128  # (fp32: wider tiles spill, as split_tiles says)
     for block_n in (b for b in (128, 64, 32) if b <= widest):
         ring = DEEP_STAGES * 2 * block_n * width * element_bytes  # K and V
         if ring + tiles.block_m * width * element_bytes + 8 * 1024 <= shared_bytes:
@@ -203,7 +211,7 @@ def decode_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: i
 
 
 def choose_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: int,
-                  tiles: SplitTiles | None = None) -> SplitConfig | None:
+                  tiles: SplitTiles | None = None, element_bytes: int = 2) -> SplitConfig | None:
     """The split-KV configuration for this problem, or None when splitting does not pay.
 
     Programs without splitting: ``items = B·Hkv·⌈group·Nq/BLOCK_M⌉``.
@@ -219,17 +227,19 @@ def choose_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: i
       as long as the unsplit ones, so the one-pass kernel runs instead.
 
     Never more chunks than the K/V tiles allow at ``MIN_TILES_PER_SPLIT`` tiles each. ``tiles``: a
-    decoding call's (:func:`decode_tiles`; default :func:`split_tiles`')."""
+    decoding call's (:func:`decode_tiles`; default :func:`split_tiles`'); other calls take
+    :func:`split_tiles`' for inputs of ``element_bytes``."""
     if is_decoding(group, Nq, Nk):
         if not decoding_splits_keys(B, Hkv, group, Nq, D, sms):
             return None
         tiles = tiles or split_tiles(group, Nq, D)
         return forced_splits(group, Nq, Nk, D, decode_splits(B, Hkv, group, Nq, Nk, D, sms, tiles.block_n), tiles)
-    block_n = split_tiles(group, Nq, D).block_n
-    splits = min(_wanted_splits(B, Hkv, group, Nq, D, sms), cdiv(Nk, block_n) // MIN_TILES_PER_SPLIT, MAX_SPLITS)
+    prefill = split_tiles(group, Nq, D, element_bytes)
+    splits = min(_wanted_splits(B, Hkv, group, Nq, D, sms), cdiv(Nk, prefill.block_n) // MIN_TILES_PER_SPLIT,
+                 MAX_SPLITS)
     if splits < 2:
         return None
-    return forced_splits(group, Nq, Nk, D, splits)
+    return forced_splits(group, Nq, Nk, D, splits, prefill)
 
 
 def split_counts(block_n: int, Nk: int, splits: int) -> tuple[int, int]:
