@@ -4,8 +4,9 @@ are in neither the suite nor the tuning grid: the data behind the shape-aware ch
 
 For every cell it times, on the GPU alone (CUDA-graph replay, so the host path does not blur the
 kernels' differences), stage C as it chooses today, then every tile config it could take
-(``candidate_configs``, the warp-specialized ones too where they apply), then the split-KV path
-at several split counts, and cuDNN beside them. One CSV row per (cell, candidate).
+(``candidate_configs``, the warp-specialized ones too where they apply; where the choice is the
+``tl`` kernel, its tiles at one and two pipeline stages too), then the split-KV path at several
+split counts, and cuDNN beside them. One CSV row per (cell, candidate).
 
     python experiments/suite_configs.py --out results/h200/experiments/2026-12-01_suite_configs.csv
 """
@@ -79,6 +80,10 @@ def main(argv=None) -> int:
             q, k, v = make_inputs(p, "cuda")
             cands = [("chosen", {})]
             cands += [(str(c), {"config": c}) for c in candidate_configs(D, DTYPES[dtype], 90)]
+            chosen = ck.select(B, Hq, Hkv, Nq, Nk, D, DTYPES[dtype], causal, 90, sms)
+            if chosen.path == "tl":  # the chosen tiles at shallower pipelines (a cell of a tile or two)
+                cands += [(f"{chosen.config.with_stages(s)}", {"config": chosen.config.with_stages(s)})
+                          for s in (1, 2) if s < chosen.config.num_stages]
             cands += [(f"split{s}", {"split_kv": s}) for s in (2, 4, 8, 16, 32, 64, 128, 256)]
             cands += [("cudnn", None)]
             for label, kw in cands:
