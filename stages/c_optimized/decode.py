@@ -232,7 +232,7 @@ def choose_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: i
     if is_decoding(group, Nq, Nk):
         if not decoding_splits_keys(B, Hkv, group, Nq, D, sms):
             return None
-        tiles = tiles or split_tiles(group, Nq, D)
+        tiles = tiles or split_tiles(group, Nq, D, element_bytes)
         return forced_splits(group, Nq, Nk, D, decode_splits(B, Hkv, group, Nq, Nk, D, sms, tiles.block_n), tiles)
     prefill = split_tiles(group, Nq, D, element_bytes)
     splits = min(_wanted_splits(B, Hkv, group, Nq, D, sms), cdiv(Nk, prefill.block_n) // MIN_TILES_PER_SPLIT,
