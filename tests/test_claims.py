@@ -266,6 +266,15 @@ def h100_suite_ratios(cell: str) -> tuple:
     return out
 
 
+def tiny_stages_us(candidate: str) -> float:
+    """One candidate's GPU-only µs at ``tiny`` in entry 80's H100 ``suite_configs.py`` run."""
+    import csv
+
+    with (ROOT / "results" / "h100-80gb-hbm3" / "experiments" / "2026-12-06_suite_configs_tiny_short.csv").open() as f:
+        return next(1000 * float(r["ms_gpu"]) for r in csv.DictReader(f)
+                    if r["cell"] == "tiny" and r["candidate"] == candidate)
+
+
 def split_fp32_spill_bytes() -> int:
     """The largest spill of the split kernel in entry 81's fp32 walk."""
     import csv
@@ -636,6 +645,8 @@ CLAIMS = [
     *[Claim(PERF_MODELS, f"| {cell} | {{}} / {{}} | {{}} / {{}} | {{}} / {{}} |",
             lambda d, cell=cell: h100_suite_ratios(cell), rel=0.0005)
       for cell in ("decode-gqa", "decode-long", "long-context", "short")],
+    Claim(PERF_MODELS, "the chosen tiles at one, two and three stages took {}, {} and {} µs of GPU time",
+          lambda d: tuple(tiny_stages_us(s) for s in ("M64-N64-w4-s1", "M64-N64-w4-s2", "chosen")), rel=0.002),
     Claim("docs/performance-log/tuning.md", "distinct kernels): the split kernel spills at most {} B anywhere",
           lambda d: (split_fp32_spill_bytes(),), rel=0),
     Claim(NB["08"], "the dK/dV kernel (at D 32 it is ahead",
