@@ -226,19 +226,26 @@ def decode_backward_ms(cell: str, candidate: str) -> float:
     return statistics.median(ms)
 
 
-def decode_h100_us(name: str, cell: str, candidate: str, block_n: str = "", num_stages: str = "") -> float:
-    """The median ``ms_gpu`` (as µs) of one candidate at one cell of a committed H100 run of
-    ``experiments/decode_tiles.py`` (entries 78 and 79): ``name`` ``merges``, ``one_chunk`` or ``plans``."""
+def h100_experiment_us(file: str, cell: str, candidate: str, block_n: str = "", num_stages: str = "",
+                       first: bool = False) -> float:
+    """The median (or, ``first``, the first) ``ms_gpu`` as µs of one candidate at one cell of a committed
+    H100 experiment CSV (``decode_tiles.py``, ``suite_configs.py``: entries 78-80)."""
     import csv
     import statistics
 
-    path = ROOT / "results" / "h100-80gb-hbm3" / "experiments" / f"2026-12-06_decode_{name}.csv"
-    with path.open() as f:
+    with (ROOT / "results" / "h100-80gb-hbm3" / "experiments" / file).open() as f:
         ms = [float(r["ms_gpu"]) for r in csv.DictReader(f)
               if r["cell"] == cell and r["candidate"] == candidate and r["status"] == "ok"
               and (not block_n or r["block_n"] == block_n) and (not num_stages or r["num_stages"] == num_stages)]
-    assert ms, (name, cell, candidate)
-    return 1000 * (ms[0] if name == "one_chunk" else statistics.median(ms))  # (one_chunk: the first timing)
+    assert ms, (file, cell, candidate)
+    return 1000 * (ms[0] if first else statistics.median(ms))
+
+
+def decode_h100_us(name: str, cell: str, candidate: str, block_n: str = "", num_stages: str = "") -> float:
+    """:func:`h100_experiment_us` of a 2026-12-06 ``decode_tiles.py`` run: ``name`` ``merges``,
+    ``one_chunk`` (its first timing) or ``plans``."""
+    return h100_experiment_us(f"2026-12-06_decode_{name}.csv", cell, candidate, block_n, num_stages,
+                              first=name == "one_chunk")
 
 
 def plans_row(cell: str) -> tuple:
@@ -264,15 +271,6 @@ def h100_suite_ratios(cell: str) -> tuple:
         peers = [r for impl, r in here.items() if impl.startswith("sdpa")]
         out += tuple(min(p[key] for p in peers) / here["c"][key] for key in ("ms_median", "ms_gpu"))
     return out
-
-
-def tiny_stages_us(candidate: str) -> float:
-    """One candidate's GPU-only µs at ``tiny`` in entry 80's H100 ``suite_configs.py`` run."""
-    import csv
-
-    with (ROOT / "results" / "h100-80gb-hbm3" / "experiments" / "2026-12-06_suite_configs_tiny_short.csv").open() as f:
-        return next(1000 * float(r["ms_gpu"]) for r in csv.DictReader(f)
-                    if r["cell"] == "tiny" and r["candidate"] == candidate)
 
 
 def split_fp32_spill_bytes() -> int:
@@ -646,7 +644,8 @@ CLAIMS = [
             lambda d, cell=cell: h100_suite_ratios(cell), rel=0.0005)
       for cell in ("decode-gqa", "decode-long", "long-context", "short")],
     Claim(PERF_MODELS, "the chosen tiles at one, two and three stages took {}, {} and {} µs of GPU time",
-          lambda d: tuple(tiny_stages_us(s) for s in ("M64-N64-w4-s1", "M64-N64-w4-s2", "chosen")), rel=0.002),
+          lambda d: tuple(h100_experiment_us("2026-12-06_suite_configs_tiny_short.csv", "tiny", c)
+                          for c in ("M64-N64-w4-s1", "M64-N64-w4-s2", "chosen")), rel=0.002),
     Claim("docs/performance-log/tuning.md", "distinct kernels): the split kernel spills at most {} B anywhere",
           lambda d: (split_fp32_spill_bytes(),), rel=0),
     Claim(NB["08"], "the dK/dV kernel (at D 32 it is ahead",
