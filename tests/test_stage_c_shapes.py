@@ -572,8 +572,8 @@ def each_plan(request, monkeypatch):
 def test_deep_decode_plan_fills_one_program_per_sm(deep_plan):
     """The deep plan: three-stage tiles, as wide as the shared memory holds for the dtype and GPU (an
     sm_80 block has less than an sm_90 one; fp32 needs twice the bytes and more registers per key, so
-    no wider than the waves plan's), and a split count aiming at
-    one program per SM: a grid that already has one runs unsplit, with no merge."""
+    no wider than the waves plan's), and a split count aiming at one program per SM: a grid that
+    already has one runs unsplit, with no merge."""
     for D, element_bytes, arch, tile in ((128, 2, 90, (128, 3)), (128, 2, 80, (64, 3)), (128, 4, 90, (32, 3)),
                                          (256, 2, 90, (64, 3)), (64, 2, 80, (128, 3)),
                                          (64, 4, 90, (64, 3)),  # fp32: no wider than split_tiles' (spills)
@@ -604,7 +604,8 @@ def test_split_kv_fp32_wide_head_dim(device):
 
 @pytest.mark.parametrize("dtype", ["fp16", "fp32"])
 def test_each_decode_plan_matches_float64(each_plan, dtype, device):
-    """Decoding under each plan (the default and the one a user may switch to), one chunk and many, GQA and MHA, causal both, against float64."""
+    """Decoding under each plan (the default and the one a user may switch to), one chunk and many,
+    GQA and MHA, causal both, against float64."""
     for B, Hq, Hkv, Nq, Nk, causal in ((2, 8, 2, 1, 700, False), (1, 4, 4, 2, 900, True), (3, 2, 1, 1, 130, True)):
         q, k, v = make_qkv(B, Hq, Nq, 40, DTYPES[dtype], device, Hkv=Hkv, Nk=Nk)
         o, lse = c_kernels.attention_with_lse(q, k, v, causal=causal)
