@@ -196,7 +196,8 @@ def test_split_kv_is_chosen_from_the_work(waves_plan):
     assert prefill is not None and 2 * prefill.splits <= sms
     # fp32 (exact products on the FMA units) takes 8 warps, and 32 keys from D 128 on, prefill or decode
     # (and at most 16 rows there: wider fp32 tiles spill)
-    fp32 = decode.choose_splits(B=1, Hkv=1, group=1, Nq=128, Nk=65536, D=128, sms=sms, element_bytes=4)
+    fp32 = decode.choose_splits(B=1, Hkv=1, group=1, Nq=128, Nk=65536, D=128, sms=sms,
+                                tiles=decode.call_tiles(1, 128, 65536, 128, 4, configs.SHARED_MEMORY_LIMIT[90]))
     assert (fp32.block_m, fp32.block_n, fp32.num_warps) == (16, 32, 8)
     fp32 = c_kernels.select(1, 8, 8, 64, 65536, 128, torch.float32, False, 90, sms, split_kv=4).config
     assert (fp32.block_m, fp32.block_n, fp32.num_warps) == (16, 32, 8)

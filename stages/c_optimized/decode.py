@@ -158,6 +158,14 @@ def decode_tiles(group: int, Nq: int, D: int, element_bytes: int, shared_bytes: 
     return tiles
 
 
+def call_tiles(group: int, Nq: int, Nk: int | None, D: int, element_bytes: int, shared_bytes: int) -> SplitTiles:
+    """The split kernel's tiles for one call: :func:`decode_tiles` when it decodes (``Nk`` None: a
+    decoding call planned for every cache length), else :func:`split_tiles`' for its dtype."""
+    if Nk is None or is_decoding(group, Nq, Nk):
+        return decode_tiles(group, Nq, D, element_bytes, shared_bytes)
+    return split_tiles(group, Nq, D, element_bytes)
+
+
 def decode_waves() -> int:
     """Programs per SM a decoding call's split count aims at, under :data:`DECODE_PLAN`."""
     return 1 if DECODE_PLAN == "deep" else DECODE_WAVES
@@ -211,7 +219,7 @@ def decode_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: i
 
 
 def choose_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: int,
-                  tiles: SplitTiles | None = None, element_bytes: int = 2) -> SplitConfig | None:
+                  tiles: SplitTiles | None = None) -> SplitConfig | None:
     """The split-KV configuration for this problem, or None when splitting does not pay.
 
     Programs without splitting: ``items = B·Hkv·⌈group·Nq/BLOCK_M⌉``.
@@ -226,20 +234,18 @@ def choose_splits(B: int, Hkv: int, group: int, Nq: int, Nk: int, D: int, sms: i
       chunks then fill about one wave; with more items, a second wave of split programs would take
       as long as the unsplit ones, so the one-pass kernel runs instead.
 
-    Never more chunks than the K/V tiles allow at ``MIN_TILES_PER_SPLIT`` tiles each. ``tiles``: a
-    decoding call's (:func:`decode_tiles`; default :func:`split_tiles`'); other calls take
-    :func:`split_tiles`' for inputs of ``element_bytes``."""
+    Never more chunks than the K/V tiles allow at ``MIN_TILES_PER_SPLIT`` tiles each. ``tiles``: the
+    call's (:func:`call_tiles`; default :func:`split_tiles`' for 16-bit inputs)."""
+    tiles = tiles or split_tiles(group, Nq, D)
     if is_decoding(group, Nq, Nk):
         if not decoding_splits_keys(B, Hkv, group, Nq, D, sms):
             return None
-        tiles = tiles or split_tiles(group, Nq, D, element_bytes)
         return forced_splits(group, Nq, Nk, D, decode_splits(B, Hkv, group, Nq, Nk, D, sms, tiles.block_n), tiles)
-    prefill = split_tiles(group, Nq, D, element_bytes)
-    splits = min(_wanted_splits(B, Hkv, group, Nq, D, sms), cdiv(Nk, prefill.block_n) // MIN_TILES_PER_SPLIT,
+    splits = min(_wanted_splits(B, Hkv, group, Nq, D, sms), cdiv(Nk, tiles.block_n) // MIN_TILES_PER_SPLIT,
                  MAX_SPLITS)
     if splits < 2:
         return None
-    return forced_splits(group, Nq, Nk, D, splits, prefill)
+    return forced_splits(group, Nq, Nk, D, splits, tiles)
 
 
 def split_counts(block_n: int, Nk: int, splits: int) -> tuple[int, int]:

@@ -330,20 +330,19 @@ def select(B: int, Hq: int, Hkv: int, Nq: int, Nk: int, D: int, dtype: torch.dty
         return _ws_rung_choice(B, Hq, Nq, Nk, D, dtype, causal, arch, sms, tma_ok, config, split_kv, store_lse,
                                ws_rung, tuned_tiles=tuned_tiles, pipelining=pipelining, tma=tma, exp2=exp2,
                                causal_skip=causal_skip, warp_specialization=warp_specialization)
-    # A decoding call's tiles follow the plan (decode.DECODE_PLAN), its dtype and the GPU's shared memory.
-    tiles = decode.decode_tiles(group, Nq, D, dtype.itemsize, SHARED_MEMORY_LIMIT.get(arch, 99 * 1024))
+    # The split kernel's tiles: a decoding call's follow the plan (decode.DECODE_PLAN), its dtype and the
+    # GPU's shared memory; other calls' their dtype.
+    tiles = decode.call_tiles(group, Nq, Nk, D, dtype.itemsize, SHARED_MEMORY_LIMIT.get(arch, 99 * 1024))
     if split_kv is not None and split_kv >= 2:
         if Nk is None:
             return Choice("split", decode.per_call_config(group, Nq, D, forced=split_kv, tiles=tiles))
-        # (a decoding call with its cache length given takes the tiles every decoding call takes)
-        forced_tiles = tiles if decode.is_decoding(group, Nq, Nk) else decode.split_tiles(group, Nq, D, dtype.itemsize)
-        return Choice("split", decode.forced_splits(group, Nq, Nk, D, split_kv, forced_tiles))
+        return Choice("split", decode.forced_splits(group, Nq, Nk, D, split_kv, tiles))
     if split_kv is None and config is None and tuned_tiles and exp2:
         if Nk is None:
             if decode.decoding_splits_keys(B, Hkv, group, Nq, D, sms):
                 return Choice("split", decode.per_call_config(group, Nq, D, tiles=tiles))
         else:
-            split = decode.choose_splits(B, Hkv, group, Nq, Nk, D, sms, tiles, dtype.itemsize)
+            split = decode.choose_splits(B, Hkv, group, Nq, Nk, D, sms, tiles)
             if split is not None:
                 return Choice("split", split)
     ws_allowed = (_ws_switches_on(causal, tuned_tiles=tuned_tiles, pipelining=pipelining, tma=tma, exp2=exp2,
