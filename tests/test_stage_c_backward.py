@@ -590,6 +590,92 @@ def test_fused_dq_out_of_step_matches_float64(shape, config, switch, monkeypatch
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("first,prefetch,joined,early", [(False, False, False, False), (True, False, False, False),
+                                                         (False, True, False, False), (True, False, True, True)],
+                         ids=["plain", "first-early", "prefetch", "first-joined-early-release"])
+@pytest.mark.parametrize("shape", WS_SHAPES + [(1, 4, 2, 1000, 700, 80)],
+                         ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}-D{}".format(*s))
+def test_row_statistics_and_slot_release_switches_match_float64(shape, first, prefetch, joined, early, monkeypatch,
+                                                                 device):
+    """The first Q tile's row statistics asked for before the K/V wait (``FIRST_ROW_STATS_EARLY``), or
+    every tile's a tile ahead (``PREFETCH_ROW_STATS``: the next tile's, across the
+    step from one query head of the group to the next, and none after the last), spread in one
+    conversion or two (``JOINED_ROW_STATS``, where :func:`hopper_bwd.joined_row_stats` lets it), and the
+    ring slot handed back before or after fused dQ's share (``EARLY_SLOT_RELEASE``): with fused dQ and
+    without, 64- and 32-row Q tiles, causal and not, GQA, Nq ≠ Nk both ways and a head-dim tail. An
+    early release must not let the producer overwrite a Q or dO tile a product still reads."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper dK/dV kernel needs sm_90")
+    from stages.c_optimized import hopper_bwd
+
+    monkeypatch.setattr(hopper_bwd, "FIRST_ROW_STATS_EARLY", first)
+    monkeypatch.setattr(hopper_bwd, "PREFETCH_ROW_STATS", prefetch)
+    monkeypatch.setattr(hopper_bwd, "JOINED_ROW_STATS", joined)
+    monkeypatch.setattr(hopper_bwd, "EARLY_SLOT_RELEASE", early)
+    monkeypatch.setattr(bwd, "_KEPT", {})
+    B, Hq, Hkv, Nq, Nk, D = shape
+    for causal, dtype_name, kernels in (
+            (False, "bf16", {"ws_config": "ws-M64-c2-s2", "ws_dq_config": "fused"}),
+            (True, "fp16", {"ws_config": "ws-M32-c2-s3", "ws_dq_config": "fused"}),
+            (True, "bf16", {"ws_config": "ws-M64-c2-s2"})):
+        if D % 64 and kernels["ws_config"] != "ws-M64-c2-s2":
+            continue  # (fused dQ takes a head-dim tail with 64-row Q tiles and two consumers only)
+        q, k, v = make_qkv(B, Hq, Nq, D, DTYPES[dtype_name], device, Hkv=Hkv, Nk=Nk, seed=17)
+        check_gradients(attention, q, k, v, causal=causal, dtype_name=dtype_name, **kernels)
+
+
+def test_the_first_row_statistics_go_early_only_without_a_mask_up_to_64_columns(monkeypatch):
+    """``FIRST_ROW_STATS_EARLY`` reaches the kernel where :func:`hopper_bwd.first_row_stats_early` says
+    (non-causal, at most 64 dK/dV columns: it measured slower causal and from 80 columns on), and
+    nowhere else: with the switch on and off the D 64 non-causal kernel differs, the causal one and the
+    D 128 one are the same."""
+    from stages.c_optimized import hopper_bwd
+
+    monkeypatch.setattr(hopper_bwd, "FIRST_ROW_STATS_EARLY", True)
+    assert hopper_bwd.first_row_stats_early(64, False) and hopper_bwd.first_row_stats_early(40, False)
+    assert not hopper_bwd.first_row_stats_early(64, True) and not hopper_bwd.first_row_stats_early(80, False)
+    ptx = {}
+    for on in (False, True):
+        monkeypatch.setenv("LAB_FIRST_ROW_STATS_EARLY", "1" if on else "0")  # (a compile in a child process)
+        monkeypatch.setattr(hopper_bwd, "FIRST_ROW_STATS_EARLY", on)
+        for D, causal in ((64, False), (64, True), (128, False)):
+            kernel = bwd.compile_backward(Problem(2, 8, 1024, D, "bf16", causal), 90, ws_config="ws-M64-c2-s2")[1]
+            ptx[on, D, causal] = re.sub(r"\.loc.*|// .*", "", kernel.asm["ptx"])
+    assert ptx[True, 64, False] != ptx[False, 64, False]
+    assert ptx[True, 64, True] == ptx[False, 64, True] and ptx[True, 128, False] == ptx[False, 128, False]
+
+
+def test_joined_row_statistics_take_two_warpgroup_barriers_out_where_they_fit(monkeypatch):
+    """``JOINED_ROW_STATS`` (off: it measured slower, performance-log entry 82): at D 64 with 64-row Q tiles (fused dQ) the two statistics take one trip
+    through shared memory, so the kernel has fewer warpgroup barriers (named ``bar.sync`` of 128
+    threads) and spills no more; at D 128 with 64-row tiles, where the Δs' registers would spill,
+    :func:`hopper_bwd.joined_row_stats` declines and the kernel is the same either way."""
+    from harness.inspect_code import run_ptxas
+    from stages.c_optimized import hopper_bwd
+
+    monkeypatch.setenv("LAB_FUSED_DQ_ATOMICS", "pair")
+    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_ATOMICS", "pair")
+    monkeypatch.setattr(hopper_bwd, "JOINED_ROW_STATS", True)
+    assert hopper_bwd.joined_row_stats(64, 64) and hopper_bwd.joined_row_stats(64, 32)
+    assert not hopper_bwd.joined_row_stats(128, 64) and not hopper_bwd.joined_row_stats(96, 64)
+    ptx, spills = {}, {}
+    for on in (False, True):
+        monkeypatch.setenv("LAB_JOINED_ROW_STATS", "1" if on else "0")  # (a compile in a child process)
+        monkeypatch.setattr(hopper_bwd, "JOINED_ROW_STATS", on)
+        for D in (64, 128):
+            kernel = bwd.compile_backward(Problem(2, 8, 1024, D, "fp16", False), 90, ws_config="ws-M64-c2-s2",
+                                          ws_dq_config="fused")[1]
+            ptx[on, D] = re.sub(r"\.loc.*|// .*", "", kernel.asm["ptx"])
+            facts = run_ptxas(kernel.asm["ptx"], "sm_90a")
+            assert "ptxas_error" not in facts, facts
+            spills[on, D] = facts["spill_stores"] + facts["spill_loads"]
+    named = lambda text: len(re.findall(r"bar\.sync\s+\d+,\s*128;", text))  # noqa: E731
+    assert named(ptx[True, 64]) < named(ptx[False, 64]), (named(ptx[True, 64]), named(ptx[False, 64]))
+    assert spills[True, 64] <= spills[False, 64], spills
+    assert ptx[True, 128] == ptx[False, 128]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", WS_CONFIGS)
 def test_every_hopper_dkdv_config_is_correct(config, device):
     if torch.cuda.get_device_capability()[0] != 9:

@@ -126,6 +126,25 @@ FUSED_DQ_STAGGER = os.environ.get("LAB_FUSED_DQ_STAGGER", "0") == "1"
 #: with fused dQ 3.17 -> 2.74 (causal 2.12 -> 1.43), which made fused dQ the faster plan at D 128 too
 #: (performance-log entry 70). On; ``LAB_COMPACT_ROW_STATS=0`` for the kernel before it.
 COMPACT_ROW_STATS = os.environ.get("LAB_COMPACT_ROW_STATS", "1") == "1"
+#: With compact row statistics, spread both (the log-sum-exps and the Δs) in one conversion instead of
+#: one each. A conversion goes through a scratch buffer in shared memory: a store, the warpgroup's
+#: barrier, loads. Two conversions share that buffer, so the second also waits at a barrier for the
+#: first one's loads: three warpgroup barriers per Q tile where one does (``LAB_JOINED_ROW_STATS``).
+#: The Δs then live from the scores' exponentials to dSᵀ, 16 registers more in that stretch: only
+#: where they fit (:func:`joined_row_stats`).
+JOINED_ROW_STATS = os.environ.get("LAB_JOINED_ROW_STATS", "0") == "1"
+#: With compact row statistics, load the next Q tile's log-sum-exps and Δs while this tile runs (two
+#: more registers per thread), instead of at the top of the tile: the Sᵀ product they wait for takes a
+#: few hundred cycles, a load from L2 more (``LAB_PREFETCH_ROW_STATS``).
+PREFETCH_ROW_STATS = os.environ.get("LAB_PREFETCH_ROW_STATS", "0") == "1"
+#: With compact row statistics, ask for the first Q tile's before waiting for the K and V tiles (the
+#: program's first latency), and every later tile's at the top of that tile as without the switch
+#: (``LAB_FIRST_ROW_STATS_EARLY``). :data:`PREFETCH_ROW_STATS` does this and more.
+FIRST_ROW_STATS_EARLY = os.environ.get("LAB_FIRST_ROW_STATS_EARLY", "1") == "1"
+#: A consumer hands its ring slot (the Q and dO tiles) back to the producer as soon as the products that
+#: read it are done, before it forms the tile's share of fused dQ (which reads dSᵀ and K, not Q or dO),
+#: instead of at the end of the tile (``LAB_EARLY_SLOT_RELEASE``).
+EARLY_SLOT_RELEASE = os.environ.get("LAB_EARLY_SLOT_RELEASE", "0") == "1"
 #: The order a causal backward's programs start in (``LAB_BWD_HEAVY_FIRST``, both Hopper kernels). A
 #: causal program's work depends on its tile: the dK/dV kernel's first K/V tile meets every Q tile, its
 #: last only the diagonal's (the dQ kernel the other way round), and the GPU starts programs in grid
@@ -186,6 +205,16 @@ def _q_tile_row(first, j, n_tiles, start_n, BLOCK_N: gl.constexpr, BLOCK_M: gl.c
     if STAGGER:
         j = (j + start_n // BLOCK_N) % n_tiles
     return first + j * BLOCK_M
+
+
+@gluon.jit
+def _load_row_stats(LSE, DELTA, bh, row0, Nq, valid, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    """A Q tile's log-sum-exps and Δs (``BLOCK_M`` rows from ``row0`` of batch·head ``bh``) in
+    ``layout``; rows past Nq, or all where not ``valid``, read lse = +inf (P = 0) and Δ = 0."""
+    rows = row0 + gl.arange(0, BLOCK_M, layout=layout)
+    inside = (rows < Nq) & valid
+    return (gl.load(LSE + bh * Nq + rows, mask=inside, other=float("inf")),
+            gl.load(DELTA + bh * Nq + rows, mask=inside, other=0.0))
 
 
 @gluon.jit
@@ -373,7 +402,8 @@ def _store_halves(dk, dv, k_bufs, v_bufs, bars, dk_desc, dv_desc, b, h_kv, start
 @gluon.jit
 def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
               ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr, AHEAD: gl.constexpr, STAGGER: gl.constexpr,
-              LAG: gl.constexpr, COMPACT_STATS: gl.constexpr):
+              LAG: gl.constexpr, COMPACT_STATS: gl.constexpr, EARLY_RELEASE: gl.constexpr,
+              PREFETCH_STATS: gl.constexpr):
     """One warpgroup: dK and dV of its 64 K/V rows, over every Q tile of the group's query heads; with
     a dQ accumulator (``DQ_ACC``, fused dQ), also each Q tile's share of dQ from these rows. With
     ``SPLIT_D`` = 2 two consumers share one 64-row K/V tile and each keeps the dK and dV columns of
@@ -439,6 +469,10 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
     v_tt = v_tail_bufs.index(TILE).reshape([ROWS, DT])
     dk_t = gl.zeros([ROWS, DT], gl.float32, t_layout)
     dv_t = gl.zeros([ROWS, DT], gl.float32, t_layout)
+    if PREFETCH_STATS > 0:  # the first Q tile's statistics, asked for before the wait on K and V
+        lse_n, delta_n = _load_row_stats(LSE, DELTA, (b * Hq + h_kv * GROUP).to(gl.int64),
+                                         _q_tile_row(first, 0, n_tiles, start_n, ROWS * KV_TILES, BLOCK_M, STAGGER),
+                                         Nq, n_tiles > 0, BLOCK_M, stat_layout)
     mbarrier.wait(kv_bar, 0)
     it = 0
     for g in range(GROUP):
@@ -446,11 +480,24 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
         for j in range(n_tiles):
             row0 = _q_tile_row(first, j, n_tiles, start_n, ROWS * KV_TILES, BLOCK_M, STAGGER)
             queries = row0 + gl.arange(0, BLOCK_M, layout=query_layout)
-            # Asked for before the wait on the tile, so their latency hides behind it.
-            if COMPACT_STATS:
-                qc = row0 + gl.arange(0, BLOCK_M, layout=stat_layout)
-                lse_c = gl.load(LSE + bh * Nq + qc, mask=qc < Nq, other=float("inf"))
-                delta_c = gl.load(DELTA + bh * Nq + qc, mask=qc < Nq, other=0.0)
+            if PREFETCH_STATS == 1:  # the first tile's were asked for before the K/V wait
+                if it == 0:
+                    lse_c = lse_n
+                    delta_c = delta_n
+                else:
+                    lse_c, delta_c = _load_row_stats(LSE, DELTA, bh, row0, Nq, True, BLOCK_M, stat_layout)
+            elif PREFETCH_STATS == 2:
+                # This tile's, asked for a tile ago; now the next one's: (g, j + 1), or the next query
+                # head's first tile (none after the last).
+                lse_c = lse_n
+                delta_c = delta_n
+                wrap = (j + 1 == n_tiles).to(gl.int32)
+                lse_n, delta_n = _load_row_stats(
+                    LSE, DELTA, (b * Hq + h_kv * GROUP + g + wrap).to(gl.int64),
+                    _q_tile_row(first, (j + 1) % n_tiles, n_tiles, start_n, ROWS * KV_TILES, BLOCK_M, STAGGER), Nq,
+                    g + wrap < GROUP, BLOCK_M, stat_layout)
+            elif COMPACT_STATS:  # asked for before the wait on the tile, so their latency hides behind it
+                lse_c, delta_c = _load_row_stats(LSE, DELTA, bh, row0, Nq, True, BLOCK_M, stat_layout)
             else:
                 lse = gl.load(LSE + bh * Nq + queries, mask=queries < Nq, other=float("inf"))
                 delta = gl.load(DELTA + bh * Nq + queries, mask=queries < Nq, other=0.0)
@@ -491,7 +538,12 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
             need_mask = ragged
             if CAUSAL:
                 need_mask = need_mask | (row0 < unmasked)
-            if COMPACT_STATS:
+            if COMPACT_STATS == 2:  # (JOINED_ROW_STATS) both in one conversion: one warpgroup barrier
+                lse, delta = gl.split(gl.convert_layout(gl.join(lse_c, delta_c), gl.join(
+                    gl.zeros([BLOCK_M], gl.float32, query_layout), gl.zeros([BLOCK_M], gl.float32, query_layout)).type.layout))
+                lse = gl.convert_layout(lse, query_layout)  # (the layout split gives, named: no data moves)
+                delta = gl.convert_layout(delta, query_layout)
+            elif COMPACT_STATS:
                 lse = gl.convert_layout(lse_c, query_layout)
             pt = _probabilities_t(st, lse, keys, queries, qk_scale, need_mask, Nk, offset, CAUSAL)
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
@@ -500,7 +552,7 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
                 pt_t = gl.convert_layout(pt.to(dtype), t_op_layout)
                 dv_t = warpgroup_mma(pt_t, do_tt, dv_t, is_async=True)
             dpt = warpgroup_mma_wait(AFTER, deps=(dpt, ))  # dPᵀ is done; dV's product may still be running
-            if COMPACT_STATS:
+            if COMPACT_STATS == 1:
                 delta = gl.convert_layout(delta_c, query_layout)
             dst = pt * (dpt - gl.expand_dims(delta, 0))
             dst_op = gl.convert_layout(dst.to(dtype), op_layout)
@@ -540,6 +592,8 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
                     0, deps=(dv, dk, pt_op, dst_op, dv_t, dk_t, pt_t, dst_t))
             else:
                 dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+            if EARLY_RELEASE:  # every product that reads the slot's Q and dO is done (dQ's reads dSᵀ and K)
+                _signal(empty.index(s))
             if DQ_ACC is not None and ATOMICS == "pair":
                 if AHEAD_ON or LAG_ON:
                     pend_h = h_kv * GROUP + g
@@ -564,7 +618,8 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
                     dq_acc = DQ_ACC + bh * Nq * HEAD_DIM
                 _fused_dq(ds_t.permute((1, 0)), k_t, dq_acc, dq_stages, WG * (D // DQ_COLS), b, h_kv * GROUP + g,
                           row0, Nq, sm_scale, HEAD_DIM, DQ_COLS, dq_layout, ATOMICS)
-            _signal(empty.index(s))  # this consumer is done with the slot's Q and dO
+            if not EARLY_RELEASE:
+                _signal(empty.index(s))  # this consumer is done with the slot's Q and dO
             it += 1
     if DQ_ACC is not None and ATOMICS == "pair":
         if AHEAD_ON or LAG_ON:
@@ -705,7 +760,8 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
                        STAGES: gl.constexpr, CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                        HEAD_DIM: gl.constexpr, ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr,
                        SHARE_SCORES: gl.constexpr, AHEAD: gl.constexpr, STAGGER: gl.constexpr, LAG: gl.constexpr,
-                       COMPACT_STATS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                       COMPACT_STATS: gl.constexpr, EARLY_RELEASE: gl.constexpr, PREFETCH_STATS: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """One program per (K/V tile of ``CONSUMERS / SPLIT_D × 64`` rows, batch·K/V head), in the order
     ``tiles_per_chunk`` gives (:func:`program_order`). ``q_tail_desc`` ... ``dv_tail_desc``: None, or the
     head-dim tail's descriptors (the columns from the main tiles' width on); with fused dQ,
@@ -776,15 +832,15 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
     elif CONSUMERS == 1:
         gl.warp_specialize([
             (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG,
-                         COMPACT_STATS)),
+                         COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS)),
             (_producer, producer_args),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG,
-                         COMPACT_STATS)),
+                         COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS)),
             (_consumer, (args, tail, 1, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG,
-                         COMPACT_STATS)),
+                         COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS)),
             (_producer, producer_args),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -917,6 +973,26 @@ def fused_dq_takes_tail(block_m: int, consumers: int) -> bool:
     return FUSED_DQ_ATOMICS == "pair" and consumers == 2 and block_m == 64
 
 
+def first_row_stats_early(columns: int, causal: bool) -> bool:
+    """Whether a consumer asks for its first Q tile's row statistics before the K/V wait
+    (:data:`FIRST_ROW_STATS_EARLY`): without a causal mask at up to 64 dK/dV ``columns``, where it
+    measured faster in every cell, 0.3-5 % (the fewer Q tiles a program has, the more: BERT's and
+    ViT's 257-512 tokens, a batch of 128-token items), and not where it measured 1-2 % slower, causal
+    or from 80 columns on (an H100, ``experiments/backward_switches.py``, performance-log entry 82)."""
+    return FIRST_ROW_STATS_EARLY and not causal and columns <= 64
+
+
+def joined_row_stats(columns: int, block_m: int) -> bool:
+    """Whether a consumer spreads its two row statistics in one conversion (:data:`JOINED_ROW_STATS`):
+    where its live fp32 tiles leave room for the Δs to live 16 registers longer, ``columns`` (the dK and
+    dV columns it keeps, a tail's included: one register per column for the two) plus ``block_m`` (the
+    scores and dPᵀ) at most 128 registers per thread. Compiled for sm_90a
+    (``experiments/backward_spills.py --switch JOINED_ROW_STATS``): at D 64 with 32- and 64-row Q tiles
+    joining spills nothing; at D 96 and 128 with 64-row tiles, and at D 64 with 128-row ones, it took
+    spills from 0-80 bytes per thread to 20-420."""
+    return JOINED_ROW_STATS and columns + block_m <= 128
+
+
 def _tail_descriptors(tensors: dict, rows: dict, main: int, tail: int) -> dict:
     """``{role}_tail_desc`` for each of ``tensors``: TMA tiles of ``rows[role]`` rows by the ``tail``
     columns from ``main`` on (zero-filled past the head dim on load, clipped on store); all None
@@ -976,7 +1052,10 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 GROUP=Hq // Hkv, CAUSAL=causal, HEAD_DIM=q.shape[-1], ATOMICS=atomics, SPLIT_D=split,
                 SHARE_SCORES=share_scores, AHEAD=FUSED_DQ_AHEAD,
                 STAGGER=(FUSED_DQ_STAGGER or reorder) and dq_acc is not None, LAG=FUSED_DQ_LAG or reorder,
-                COMPACT_STATS=COMPACT_ROW_STATS,
+                COMPACT_STATS=(2 if joined_row_stats((main + tail) // split, block_m) else 1) if COMPACT_ROW_STATS
+                else 0,
+                EARLY_RELEASE=EARLY_SLOT_RELEASE, PREFETCH_STATS=(2 if PREFETCH_ROW_STATS else 1 if first_row_stats_early((main + tail) // split, causal)
+                                else 0) if COMPACT_ROW_STATS else 0,
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
     return Launch(ws_bwd_dkdv_kernel, (n_tiles * B * Hkv,), args, num_warps=4, num_stages=1, extra=extra)
 
