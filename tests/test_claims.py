@@ -257,6 +257,33 @@ def plans_row(cell: str) -> tuple:
 
 
 #: entry 80's three consecutive H100 suite runs (results/h100-80gb-hbm3/models/runs.csv)
+def switch_row(cell: str) -> tuple:
+    """Entry 82's row for one cell: the kernel before (µs) and cuDNN's backward (µs) from the
+    first-early run, then each switch's time over the kernel one step before it in its own run."""
+    import csv
+
+    def load(name: str) -> dict:
+        path = ROOT / "results" / "h100-80gb-hbm3" / "experiments" / f"2026-12-06_backward_{name}.csv"
+        with path.open() as f:
+            return {r["variant"]: float(r["ms"]) for r in csv.DictReader(f)
+                    if r["cell"] == cell and r["status"] == "ok"}
+
+    j, p, f = load("joined_early"), load("prefetch"), load("first_early")
+    return (1000 * f["off"], 1000 * f["cudnn"], j["+joined_row_stats"] / j["off"],
+            j["+joined_row_stats+early_slot_release"] / j["+joined_row_stats"], p["+prefetch_row_stats"] / p["off"],
+            f["+first_row_stats_early"] / f["off"])
+
+
+def h100_bwd_ratios(run: str, cell: str) -> tuple:
+    """C / the fastest SDPA backward at one cell of one H100 backward suite run, eager then GPU-only."""
+    from harness.results import load_rows
+
+    rows = load_rows(ROOT / "results" / "h100-80gb-hbm3" / "models" / "runs.csv")
+    here = {r["impl"]: r for r in rows if r["run_id"] == run and r["cell"] == cell and r["pass"] == "bwd"}
+    peers = [r for impl, r in here.items() if impl.startswith("sdpa")]
+    return tuple(min(p[key] for p in peers) / here["c"][key] for key in ("ms_median", "ms_gpu"))
+
+
 H100_SUITE_RUNS = ("2026-12-06T05:11:15.917081Z", "2026-12-06T05:27:27.253172Z", "2026-12-06T05:29:48.060461Z")
 
 
@@ -648,6 +675,19 @@ CLAIMS = [
                           for c in ("M64-N64-w4-s1", "M64-N64-w4-s2", "chosen")), rel=0.002),
     Claim("docs/performance-log/tuning.md", "distinct kernels): the split kernel spills at most {} B anywhere",
           lambda d: (split_fp32_spill_bytes(),), rel=0),
+    *[Claim("docs/performance-log/backward.md", f"| {label} ({{}}; {{}}) | {{}} | {{}} | {{}} | {mark} |",
+            lambda d, cell=cell: switch_row(cell), rel=0.002)
+      for label, cell, mark in (("bert-base: B 64 · H 12 · N 512 · D 64", "bert-base", "**{}**"),
+                                ("vit-l: B 32 · H 16 · N 257 · D 64", "vit-l", "**{}**"),
+                                ("short: B 128 · H 16 · N 128 · D 64", "short", "**{}**"),
+                                ("few-heads: B 2 · H 2 · N 8192 · D 64", "few-heads", "**{}**"),
+                                ("FA grid: B 4 · H 32 · N 4096 · D 64", "fa-d64", "**{}**"),
+                                ("the same, causal", "fa-d64-causal", "{}"),
+                                ("llama2-7b: D 128, causal", "llama2-7b", "{}"))],
+    Claim("docs/performance-log/backward.md",
+          "bert-base {} → {} of cuDNN, vit-l {} → {}, few-heads {} → {}, short {} → {}",
+          lambda d: tuple(h100_bwd_ratios(run, cell)[0] for cell in ("bert-base", "vit-l", "few-heads", "short")
+                          for run in ("2026-12-06T05:32:01.095872Z", "2026-12-06T08:21:03.850182Z")), rel=0.006),
     Claim(NB["08"], "the dK/dV kernel (at D 32 it is ahead",
           lambda d: all(c > n for c, n in bwd_pairs(d, "c", "sdpa_cudnn", (32,))), why="the bwd fp16 grid rows"),
 ]

@@ -39,7 +39,8 @@ A third, for fused dQ or not, keeps the row statistics compact until their use
 (:data:`COMPACT_ROW_STATS`: a quarter fewer instructions per Q tile, and at D 128 with 64-row Q tiles
 fewer spills; on: the 64-row dK/dV kernel at D 128 causal 1.59 → 0.99 ms on the H200, entries 63, 68, 70).
 Row statistics: the forward's base-2 log-sum-exp and the pre-pass's Δ = rowsum(dO ∘ O), loaded per Q tile by the
-consumers (64 floats, from L2). Masks: keys past Nk and (causal, bottom-right) keys after a query are
+consumers (64 floats, from L2); without a causal mask at up to 64 columns the first tile's are asked for before
+the K/V wait (:data:`FIRST_ROW_STATS_EARLY`: a program of few Q tiles otherwise waits on that load first, entry 82). Masks: keys past Nk and (causal, bottom-right) keys after a query are
 zeroed in Pᵀ after the exponential, only on the tiles that need it (a runtime branch); query rows
 past Nq read zeros by TMA and lse = +inf, so their P is exactly 0.
 
@@ -539,8 +540,9 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
             if CAUSAL:
                 need_mask = need_mask | (row0 < unmasked)
             if COMPACT_STATS == 2:  # (JOINED_ROW_STATS) both in one conversion: one warpgroup barrier
-                lse, delta = gl.split(gl.convert_layout(gl.join(lse_c, delta_c), gl.join(
-                    gl.zeros([BLOCK_M], gl.float32, query_layout), gl.zeros([BLOCK_M], gl.float32, query_layout)).type.layout))
+                spread_zero = gl.zeros([BLOCK_M], gl.float32, query_layout)  # (only its layout is used)
+                lse, delta = gl.split(gl.convert_layout(gl.join(lse_c, delta_c),
+                                                        gl.join(spread_zero, spread_zero).type.layout))
                 lse = gl.convert_layout(lse, query_layout)  # (the layout split gives, named: no data moves)
                 delta = gl.convert_layout(delta, query_layout)
             elif COMPACT_STATS:
@@ -1054,7 +1056,8 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 STAGGER=(FUSED_DQ_STAGGER or reorder) and dq_acc is not None, LAG=FUSED_DQ_LAG or reorder,
                 COMPACT_STATS=(2 if joined_row_stats((main + tail) // split, block_m) else 1) if COMPACT_ROW_STATS
                 else 0,
-                EARLY_RELEASE=EARLY_SLOT_RELEASE, PREFETCH_STATS=(2 if PREFETCH_ROW_STATS else 1 if first_row_stats_early((main + tail) // split, causal)
+                EARLY_RELEASE=EARLY_SLOT_RELEASE,
+                PREFETCH_STATS=(2 if PREFETCH_ROW_STATS else 1 if first_row_stats_early((main + tail) // split, causal)
                                 else 0) if COMPACT_ROW_STATS else 0,
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
     return Launch(ws_bwd_dkdv_kernel, (n_tiles * B * Hkv,), args, num_warps=4, num_stages=1, extra=extra)
