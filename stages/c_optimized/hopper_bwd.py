@@ -991,7 +991,7 @@ def joined_row_stats(columns: int, block_m: int) -> bool:
     scores and dPᵀ) at most 128 registers per thread. Compiled for sm_90a
     (``experiments/backward_spills.py --switch JOINED_ROW_STATS``): at D 64 with 32- and 64-row Q tiles
     joining changed a kernel's spills by 12 bytes per thread at most; at D 96 and 128 with 64-row tiles,
-    and at D 64 with 128-row ones, it took them from 0-80 bytes to 20-420."""
+    and at D 64 with 128-row ones, it took them from 0-80 bytes to 20-420 (compiled before this limit)."""
     return JOINED_ROW_STATS and columns + block_m <= 128
 
 
