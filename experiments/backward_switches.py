@@ -169,9 +169,7 @@ def main(argv=None) -> int:
                          + (str(e).splitlines()[0][:160] if str(e) else "")})
             print(f"{cell}: {rows[-1]['status']}", flush=True)
             torch.cuda.empty_cache()
-        if args.csv:  # after every cell: a crash keeps what was measured
-            Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-            _write_csv(args.csv, rows)
+        _write_csv(args.csv, rows)  # after every cell: a crash keeps what was measured
     return 0
 
 

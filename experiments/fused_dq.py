@@ -197,9 +197,7 @@ def main(argv=None) -> int:
                          "ms": round(ms, 4), "tflops": round(flops / ms * 1e-9, 1), "max_rel_diff": "",
                          "status": "ok"})
         print("  whole: " + ", ".join(f"{n} {statistics.median(t):.3f} ms" for n, t in samples.items()), flush=True)
-        if args.csv:  # after every cell: a crash keeps what was measured
-            Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-            _write_csv(args.csv, rows)
+        _write_csv(args.csv, rows)  # after every cell: a crash keeps what was measured
     return 0
 
 
