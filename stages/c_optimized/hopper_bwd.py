@@ -39,9 +39,10 @@ A third, for fused dQ or not, keeps the row statistics compact until their use
 (:data:`COMPACT_ROW_STATS`: a quarter fewer instructions per Q tile, and at D 128 with 64-row Q tiles
 fewer spills; on: the 64-row dK/dV kernel at D 128 causal 1.59 → 0.99 ms on the H200, entries 63, 68, 70).
 Row statistics: the forward's base-2 log-sum-exp and the pre-pass's Δ = rowsum(dO ∘ O), loaded per Q tile by the
-consumers (64 floats, from L2); without a causal mask at up to 64 columns the first tile's are asked for before
-the K/V wait (:data:`FIRST_ROW_STATS_EARLY`: a program of few Q tiles otherwise waits on that load first, entry 82). Masks: keys past Nk and (causal, bottom-right) keys after a query are
-zeroed in Pᵀ after the exponential, only on the tiles that need it (a runtime branch); query rows
+consumers (64 floats, from L2); without a causal mask at up to 64 columns the first tile's are asked for
+before the K/V wait (:data:`FIRST_ROW_STATS_EARLY`: a program of few Q tiles otherwise waits on that load
+first, entry 82). Masks: keys past Nk and (causal, bottom-right) keys after a query are zeroed in Pᵀ after
+the exponential, only on the tiles that need it (a runtime branch); query rows
 past Nq read zeros by TMA and lse = +inf, so their P is exactly 0.
 
 **Above 128 columns** (D 256, and 136-248 padded to it) a consumer cannot keep dK and dV whole: two
@@ -979,8 +980,9 @@ def first_row_stats_early(columns: int, causal: bool) -> bool:
     """Whether a consumer asks for its first Q tile's row statistics before the K/V wait
     (:data:`FIRST_ROW_STATS_EARLY`): without a causal mask at up to 64 dK/dV ``columns``, where it
     measured faster in every cell, 0.3-5 % (the fewer Q tiles a program has, the more: BERT's and
-    ViT's 257-512 tokens, a batch of 128-token items), and not where it measured 1-2 % slower, causal
-    or from 80 columns on (an H100, ``experiments/backward_switches.py``, performance-log entry 82)."""
+    ViT's 257-512 tokens, a batch of 128-token items); not causal or from 80 columns on, where it read
+    0-2 % slower, within what two runs of one kernel differ by (an H100,
+    ``experiments/backward_switches.py``, performance-log entry 82)."""
     return FIRST_ROW_STATS_EARLY and not causal and columns <= 64
 
 
