@@ -274,6 +274,23 @@ def switch_row(cell: str) -> tuple:
             f["+first_row_stats_early"] / f["off"])
 
 
+def bwd_ncu_d64() -> tuple:
+    """Entry 82's profile: the fused dK/dV kernel's and cuDNN's main kernel's ms, tensor pipe busy %,
+    barrier and long-scoreboard stalls per issued instruction."""
+    import csv
+
+    path = ROOT / "results" / "h100-80gb-hbm3" / "experiments" / "2026-12-06_backward_ncu_d64_n512.csv"
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    c = next(r for r in rows if r["case"] == "fused")
+    n = next(r for r in rows if r["case"] == "cudnn" and r["kernel"].startswith("cudnn_generated"))
+    stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+    metric = lambda key: tuple(float(r[key]) for r in (c, n))  # noqa: E731
+    return (*(t / 1e6 for t in metric("gpu__time_duration.sum")),
+            *metric("sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"),
+            *metric(stall.format("barrier")), *metric(stall.format("long_scoreboard")))
+
+
 def h100_bwd_ratios(run: str, cell: str) -> tuple:
     """C / the fastest SDPA backward at one cell of one H100 backward suite run, eager then GPU-only."""
     from harness.results import load_rows
@@ -685,9 +702,15 @@ CLAIMS = [
                                 ("the same, causal", "fa-d64-causal", "{}"),
                                 ("llama2-7b: D 128, causal", "llama2-7b", "{}"))],
     Claim("docs/performance-log/backward.md",
+          "stage C's fused dK/dV kernel took {} ms against cuDNN's main kernel's {}, with its tensor pipe {} % "
+          "busy against {} %, and {} warps stalled at a barrier per issued instruction against cuDNN's {}, {} on a "
+          "long scoreboard (a global or local load) against {}.", lambda d: bwd_ncu_d64(), rel=0.002),
+    Claim("docs/performance-log/backward.md",
           "bert-base {} → {} of cuDNN, vit-l {} → {}, few-heads {} → {}, short {} → {}",
           lambda d: tuple(h100_bwd_ratios(run, cell)[0] for cell in ("bert-base", "vit-l", "few-heads", "short")
                           for run in ("2026-12-06T05:32:01.095872Z", "2026-12-06T08:21:03.850182Z")), rel=0.006),
+    Claim(NB["08"], "counted {} warps waiting at a barrier per issued instruction, against cuDNN's {}",
+          lambda d: bwd_ncu_d64()[4:6], rel=0.002),
     Claim(NB["08"], "the dK/dV kernel (at D 32 it is ahead",
           lambda d: all(c > n for c, n in bwd_pairs(d, "c", "sdpa_cudnn", (32,))), why="the bwd fp16 grid rows"),
 ]
