@@ -626,7 +626,7 @@ def test_row_statistics_and_slot_release_switches_match_float64(shape, first, pr
 
 def test_the_first_row_statistics_go_early_only_without_a_mask_up_to_64_columns(monkeypatch):
     """``FIRST_ROW_STATS_EARLY`` reaches the kernel where :func:`hopper_bwd.first_row_stats_early` says
-    (non-causal, at most 64 dK/dV columns: it measured slower causal and from 80 columns on), and
+    (non-causal, at most 64 dK/dV columns: causal and from 80 columns on it measured no faster), and
     nowhere else: with the switch on and off the D 64 non-causal kernel differs, the causal one and the
     D 128 one are the same."""
     from stages.c_optimized import hopper_bwd
@@ -646,10 +646,11 @@ def test_the_first_row_statistics_go_early_only_without_a_mask_up_to_64_columns(
 
 
 def test_joined_row_statistics_take_two_warpgroup_barriers_out_where_they_fit(monkeypatch):
-    """``JOINED_ROW_STATS`` (off: it measured slower, performance-log entry 82): at D 64 with 64-row Q tiles (fused dQ) the two statistics take one trip
-    through shared memory, so the kernel has fewer warpgroup barriers (named ``bar.sync`` of 128
-    threads) and spills no more; at D 128 with 64-row tiles, where the Δs' registers would spill,
-    :func:`hopper_bwd.joined_row_stats` declines and the kernel is the same either way."""
+    """``JOINED_ROW_STATS`` (off: it measured no faster, performance-log entry 82): at D 64 with 64-row
+    Q tiles (fused dQ) the two statistics take one trip through shared memory, so the kernel has fewer
+    warpgroup barriers (named ``bar.sync`` of 128 threads) and spills no more; at D 128 with 64-row
+    tiles, where the Δs' registers would spill, :func:`hopper_bwd.joined_row_stats` declines and the
+    kernel is the same either way."""
     from harness.inspect_code import run_ptxas
     from stages.c_optimized import hopper_bwd
 
