@@ -330,7 +330,7 @@ def test_an_integer_past_32_bits_takes_triton_s_own_path(monkeypatch):
 
 
 def test_the_recipe_key_holds_alignment_and_strides_not_sizes():
-    q, k, v = make_qkv(1, 4, 64, 64, torch.float16, "cpu")
+    q, k, v = make_qkv(1, 4, 96, 64, torch.float16, "cpu")
     o = new_output(q)
     buffer = torch.zeros(q.numel() + 8, dtype=torch.float16)
     shifted = buffer[1:1 + q.numel()].view(q.shape)
@@ -343,6 +343,26 @@ def test_the_recipe_key_holds_alignment_and_strides_not_sizes():
     # Other sizes and another layout of the same problem: the same kernel key, the same recipe.
     q2, k2, v2 = make_qkv(3, 4, 50, 64, torch.float16, "cpu", Nk=77, layout="bnhd")
     assert kernels._plan_call(q2, k2, v2, new_output(q2), None, False, 90, 132, split_kv=1)[1] is recipe
+
+
+def test_a_call_whose_programs_walk_one_key_tile_reads_by_pointers():
+    """On sm_90 the ``tl`` kernel reads by TMA, except where every program walks a single K/V tile
+    (``kernels.one_key_tile``: Nk up to the config's BLOCK_N), which has nothing to pipeline and pays for
+    the descriptors: there the call takes the pointer kernel, one more recipe for the layout, the same
+    for every such Nk, and every longer Nk is back on the TMA recipe."""
+    recipes = {}
+    for nk in (1, 40, 64, 65, 300):
+        q, k, v = make_qkv(1, 4, 64, 64, torch.float16, "cpu", Nk=nk)
+        choice, recipe = kernels._plan_call(q, k, v, new_output(q), None, False, 90, 132, split_kv=1)
+        assert choice.path == "tl" and choice.config.block_n == 64, choice
+        assert kernels.one_key_tile(choice, nk) == (nk <= 64)
+        assert bool(recipe.launches[0].descs) == (nk > 64), nk
+        recipes.setdefault(nk <= 64, set()).add(id(recipe))
+    assert all(len(ids) == 1 for ids in recipes.values()), recipes
+    q, k, v = make_qkv(1, 4, 64, 64, torch.float16, "cpu")
+    for arch in (80, 90):  # sm_80 reads by pointers anyway; the switch off, too
+        choice, recipe = kernels._plan_call(q, k, v, new_output(q), None, False, arch, 132, split_kv=1, tma=False)
+        assert not recipe.launches[0].descs
 
 
 def _decode_loop(path_options: dict, D: int, Hq: int, Hkv: int, nks: range, arch: int = 90, causal=True):

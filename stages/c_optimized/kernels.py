@@ -553,7 +553,8 @@ def _recipe(path: str, config, dtype: torch.dtype, D: int, group: int, causal: b
             use_tma: bool, store_lse: bool, switches: tuple, ws_rung: int | None, even_n: bool,
             ranges: tuple = (False, False), align: int = 1) -> _Recipe:
     """The launches for one kernel key: what changes the compiled kernels (path and config, dtype,
-    head dim, GQA group, causal, the GPU, TMA or pointers, whether the log-sum-exp is stored, the
+    head dim, GQA group, causal, the GPU, TMA or pointers (pointers also where each program walks one
+    K/V tile, :func:`one_key_tile`), whether the log-sum-exp is stored, the
     ablation switches; for the warp-specialized kernel whether N is a whole number of K/V tiles;
     ``ranges``: whether the call passes key starts and key lengths; ``align``: the pointer kernels'
     row alignment, ``aligned.row_alignment``), never the sizes themselves.
@@ -669,8 +670,9 @@ def _plan_call(q, k, v, o, lse, causal: bool, arch: int, sms: int, config: Confi
                exp2: bool = True, causal_skip: bool = True, warp_specialization: bool = True,
                ws_rung: int | None = None, ranges: tuple = (False, False)) -> tuple[Choice, _Recipe]:
     """The choice for this call (path and config, from its sizes) and the cached recipe of its kernel
-    key (``plan``'s keywords). The sizes pick a config; only the config, never the sizes, picks the
-    compiled kernel."""
+    key (``plan``'s keywords). The sizes pick a config; only the config picks the compiled kernel, but
+    for two yes-or-no facts of the sizes: ``even_n`` (the warp-specialized kernel) and
+    :func:`one_key_tile` (the ``tl`` kernel's TMA)."""
     switches = (tuned_tiles, pipelining, tma, exp2, causal_skip, warp_specialization)
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -694,8 +696,20 @@ def _plan_call(q, k, v, o, lse, causal: bool, arch: int, sms: int, config: Confi
     # (the warp-specialized kernel reads by TMA, whose descriptors carry the strides: no alignment key)
     align = 1 if choice.path == "ws" else row_alignment(q, k, v, o)
     recipe = _recipe(choice.path, _kernel_config(choice), q.dtype, D, Hq // Hkv, causal, arch, sms,
-                     tma and tma_ok and not any(ranges), store_lse, switches, choice.ws_rung, even_n, ranges, align)
+                     tma and tma_ok and not any(ranges) and not one_key_tile(choice, Nk), store_lse, switches,
+                     choice.ws_rung, even_n, ranges, align)
     return choice, recipe
+
+
+def one_key_tile(choice: Choice, Nk: int) -> bool:
+    """Whether every program of a ``tl`` call walks a single K/V tile (Nk at most its BLOCK_N). Such a
+    call reads by pointers even where TMA could: the copies have nothing to pipeline, and the four
+    descriptors the kernel takes cost it about 0.35 µs per call on an H100 (the suite's ``tiny`` cell,
+    B 1 · H 1 · N 64, two runs: 7.4-7.6 µs of GPU time with them, 7.1-7.2 without, stage B's kernel
+    7.2-7.4; performance-log entry 83).
+    Like ``even_n`` for the warp-specialized kernel, a size that picks between two compiled kernels: a
+    growing key length compiles the second once, when it first passes BLOCK_N."""
+    return choice.path == "tl" and Nk <= choice.config.block_n
 
 
 @lru_cache(maxsize=4096)
