@@ -291,6 +291,28 @@ def bwd_ncu_d64() -> tuple:
             *metric(stall.format("barrier")), *metric(stall.format("long_scoreboard")))
 
 
+def tiny_tma_row(run: int) -> tuple:
+    """Entry 83's row for one of its two runs: eager and GPU-only µs of B, C, C ``-tma`` and cuDNN."""
+    import csv
+
+    path = ROOT / "results" / "h100-80gb-hbm3" / "experiments" / "2026-12-06_tiny_tma.csv"
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    first = sorted({r["run_id"] for r in rows})[run]
+    by = {(r["impl"], r["variant"]): r for r in rows if r["run_id"] == first}
+    return tuple(1000 * float(by[key][col]) for key in (("b", ""), ("c", ""), ("c", "-tma"), ("sdpa_cudnn", ""))
+                 for col in ("ms_median", "ms_gpu"))
+
+
+def ncu_duration_us(cell_n: str, impl: str) -> float:
+    """A kernel's duration (µs) in entry 83's Nsight Compute summaries (``N`` names the cell)."""
+    import csv
+
+    path = ROOT / "results" / "h100-80gb-hbm3" / "experiments" / "2026-12-06_tiny_short_ncu_sections.csv"
+    with path.open() as f:
+        return next(float(r["Duration"]) / 1000 for r in csv.DictReader(f) if r["N"] == cell_n and r["impl"] == impl)
+
+
 def h100_bwd_ratios(run: str, cell: str) -> tuple:
     """C / the fastest SDPA backward at one cell of one H100 backward suite run, eager then GPU-only."""
     from harness.results import load_rows
@@ -709,6 +731,10 @@ CLAIMS = [
           "bert-base {} → {} of cuDNN, vit-l {} → {}, few-heads {} → {}, short {} → {}",
           lambda d: tuple(h100_bwd_ratios(run, cell)[0] for cell in ("bert-base", "vit-l", "few-heads", "short")
                           for run in ("2026-12-06T05:32:01.095872Z", "2026-12-06T08:21:03.850182Z")), rel=0.006),
+    *[Claim(PERF_MODELS, f"| {label} | {{}} / {{}} | {{}} / {{}} | **{{}} / {{}}** | {{}} / {{}} |",
+            lambda d, run=run: tiny_tma_row(run), rel=0.002) for run, label in enumerate(("first", "second"))],
+    Claim(PERF_MODELS, "{} µs for B's, {} for C's",
+          lambda d: (ncu_duration_us("64", "b"), ncu_duration_us("64", "c")), rel=0.002),
     Claim(NB["08"], "counted {} warps waiting at a barrier per issued instruction, against cuDNN's {}",
           lambda d: bwd_ncu_d64()[4:6], rel=0.002),
     Claim(NB["08"], "the dK/dV kernel (at D 32 it is ahead",
