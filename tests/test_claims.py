@@ -226,17 +226,23 @@ def decode_backward_ms(cell: str, candidate: str) -> float:
     return statistics.median(ms)
 
 
+def h100_experiment_rows(file: str) -> list[dict]:
+    """Every row of a committed H100 experiment file (``results/h100-80gb-hbm3/experiments/``)."""
+    import csv
+
+    with (ROOT / "results" / "h100-80gb-hbm3" / "experiments" / file).open() as f:
+        return list(csv.DictReader(f))
+
+
 def h100_experiment_us(file: str, cell: str, candidate: str, block_n: str = "", num_stages: str = "",
                        first: bool = False) -> float:
     """The median (or, ``first``, the first) ``ms_gpu`` as µs of one candidate at one cell of a committed
     H100 experiment CSV (``decode_tiles.py``, ``suite_configs.py``: entries 78-80)."""
-    import csv
     import statistics
 
-    with (ROOT / "results" / "h100-80gb-hbm3" / "experiments" / file).open() as f:
-        ms = [float(r["ms_gpu"]) for r in csv.DictReader(f)
-              if r["cell"] == cell and r["candidate"] == candidate and r["status"] == "ok"
-              and (not block_n or r["block_n"] == block_n) and (not num_stages or r["num_stages"] == num_stages)]
+    ms = [float(r["ms_gpu"]) for r in h100_experiment_rows(file)
+          if r["cell"] == cell and r["candidate"] == candidate and r["status"] == "ok"
+          and (not block_n or r["block_n"] == block_n) and (not num_stages or r["num_stages"] == num_stages)]
     assert ms, (file, cell, candidate)
     return 1000 * (ms[0] if first else statistics.median(ms))
 
@@ -260,13 +266,9 @@ def plans_row(cell: str) -> tuple:
 def switch_row(cell: str) -> tuple:
     """Entry 82's row for one cell: the kernel before (µs) and cuDNN's backward (µs) from the
     first-early run, then each switch's time over the kernel one step before it in its own run."""
-    import csv
-
     def load(name: str) -> dict:
-        path = ROOT / "results" / "h100-80gb-hbm3" / "experiments" / f"2026-12-06_backward_{name}.csv"
-        with path.open() as f:
-            return {r["variant"]: float(r["ms"]) for r in csv.DictReader(f)
-                    if r["cell"] == cell and r["status"] == "ok"}
+        return {r["variant"]: float(r["ms"]) for r in h100_experiment_rows(f"2026-12-06_backward_{name}.csv")
+                if r["cell"] == cell and r["status"] == "ok"}
 
     j, p, f = load("joined_early"), load("prefetch"), load("first_early")
     return (1000 * f["off"], 1000 * f["cudnn"], j["+joined_row_stats"] / j["off"],
@@ -277,11 +279,7 @@ def switch_row(cell: str) -> tuple:
 def bwd_ncu_d64() -> tuple:
     """Entry 82's profile: the fused dK/dV kernel's and cuDNN's main kernel's ms, tensor pipe busy %,
     barrier and long-scoreboard stalls per issued instruction."""
-    import csv
-
-    path = ROOT / "results" / "h100-80gb-hbm3" / "experiments" / "2026-12-06_backward_ncu_d64_n512.csv"
-    with path.open() as f:
-        rows = list(csv.DictReader(f))
+    rows = h100_experiment_rows("2026-12-06_backward_ncu_d64_n512.csv")
     c = next(r for r in rows if r["case"] == "fused")
     n = next(r for r in rows if r["case"] == "cudnn" and r["kernel"].startswith("cudnn_generated"))
     stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
@@ -293,11 +291,7 @@ def bwd_ncu_d64() -> tuple:
 
 def tiny_tma_row(run: int) -> tuple:
     """Entry 83's row for one of its two runs: eager and GPU-only µs of B, C, C ``-tma`` and cuDNN."""
-    import csv
-
-    path = ROOT / "results" / "h100-80gb-hbm3" / "experiments" / "2026-12-06_tiny_tma.csv"
-    with path.open() as f:
-        rows = list(csv.DictReader(f))
+    rows = h100_experiment_rows("2026-12-06_tiny_tma.csv")
     first = sorted({r["run_id"] for r in rows})[run]
     by = {(r["impl"], r["variant"]): r for r in rows if r["run_id"] == first}
     return tuple(1000 * float(by[key][col]) for key in (("b", ""), ("c", ""), ("c", "-tma"), ("sdpa_cudnn", ""))
@@ -306,33 +300,21 @@ def tiny_tma_row(run: int) -> tuple:
 
 def ncu_duration_us(cell_n: str, impl: str) -> float:
     """A kernel's duration (µs) in entry 83's Nsight Compute summaries (``N`` names the cell)."""
-    import csv
-
-    path = ROOT / "results" / "h100-80gb-hbm3" / "experiments" / "2026-12-06_tiny_short_ncu_sections.csv"
-    with path.open() as f:
-        return next(float(r["Duration"]) / 1000 for r in csv.DictReader(f) if r["N"] == cell_n and r["impl"] == impl)
-
-
-def h100_bwd_ratios(run: str, cell: str) -> tuple:
-    """C / the fastest SDPA backward at one cell of one H100 backward suite run, eager then GPU-only."""
-    from harness.results import load_rows
-
-    rows = load_rows(ROOT / "results" / "h100-80gb-hbm3" / "models" / "runs.csv")
-    here = {r["impl"]: r for r in rows if r["run_id"] == run and r["cell"] == cell and r["pass"] == "bwd"}
-    peers = [r for impl, r in here.items() if impl.startswith("sdpa")]
-    return tuple(min(p[key] for p in peers) / here["c"][key] for key in ("ms_median", "ms_gpu"))
+    return next(float(r["Duration"]) / 1000 for r in h100_experiment_rows("2026-12-06_tiny_short_ncu_sections.csv")
+                if r["N"] == cell_n and r["impl"] == impl)
 
 
 H100_SUITE_RUNS = ("2026-12-06T05:11:15.917081Z", "2026-12-06T05:27:27.253172Z", "2026-12-06T05:29:48.060461Z")
 
 
-def h100_suite_ratios(cell: str) -> tuple:
-    """C / the fastest SDPA backend at one cell, eager then GPU-only, in each of entry 80's runs."""
+def h100_suite_ratios(cell: str, runs: tuple = H100_SUITE_RUNS) -> tuple:
+    """C / the fastest SDPA backend at one cell, eager then GPU-only, in each of ``runs`` (entry 80's
+    forward runs by default; a backward run's rows compare the backward)."""
     from harness.results import load_rows
 
     rows = load_rows(ROOT / "results" / "h100-80gb-hbm3" / "models" / "runs.csv")
     out = ()
-    for run in H100_SUITE_RUNS:
+    for run in runs:
         here = {r["impl"]: r for r in rows if r["run_id"] == run and r["cell"] == cell}
         peers = [r for impl, r in here.items() if impl.startswith("sdpa")]
         out += tuple(min(p[key] for p in peers) / here["c"][key] for key in ("ms_median", "ms_gpu"))
@@ -729,7 +711,7 @@ CLAIMS = [
           "long scoreboard (a global or local load) against {}.", lambda d: bwd_ncu_d64(), rel=0.002),
     Claim("docs/performance-log/backward.md",
           "bert-base {} → {} of cuDNN, vit-l {} → {}, few-heads {} → {}, short {} → {}",
-          lambda d: tuple(h100_bwd_ratios(run, cell)[0] for cell in ("bert-base", "vit-l", "few-heads", "short")
+          lambda d: tuple(h100_suite_ratios(cell, (run,))[0] for cell in ("bert-base", "vit-l", "few-heads", "short")
                           for run in ("2026-12-06T05:32:01.095872Z", "2026-12-06T08:21:03.850182Z")), rel=0.006),
     *[Claim(PERF_MODELS, f"| {label} | {{}} / {{}} | {{}} / {{}} | **{{}} / {{}}** | {{}} / {{}} |",
             lambda d, run=run: tiny_tma_row(run), rel=0.002) for run, label in enumerate(("first", "second"))],
