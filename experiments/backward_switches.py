@@ -34,6 +34,8 @@ from stages.c_optimized import hopper_bwd  # noqa: E402
 from stages.c_optimized.configs import device_arch  # noqa: E402
 from stages.c_optimized.tune_backward import _write_csv  # noqa: E402
 
+from fused_dq import relative_difference  # noqa: E402  (this folder: max |a - b| over max |b|, per gradient)
+
 #: The suite's cells this backward runs as one K/V tile per program (Nq == Nk; the decoding-shaped
 #: ones take the split backward, which has none of these switches).
 DEFAULT_CELLS = ("bert-base", "vit-l", "few-heads", "short", "gpt2", "odd-n", "llama2-7b", "llama3-8b",
@@ -103,11 +105,6 @@ def cudnn(tensors, causal: bool):
         oo = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=causal,
                                                               enable_gqa=q.shape[1] != k.shape[1])
     return lambda: torch.autograd.grad(oo, (qq, kk, vv), do, retain_graph=True)
-
-
-def relative_difference(grads, ref) -> list[float]:
-    return [float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
-            for a, b in zip(grads, ref)]
 
 
 def main(argv=None) -> int:
