@@ -321,6 +321,19 @@ def h100_suite_ratios(cell: str, runs: tuple = H100_SUITE_RUNS) -> tuple:
     return out
 
 
+def h100_suite_us(cell: str, impl: str, run: str) -> tuple:
+    """(eager µs, GPU-only µs) of one impl at one cell in one H100 suite run."""
+    from harness.results import load_rows
+
+    rows = load_rows(ROOT / "results" / "h100-80gb-hbm3" / "models" / "runs.csv")
+    row = next(r for r in rows if r["run_id"] == run and r["cell"] == cell and r["impl"] == impl)
+    return row["ms_median"] * 1e3, row["ms_gpu"] * 1e3
+
+
+#: the forward suite run with ``kernels.one_key_tile`` (entry 83's follow-up)
+ONE_KEY_TILE_SUITE_RUN = "2026-12-06T10:31:57.383750Z"
+
+
 def split_fp32_spill_bytes() -> int:
     """The largest spill of the split kernel in entry 81's fp32 walk."""
     import csv
@@ -715,6 +728,12 @@ CLAIMS = [
                           for run in ("2026-12-06T05:32:01.095872Z", "2026-12-06T08:21:03.850182Z")), rel=0.006),
     *[Claim(PERF_MODELS, f"| {label} | {{}} / {{}} | {{}} / {{}} | **{{}} / {{}}** | {{}} / {{}} |",
             lambda d, run=run: tiny_tma_row(run), rel=0.002) for run, label in enumerate(("first", "second"))],
+    Claim(PERF_MODELS, "`tiny` took {} µs eager and {} µs GPU-only against stage B's {} and {}",
+          lambda d: h100_suite_us("tiny", "c", ONE_KEY_TILE_SUITE_RUN) + h100_suite_us("tiny", "b", ONE_KEY_TILE_SUITE_RUN),
+          rel=0.005),
+    Claim(PERF_MODELS, "`short` read {} / {} of cuDNN (eager / GPU-only), as before, and `decode-long` {} / {}",
+          lambda d: h100_suite_ratios("short", (ONE_KEY_TILE_SUITE_RUN,))
+          + h100_suite_ratios("decode-long", (ONE_KEY_TILE_SUITE_RUN,)), rel=0.006),
     Claim(PERF_MODELS, "{} µs for B's, {} for C's",
           lambda d: (ncu_duration_us("64", "b"), ncu_duration_us("64", "c")), rel=0.002),
     Claim(NB["08"], "counted {} warps waiting at a barrier per issued instruction, against cuDNN's {}",
