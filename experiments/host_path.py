@@ -77,6 +77,12 @@ def step_times(q, k, v, causal: bool, options: dict, number: int) -> dict:
         times[f"launch {i}: {name} ({len(r.descs)} descriptors)"] = us(
             lambda r=r, grid=grid, ints=ints: r.launch(grid, tensors, ints, scale))
     times["attention (whole call)"] = us(lambda: kernels.attention(q, k, v, causal=causal, **options))
+    # What a call of a known layout runs after its checks: the layout's launches bound (kernels._BoundLayout;
+    # descriptors' tensor maps found by address, launch.BoundLaunch).
+    bound = next((p.bound for p in kernels._LAYOUT_PLANS.values() if p.recipe is recipe and p.bound), None)
+    if bound is not None:
+        qa, ka, va = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        times["the layout's bound launches"] = us(lambda: bound.launch(q, k, v, new_output(q), None, qa, ka, va, scale))
     return times, recipe
 
 
@@ -84,7 +90,7 @@ def _mock_launchers(recipe) -> None:
     """CPU only: every launch of ``recipe`` takes the lean path into a launcher that does nothing."""
     class AnyKey(dict):
         def get(self, key, default=None):
-            return (lambda *args: None), None, ()
+            return (lambda *args: None), None, (), None
 
     for r in recipe.launches:
         fl = r.launcher

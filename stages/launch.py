@@ -228,7 +228,7 @@ class FastLaunch:
                        tuple([a % 16 == 0 for a in addresses]), facts)
                 entry = self._compiled.get(key)
                 if entry is not None:
-                    launcher, function, before_args = entry
+                    launcher, function, before_args, _ = entry
                     device = key[0]
                     g0 = grid[0]
                     g1 = grid[1] if len(grid) > 1 else 1
@@ -275,15 +275,33 @@ class BoundLaunch:
     call of a known layout hands over addresses and a scale, not tensors to be checked, keyed and
     bound). ``launch(addresses, varying)`` writes the pointer arguments (integer addresses, in the
     kernel's order) and the other per-call values into a copy of the bound argument list and calls
-    the launcher. The caller checks first what the binding assumed: :meth:`open` (no launch hooks,
-    the lean path on, the bound device current)."""
+    the launcher; a TMA descriptor argument among ``varying`` is handed over as its tensor (the
+    descriptor's shape, strides and block are the binding call's: the caller's key holds them). The
+    caller checks first what the binding assumed: :meth:`open` (no launch hooks, the lean path on,
+    the bound device current).
+
+    **Descriptors by address.** Triton's launcher flattens each descriptor on every call, through a
+    Python wrapper that walks every argument: into the 128-byte tensor map the kernel reads, made on
+    the host (``cuTensorMapEncodeTiled``), for a Gluon kernel; into its base tensor, whose address the
+    C launcher then asks the driver about, for a ``tl`` kernel that makes its descriptors on the GPU.
+    A tensor map depends on the base address and on what the binding fixed (shape, strides, block,
+    swizzle), so a bound launch keeps the maps it has made by address, hands a base over as its
+    address, and calls the compiled C launcher with the flattened arguments itself
+    (:func:`_descriptor_launch`, :class:`_FlatArguments`). A model calls with the same few addresses
+    step after step (PyTorch's caching allocator hands the same blocks back), so after its first steps
+    no map is made again. Each descriptor keeps at most :data:`TENSOR_MAPS_KEPT` maps."""
 
     __slots__ = ("_entry", "_grid", "_args", "_pointer_slots", "_varying_slots", "device", "_get_device",
-                 "_get_stream")
+                 "_get_stream", "_descs", "_raw")
 
     def __init__(self, entry, grid, args, pointer_slots, varying_slots, device, get_device, get_stream):
         self._entry = entry
         self._grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        # Per varying value, for a descriptor: (its class, its fields but the base), to build one over
+        # a call's tensor where the launcher needs the object; None for any other value.
+        self._descs = tuple((type(args[slot]), {k: v for k, v in vars(args[slot]).items() if k != "base"})
+                            if _is_descriptor(args[slot]) else None for slot in varying_slots)
+        self._raw = _FlatArguments.of(entry, args, pointer_slots, varying_slots)
         # The binding call's tensors and descriptors leave the kept list (every call writes its own
         # into those slots): kept, they would hold that call's memory for as long as the layout is
         # known, and inside a CUDA-graph pool PyTorch refuses memory that outlives the graph's outputs.
@@ -304,34 +322,143 @@ class BoundLaunch:
         return fast_launch_enabled and not launch_hooks_active() and self._get_device() == self.device
 
     def launch(self, addresses, varying=()) -> None:
+        g0, g1, g2 = self._grid
+        stream = self._get_stream(self.device)
+        raw = self._raw
+        if raw is not None:
+            raw.launch(g0, g1, g2, stream, addresses, varying, self._descs)
+            return
         # A copy per call: the bound list is shared, and a launch from another thread must not see
         # this call's addresses half written.
         args = self._args.copy()
         for slot, address in zip(self._pointer_slots, addresses):
             args[slot] = address
-        for slot, value in zip(self._varying_slots, varying):
-            args[slot] = value
-        launcher, function, before_args = self._entry
-        g0, g1, g2 = self._grid
-        launcher(g0, g1, g2, self._get_stream(self.device), function, *before_args, *args)
+        for slot, value, desc in zip(self._varying_slots, varying, self._descs):
+            args[slot] = value if desc is None else descriptor_on(desc[0], desc[1], value)
+        launcher, function, before_args, _ = self._entry
+        launcher(g0, g1, g2, stream, function, *before_args, *args)
+
+
+#: Tensor maps a bound launch keeps per descriptor argument, by base address (``BoundLaunch``): a model's
+#: layers each bring their own tensors, so this many layers of one layout find theirs kept.
+TENSOR_MAPS_KEPT = 256
+#: (``_FlatArguments``) a descriptor the kernel builds on the GPU from its base, shape and strides: the
+#: launcher takes the base's address
+_BY_ADDRESS = "by address"
+
+
+class _FlatArguments:
+    """A bound launch of a kernel with TMA descriptors as the compiled C launcher takes it. Triton's
+    wrapper (``wrap_handle_tensordesc``) flattens each descriptor on every call: into its tensor map,
+    shape and strides where the compiler lowered it to a host-made map (Gluon kernels), else into its
+    base tensor, shape, strides and padding, the kernel making the descriptor on the GPU (``tl`` kernels
+    here), where the launcher then asks the driver about the base tensor's address. Here shape, strides
+    and padding are the binding's; a map comes from a table keyed by the base address, made (by
+    Triton's own ``make_tensordesc_arg``) only for an address not seen; a base goes as its address."""
+
+    __slots__ = ("_launcher", "_before", "_flat", "_pointer_at", "_varying_at", "_metas", "_maps")
+
+    @classmethod
+    def of(cls, entry, args, pointer_slots, varying_slots) -> "_FlatArguments | None":
+        """For a kept kernel whose launcher takes descriptors (``_kept``'s fourth item) and a binding
+        whose descriptors are all among the varying values; None otherwise (the launcher whole)."""
+        if len(entry) < 4 or entry[3] is None:
+            return None
+        launcher, metas, before = entry[3]
+        make = _make_tensordesc_arg()
+        desc_slots = [i for i, a in enumerate(args) if _is_descriptor(a)]
+        if make is None or len(desc_slots) != len(metas) or not set(desc_slots) <= set(varying_slots):
+            return None
+        self = object.__new__(cls)
+        flat, at, meta_of, maps = [], {}, dict(zip(desc_slots, metas)), {}
+        for i, a in enumerate(args):
+            at[i] = len(flat)
+            if i in meta_of:
+                # [tensor map or base, *the rest] as the wrapper makes it for the binding call
+                expanded = make(a, meta_of[i])
+                if meta_of[i] is None:
+                    if expanded[0] is not a.base:
+                        return None  # (a flattening of another shape than Triton 3.6's)
+                    maps[i] = _BY_ADDRESS
+                else:
+                    maps[i] = {a.base.data_ptr(): expanded[0]}
+                flat.extend([None, *expanded[1:]])
+            else:
+                flat.append(None if i in pointer_slots or i in varying_slots else a)
+        self._launcher, self._before, self._flat = launcher, (entry[1], *before), flat
+        self._pointer_at = tuple(at[s] for s in pointer_slots)
+        self._varying_at = tuple(at[s] for s in varying_slots)
+        self._metas = tuple(meta_of.get(s) for s in varying_slots)
+        self._maps = tuple(maps.get(s) for s in varying_slots)
+        return self
+
+    def launch(self, g0, g1, g2, stream, addresses, varying, descs) -> None:
+        flat = self._flat.copy()
+        for at, address in zip(self._pointer_at, addresses):
+            flat[at] = address
+        for at, value, maps, meta, desc in zip(self._varying_at, varying, self._maps, self._metas, descs):
+            if maps is None:
+                flat[at] = value
+            elif maps is _BY_ADDRESS:
+                flat[at] = value.data_ptr()
+            else:
+                address = value.data_ptr()
+                tensor_map = maps.get(address)
+                if tensor_map is None:
+                    if len(maps) >= TENSOR_MAPS_KEPT:
+                        maps.clear()
+                    desc_now = descriptor_on(desc[0], desc[1], value)
+                    tensor_map = maps[address] = _make_tensordesc_arg()(desc_now, meta)[0]
+                flat[at] = tensor_map
+        self._launcher(g0, g1, g2, stream, *self._before, *flat)
+
+
+def _make_tensordesc_arg():
+    """Triton's ``make_tensordesc_arg`` (descriptor, metadata) -> [tensor map, *shape, *strides], looked
+    up per use so a test can stand in for it; None where this Triton has none."""
+    try:
+        from triton.backends.nvidia import driver as nvidia_driver
+    except ImportError:
+        return None
+    return getattr(nvidia_driver, "make_tensordesc_arg", None)
 
 
 def _kept(compiled) -> tuple:
     """(launch function, CUfunction, the launch function's arguments between the stream and the
-    kernel's): what :class:`FastLaunch` keeps of a CompiledKernel. JITFunction.run ends in
-    ``compiled.run(grid..., stream, function, packed_metadata, launch_metadata, enter_hook,
-    exit_hook, *args)``, a Python wrapper (Triton's ``CudaLauncher``) that allocates the scratch
-    buffers a kernel may ask for and calls the compiled C launcher. A kernel that asks for none (no
-    global or profiler scratch, no TMA descriptors the wrapper must unpack) is handed to the C
-    launcher itself, with what the wrapper would pass it; any other launcher is kept whole."""
+    kernel's, the C launcher for descriptor kernels or None): what :class:`FastLaunch` keeps of a
+    CompiledKernel. JITFunction.run ends in ``compiled.run(grid..., stream, function,
+    packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``, a Python wrapper (Triton's
+    ``CudaLauncher``) that allocates the scratch buffers a kernel may ask for and calls the compiled
+    C launcher. A kernel that asks for none (no global or profiler scratch, no TMA descriptors the
+    wrapper must unpack) is handed to the C launcher itself, with what the wrapper would pass it; any
+    other launcher is kept whole, and for one whose only extra is descriptors the fourth item says how
+    to reach its C launcher (:func:`_descriptor_launch`), which bound launches use."""
     run = compiled.run
     direct = getattr(run, "launch", None)
-    if (type(run).__name__ == "CudaLauncher" and callable(direct) and getattr(direct, "__name__", "") == "launch"
-            and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0
-            and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl") and _base_arguments_known()):
-        return direct, compiled.function, (run.launch_cooperative_grid, run.launch_pdl, None, None,
-                                           compiled.packed_metadata, None, None, None)
-    return run, compiled.function, (compiled.packed_metadata, None, None, None)
+    plain = (type(run).__name__ == "CudaLauncher" and callable(direct)
+             and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0
+             and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl") and _base_arguments_known())
+    before = (run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata, None, None,
+              None) if plain else None
+    if plain and getattr(direct, "__name__", "") == "launch":
+        return direct, compiled.function, before, None
+    return run, compiled.function, (compiled.packed_metadata, None, None, None), (
+        _descriptor_launch(direct, before) if plain else None)
+
+
+def _descriptor_launch(wrapper, before) -> tuple | None:
+    """(C launcher, each descriptor argument's tensor-map metadata or None, the launcher's arguments
+    between the CUfunction and the kernel's) for a kernel with TMA descriptors: Triton 3.6 wraps its C
+    launcher in a closure (``wrap_handle_tensordesc``'s ``inner``) that holds both (a None where the
+    kernel makes that descriptor on the GPU). None where the wrapper is not that closure."""
+    code, closure = getattr(wrapper, "__code__", None), getattr(wrapper, "__closure__", None)
+    if code is None or closure is None or getattr(wrapper, "__name__", "") != "inner":
+        return None
+    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in closure)))
+    launcher, metas = cells.get("launcher"), cells.get("tensordesc_meta")
+    if not callable(launcher) or not isinstance(metas, list) or not metas:
+        return None
+    return launcher, tuple(metas), before
 
 
 def _base_arguments_known() -> bool:
@@ -356,16 +483,11 @@ def descriptor_over(cls, fields: dict, t: torch.Tensor):
     return desc
 
 
-def layout_fields(fields: dict, t: torch.Tensor) -> dict:
-    """A descriptor's fields with ``t``'s shape and strides: what :func:`descriptor_on` needs for a
-    layout whose shape and strides are fixed (a bound launch's key holds them)."""
-    return {**fields, "shape": list(t.shape), "strides": list(t.stride())}
-
-
 def descriptor_on(cls, fields: dict, base: torch.Tensor):
     """A TMA descriptor of class ``cls`` over ``base`` whose other fields, shape and strides included,
     are ``fields``: :func:`descriptor_over` for a caller that knows the layout already (a bound launch:
-    its key holds the shape and strides), so only the base is new per call."""
+    its key holds the shape and strides, and it keeps the binding descriptor's fields), so only the
+    base is new per call."""
     desc = object.__new__(cls)
     desc.__dict__.update(fields)
     desc.base = base
@@ -413,8 +535,8 @@ class KeptLaunch:
 
     def bind(self, tensors: dict) -> "BoundKeptLaunch | None":
         """This launch bound after a call with ``tensors`` ran it (:meth:`FastLaunch.bound`): a later
-        call of the same layout hands over its tensors' addresses and descriptors over them, nothing
-        else. None where calls must go through ``__call__``. The caller's key must hold what the
+        call of the same layout hands over its tensors (addresses, and the tensors its descriptors are
+        over: the bound launch finds their tensor maps by address), nothing else. None where calls must go through ``__call__``. The caller's key must hold what the
         binding assumes: the layout (shapes, strides: the descriptors keep this call's) and each
         pointer's 16-byte alignment."""
         values = self.values(tensors)
@@ -422,25 +544,25 @@ class KeptLaunch:
         bound = self.fast.bound(self.grid, values, tuple(range(n, len(values))))
         if bound is None:
             return None
-        descs = tuple((role, cls, layout_fields(fields, tensors[role])) for _, role, cls, fields in self.descs)
-        return BoundKeptLaunch(bound, tuple(role for _, role in self.tensors), descs)
+        return BoundKeptLaunch(bound, tuple(role for _, role in self.tensors), tuple(d[1] for d in self.descs))
 
 
 class BoundKeptLaunch:
     """A :class:`KeptLaunch` bound to its compiled kernel (:meth:`KeptLaunch.bind`): per call, the
-    tensors' addresses by role and a descriptor over each descriptor's tensor; ``open()`` first."""
+    tensors' addresses by role and each descriptor's tensor by role (``BoundLaunch`` makes the
+    descriptor, or finds its tensor map by address); ``open()`` first."""
 
-    __slots__ = ("bound", "roles", "descs")
+    __slots__ = ("bound", "roles", "desc_roles")
 
-    def __init__(self, bound: BoundLaunch, roles: tuple, descs: tuple):
-        self.bound, self.roles, self.descs = bound, roles, descs
+    def __init__(self, bound: BoundLaunch, roles: tuple, desc_roles: tuple):
+        self.bound, self.roles, self.desc_roles = bound, roles, desc_roles
 
     def open(self) -> bool:
         return self.bound.open()
 
     def __call__(self, tensors: dict) -> None:
         self.bound.launch([tensors[role].data_ptr() for role in self.roles],
-                          [descriptor_on(cls, fields, tensors[role]) for role, cls, fields in self.descs])
+                          [tensors[role] for role in self.desc_roles])
 
 
 def meta_inputs(B: int, H: int, N: int, D: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

@@ -330,6 +330,15 @@ def h100_suite_us(cell: str, impl: str, run: str) -> tuple:
     return row["ms_median"] * 1e3, row["ms_gpu"] * 1e3
 
 
+def host_descriptor_us(label: str) -> tuple:
+    """Entry 84's µs per call for one line of ``backward_host.py``, before, before, after, after (the
+    file holds the runs in turns: before, after, before, after)."""
+    text = (ROOT / "results" / "h100-80gb-hbm3" / "experiments" / "2026-12-06_host_descriptors.txt").read_text()
+    values = [float(line.rsplit(":", 1)[1]) for line in text.splitlines() if line.strip().startswith(label + ":")]
+    assert len(values) == 4, (label, values)
+    return values[0], values[2], values[1], values[3]
+
+
 #: the forward suite run with ``kernels.one_key_tile`` (entry 83's follow-up)
 ONE_KEY_TILE_SUITE_RUN = "2026-12-06T10:31:57.383750Z"
 
@@ -728,6 +737,15 @@ CLAIMS = [
                           for run in ("2026-12-06T05:32:01.095872Z", "2026-12-06T08:21:03.850182Z")), rel=0.006),
     *[Claim(PERF_MODELS, f"| {label} | {{}} / {{}} | {{}} / {{}} | **{{}} / {{}}** | {{}} / {{}} |",
             lambda d, run=run: tiny_tma_row(run), rel=0.002) for run, label in enumerate(("first", "second"))],
+    *[Claim("docs/performance-log/measurement.md", f"| {row} | {{}}, {{}} | {after} |",
+            lambda d, label=label: host_descriptor_us(label), rel=0.001)
+      for row, label, after in (
+          ("stage C's backward called directly (Δ, then dK/dV with fused dQ: seven descriptors)",
+           "stage C attention_backward, direct", "**{}, {}**"),
+          ("the same on another thread (where autograd runs it)", "stage C attention_backward, direct, on another thread",
+           "{}, {}"),
+          ("`autograd.grad` through stage C", "autograd.grad, stage c", "{}, {}"),
+          ("`autograd.grad` through SDPA's cuDNN backend", "autograd.grad, SDPA CUDNN_ATTENTION", "{}, {}"))],
     Claim(PERF_MODELS, "`tiny` took {} µs eager and {} µs GPU-only against stage B's {} and {}",
           lambda d: h100_suite_us("tiny", "c", ONE_KEY_TILE_SUITE_RUN) + h100_suite_us("tiny", "b", ONE_KEY_TILE_SUITE_RUN),
           rel=0.005),

@@ -22,13 +22,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
+import stages
 from stages import launch
 from stages.c_optimized import decode, hopper_ws, kernels
 from stages.c_optimized.configs import SHARED_MEMORY_LIMIT
 from stages.contract import new_output
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import check_against_reference, make_qkv  # noqa: E402
+from helpers import check_against_reference, check_gradients, make_qkv  # noqa: E402
 
 #: the per-call host path of one call: (path, arch, attention options, Nq, Nk)
 PATHS = {
@@ -219,7 +220,7 @@ def test_a_bound_launch_keeps_none_of_the_binding_call_s_tensors():
     t, desc = torch.empty(4), types.SimpleNamespace(base=torch.empty(2))
     refs = [weakref.ref(t), weakref.ref(desc.base)]
     launched = []
-    entry = (lambda *args: launched.append(args), "function", ("before",))
+    entry = (lambda *args: launched.append(args), "function", ("before",), None)
     bound = launch.BoundLaunch(entry, (3,), [t, 5, desc, 0.5], (0,), (2, 3), 0, lambda: 0, lambda device: 7)
     del t, desc
     gc.collect()
@@ -272,19 +273,117 @@ def test_a_kernel_without_scratch_goes_to_the_c_launcher_itself():
     run.launch, run.launch_cooperative_grid, run.launch_pdl = c_launch, False, True
     run.global_scratch_size = run.profile_scratch_size = 0
     compiled = dataclasses.make_dataclass("Compiled", ["run", "function", "packed_metadata"])(run, 11, "packed")
-    fn, function, before = launch._kept(compiled)
-    assert fn is c_launch and function == 11
+    fn, function, before, descriptors = launch._kept(compiled)
+    assert fn is c_launch and function == 11 and descriptors is None
     fn(1, 2, 3, "stream", function, *before, "arg0")
     assert calls == [(1, 2, 3, "stream", 11, False, True, None, None, "packed", None, None, None, "arg0")]
     for scratch in ("global_scratch_size", "profile_scratch_size"):
         setattr(run, scratch, 128)
-        assert launch._kept(compiled) == (run, 11, ("packed", None, None, None))
+        assert launch._kept(compiled) == (run, 11, ("packed", None, None, None), None)
         setattr(run, scratch, 0)
     del run.launch_pdl  # a launcher of another shape than Triton 3.6's: kept whole
     assert launch._kept(compiled)[0] is run
     run.launch_pdl = True
-    run.launch = lambda *args: None  # wrap_handle_tensordesc's unpacking wrapper: not the C launcher
-    assert launch._kept(compiled)[0] is run
+    run.launch = lambda *args: None  # an unpacking wrapper of another shape: kept whole, nothing reached through it
+    assert launch._kept(compiled)[0] is run and launch._kept(compiled)[3] is None
+
+
+def _descriptor_kernel(monkeypatch, maps: bool = True):
+    """A compiled kernel taking (pointer, descriptor, int, constexpr, descriptor, float) whose launcher is
+    Triton 3.6's own wrapper (``wrap_handle_tensordesc``) around a recording C launcher. ``maps``: the
+    descriptors lowered to host-made tensor maps (metadata per descriptor, as for Gluon kernels), with
+    Triton's ``make_tensordesc_arg`` replaced by one that needs no GPU and counts the maps it makes;
+    otherwise no metadata (the kernel makes its descriptors on the GPU, as ``tl`` kernels here do)."""
+    from triton.backends.nvidia import driver as nvidia_driver
+
+    made, c_calls = [], []
+    triton_s_own = nvidia_driver.make_tensordesc_arg
+
+    def make_tensordesc_arg(desc, meta):  # [tensor map, *shape, *strides], as Triton's makes it
+        if meta is None:
+            return triton_s_own(desc, meta)
+        made.append(desc.base.data_ptr())
+        return [("map", desc.base.data_ptr(), tuple(desc.block_shape), meta["swizzle"]), *desc.shape, *desc.strides]
+
+    monkeypatch.setattr(nvidia_driver, "make_tensordesc_arg", make_tensordesc_arg)
+    signature = {0: "*fp16", 1: "tensordesc<fp16[64, 64]>", 2: "i32", 3: "constexpr", 4: "tensordesc<fp16[32, 64]>",
+                 5: "fp32"}
+    metas = [{"swizzle": 128}, {"swizzle": 64}] if maps else None
+    run = type("CudaLauncher", (), {})()
+    run.launch = nvidia_driver.wrap_handle_tensordesc(lambda *args: c_calls.append(args), signature, metas)
+    run.launch_cooperative_grid, run.launch_pdl = False, False
+    run.global_scratch_size = run.profile_scratch_size = 0
+    compiled = dataclasses.make_dataclass("Compiled", ["run", "function", "packed_metadata"])(run, 11, "packed")
+    return compiled, made, c_calls
+
+
+def _addresses(args: tuple) -> tuple:
+    """Launcher arguments with each tensor as its address: what the C launcher reads off either."""
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+@pytest.mark.parametrize("maps", [True, False], ids=["tensor maps", "made on the GPU"])
+def test_a_bound_descriptor_launch_hands_the_c_launcher_what_triton_s_wrapper_would(monkeypatch, maps):
+    """A kernel with TMA descriptors keeps Triton's wrapper, which flattens every descriptor on every
+    call (making its tensor map, or handing over its base tensor for the kernel to build one from);
+    bound, its launch goes to the C launcher itself with the same flattened arguments (a base as its
+    address) and makes a map only for a base address it has not seen."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    compiled, made, c_calls = _descriptor_kernel(monkeypatch, maps)
+    entry = launch._kept(compiled)
+    assert entry[0] is compiled.run and entry[3] is not None  # the wrapper kept, the C launcher reachable
+
+    def desc(t, block):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+    a, b, c = (torch.randn(2, 64, 64, dtype=torch.float16) for _ in range(3))
+    pointer = torch.empty(8, dtype=torch.float16)
+    bound = launch.BoundLaunch(entry, (5, 2), [pointer, desc(a, [1, 64, 64]), 7, 3, desc(b, [1, 32, 64]), 0.5],
+                               (0,), (1, 4, 5), 0, lambda: 0, lambda device: "stream")
+    assert bound._raw is not None
+    made.clear()  # (the binding made its own descriptors' maps)
+
+    def triton_s(address, x, y, scale):  # what Triton's path hands the C launcher for these values
+        entry[0].launch(5, 2, 1, "stream", 11, False, False, None, None, "packed", None, None, None,
+                        address, desc(x, [1, 64, 64]), 7, 3, desc(y, [1, 32, 64]), scale)
+        return c_calls.pop()
+
+    for x, y, new_maps in ((a, b, []), (c, a, [c.data_ptr(), a.data_ptr()]), (c, a, []), (a, b, [])):
+        bound.launch([1234], [x, y, 0.25])
+        got = c_calls.pop()
+        assert made == (new_maps if maps else []), "a tensor map made again for an address the bound launch has seen"
+        made.clear()
+        assert not any(isinstance(g, torch.Tensor) for g in got)  # (addresses: no driver query per call)
+        assert got == _addresses(triton_s(1234, x, y, 0.25))
+        made.clear()
+    if maps:  # a full table starts again rather than growing with every address a long run brings
+        monkeypatch.setattr(launch, "TENSOR_MAPS_KEPT", 2)
+        for t in (torch.randn(2, 64, 64, dtype=torch.float16) for _ in range(3)):
+            bound.launch([1234], [t, b, 0.25])
+        assert len(bound._raw._maps[0]) <= 2
+
+
+def test_a_bound_descriptor_launch_keeps_no_tensor_and_steps_aside_where_triton_differs(monkeypatch):
+    """The kept maps are keyed by addresses and hold no tensor of the binding call; a wrapper that is
+    not Triton 3.6's closure keeps the wrapper whole."""
+    import gc
+    import weakref
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    compiled, made, _ = _descriptor_kernel(monkeypatch)
+    t = torch.randn(2, 64, 64, dtype=torch.float16)
+    ref = weakref.ref(t)
+    d1, d2 = (TensorDescriptor(t, list(t.shape), list(t.stride()), block) for block in ([1, 64, 64], [1, 32, 64]))
+    bound = launch.BoundLaunch(launch._kept(compiled), (1,), [torch.empty(2), d1, 7, 3, d2, 0.5], (0,), (1, 4, 5),
+                               0, lambda: 0, lambda device: None)
+    assert bound._raw is not None
+    del t, d1, d2
+    gc.collect()
+    assert ref() is None, "the bound launch still holds the binding call's tensor"
+    compiled.run.launch = lambda *args: None
+    assert launch._kept(compiled)[3] is None
 
 
 def test_a_new_pointer_alignment_goes_back_to_triton(monkeypatch):
@@ -607,3 +706,40 @@ def test_gpu_lean_path_costs_less_host_time(monkeypatch):
     monkeypatch.setattr(launch, "fast_launch_enabled", True)
     lean = min(host_us_per_call(call, 300, torch.cuda.synchronize) for _ in range(3))
     assert lean < ordinary, f"lean {lean:.1f} µs per call, ordinary {ordinary:.1f}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,causal", [(64, False), (128, True)])
+def test_gpu_bound_launches_find_tensor_maps_by_address_and_stay_right(monkeypatch, D, causal):
+    """On sm_90 the forward's and the backward's descriptor kernels, once bound, reach Triton's C
+    launcher with tensor maps kept by address (``launch._FlatArguments``). Calls with fresh tensors
+    (new addresses), with tensors freed and allocated again (old addresses, new data) and with the
+    same tensors holding new data: the forward equals Triton's ordinary launch bit for bit and the
+    gradients match the float64 reference each time."""
+    from stages.c_optimized import backward as bwd
+
+    probe = make_qkv(1, 4, 256, D, torch.bfloat16, "cuda")[0]
+    if kernels._arch_and_sms(probe)[0] != 90:
+        pytest.skip("the tensor-map kernels run on sm_90")
+    kernels._LAYOUT_PLANS.clear()
+    bwd._KEPT.clear()
+    held = None
+    for step in range(6):
+        q, k, v = make_qkv(2, 4, 384, D, torch.bfloat16, "cuda", seed=step)
+        if step == 4:
+            held = (q, k, v)  # kept alive: the next step's tensors take new addresses
+        if step == 5:
+            q, k, v = held
+            for t in (q, k, v):
+                t.normal_()  # the same tensors and addresses, new data
+        monkeypatch.setattr(launch, "fast_launch_enabled", False)
+        ordinary = kernels.attention(q, k, v, causal=causal)
+        monkeypatch.setattr(launch, "fast_launch_enabled", True)
+        assert torch.equal(kernels.attention(q, k, v, causal=causal), ordinary), f"step {step}"
+        check_gradients(stages.STAGES["c"].attention, q, k, v, causal=causal, dtype_name="bf16")
+    forward = [b for p in kernels._LAYOUT_PLANS.values() if p.bound for b, *_ in p.bound.launches]
+    backward = [b.bound for kept in bwd._KEPT.values() if kept.bound for b in kept.bound]
+    for name, bound in (("forward", forward), ("backward", backward)):
+        with_descs = [b for b in bound if any(d is not None for d in b._descs)]
+        assert with_descs and all(b._raw is not None for b in with_descs), \
+            f"a bound {name} launch with descriptors went through Triton's wrapper"

@@ -917,7 +917,7 @@ def test_gpu_bound_hopper_backward_takes_new_tensors(D, device):
             check_gradients(attention, q, k, v, causal=causal, dtype_name="bf16")
         (layout,) = bwd._KEPT.values()
         assert layout.bound, "the layout's launches were not bound"
-        assert any(b.descs for b in layout.bound), "no launch with TMA descriptors was bound"
+        assert any(b.desc_roles for b in layout.bound), "no launch with TMA descriptors was bound"
 
 
 def test_hopper_backward_at_padded_head_dims_compiles_for_sm90(ws_padded_head_dims):

@@ -916,7 +916,7 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     bound = kept.bound
     if bound and all(b.open() for b in bound):
         # The leanest path: launches bound at this layout's first call (launch.BoundKeptLaunch): per call
-        # only addresses and descriptors. It matters most here: autograd runs a CUDA backward on a
+        # only addresses, and tensor maps found by address. It matters most here: autograd runs a CUDA backward on a
         # thread of its own, where the same Python takes longer than on the caller's.
         for launch in bound:
             launch(tensors)

@@ -57,8 +57,7 @@ import triton.language as tl
 from .. import contract, ops
 from ..contract import (DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, key_ranges_alignment, new_output,
                         padded_head_dim, validate_inputs, validate_key_ranges)
-from ..launch import (FastLaunch, Launch, compiles_without_interpreter, descriptor_on, descriptor_over,
-                      layout_fields)
+from ..launch import FastLaunch, Launch, compiles_without_interpreter, descriptor_over
 from . import decode, hopper_ws
 from .aligned import aligned_strides, row_alignment
 from .decode import key_range
@@ -897,11 +896,11 @@ def _plan_layout(q, k, v, o, lse, causal, arch, sms, config, split_kv, switches,
 class _BoundLayout:
     """A layout's launches bound once (``launch.BoundLaunch``): a call hands each its pointers'
     addresses (by role: the inputs', the fresh output's and log-sum-exp's, the fp32 workspace cut at
-    fixed offsets of one allocation) and, where it has them, descriptors over the call's tensors and
-    the scale. Nothing is checked, keyed or bound per call but whether the lean path is open."""
+    fixed offsets of one allocation) and, where it has them, the tensors its descriptors are over (the
+    bound launch finds their tensor maps by address) and the scale. Nothing is checked, keyed or bound per call but whether the lean path is open."""
 
-    launches: tuple    # per launch: (BoundLaunch, its pointers' roles, its descriptors (role, class, fields),
-                       # the scale factor or None)
+    launches: tuple    # per launch: (BoundLaunch, its pointers' roles, its descriptors' roles, the scale
+                       # factor or None)
     workspace: tuple   # (role, offset in fp32 elements into the workspace, or None: unused, _stand_in_fp32)
     floats: int        # fp32 elements of the workspace (0: none)
     descriptors: bool  # whether a launch takes TMA descriptors (built over the call's tensors)
@@ -916,9 +915,8 @@ class _BoundLayout:
             if bound is None:
                 return False
             # A descriptor's shape and strides are the layout's (its key holds them; o is contiguous,
-            # shaped like q): per call only its base, the tensor, is new.
-            descs = tuple((role, cls, layout_fields(fields, tensors[role]))
-                          for (_, role, _, _), (cls, fields) in zip(recipe.descs, recipe.desc_templates))
+            # shaped like q): per call only its base, the tensor, is new, and the bound launch takes it.
+            descs = tuple(role for _, role, _, _ in recipe.descs)
             launches.append((bound, tuple(role for _, role in recipe.tensors), descs, recipe.scale_factor))
         workspace, offset = [], 0
         for role, shape in planned.workspace:
@@ -954,7 +952,7 @@ class _BoundLayout:
             addresses[role] = addresses["o"] if offset is None else flat.data_ptr() + 4 * offset
         tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse} if self.descriptors else None
         for bound, roles, descs, factor in self.launches:
-            varying = [descriptor_on(cls, fields, tensors[role]) for role, cls, fields in descs]
+            varying = [tensors[role] for role in descs]
             if factor is not None:
                 varying.append(scale * factor)
             bound.launch([addresses[role] for role in roles], varying)
