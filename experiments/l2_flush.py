@@ -11,9 +11,12 @@ For decode cells (Nq = 1, bf16, non-causal) this times, in CUDA-graph replay the
 (``timing.samples_graph``: CUDA events around each replay, the flush passed in), stage C, cuDNN and a device-to-device copy of the same byte count (half read, half
 written: the copy bandwidth the results page divides by), each after a zeroing flush (do_bench's),
 after a reading flush, and with no flush (K and V may then be served from the L2 where they fit), and
-prints µs and GB/s per (cell, impl, flush).
+prints µs and GB/s per (cell, impl, flush). ``--cells`` takes other cells by name: the decode tile sweep's
+(``experiments/decode_tiles.py``) or the model suite's (``harness/suites.py``), prefill cells included (the
+model suite's ``short``: a read-bound forward of 2,048 heads of 128 tokens).
 
     python experiments/l2_flush.py > results/h200/experiments/<date>_l2_flush.txt
+    python experiments/l2_flush.py --cells short,bert-base,decode-long
 """
 
 from __future__ import annotations
@@ -37,7 +40,34 @@ CELLS = [c for c in DECODE_CELLS if c[0] in ("b1-gqa-4k", "b1-gqa-32k", "b1-gqa-
                                                "decode-long")]
 
 
+def cells_named(names: list[str]) -> list:
+    """(name, B, Hq, Hkv, Nq, Nk, D, causal, dtype) of each named cell: the decode sweep's (Nq 1, bf16,
+    non-causal) or the model suite's."""
+    from harness.suites import MODELS
+
+    decode = {c[0]: (c[0], c[1], c[2], c[3], 1, c[4], c[5], False, "bf16") for c in DECODE_CELLS}
+    suite = {c.name: (c.name, c.B, c.Hq, c.Hkv, c.Nq, c.Nk, c.D, c.causal, c.dtype) for c in MODELS}
+    unknown = [n for n in names if n not in decode and n not in suite]
+    if unknown:
+        raise ValueError(f"--cells: unknown cell(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(sorted(set(decode) | set(suite)))}")
+    return [decode.get(n) or suite[n] for n in names]
+
+
 def main() -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cells", default=",".join(c[0] for c in CELLS),
+                    help="cells by name, the decode sweep's or the model suite's (default: six decode cells)")
+    args = ap.parse_args()
+    try:
+        cells = cells_named([n for n in args.cells.split(",") if n])
+    except ValueError as e:
+        ap.error(str(e))
+    if not torch.cuda.is_available():
+        print("error: this experiment times kernels on a CUDA GPU; none here", file=sys.stderr)
+        return 2
     buf = torch.empty(timing.FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
     flushes = {
         "zero": buf.zero_,                                # do_bench's: leaves the L2 full of dirty lines
@@ -45,24 +75,26 @@ def main() -> int:
         "none": lambda: None,
     }
     cudnn = peer_attention("sdpa_cudnn")
-    print(f"{torch.cuda.get_device_name()}; median of ~100 ms of graph replays per row; bf16, Nq = 1, non-causal")
-    for name, B, Hq, Hkv, Nk, D in CELLS:
+    print(f"{torch.cuda.get_device_name()}; median of ~100 ms of graph replays per row")
+    for name, B, Hq, Hkv, Nq, Nk, D, causal, dtype in cells:
+        dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
         g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(B, Hq, 1, D, device="cuda", generator=g).bfloat16()
-        k = torch.randn(B, Hkv, Nk, D, device="cuda", generator=g).bfloat16()
-        v = torch.randn(B, Hkv, Nk, D, device="cuda", generator=g).bfloat16()
+        q = torch.randn(B, Hq, Nq, D, device="cuda", generator=g).to(dt)
+        k = torch.randn(B, Hkv, Nk, D, device="cuda", generator=g).to(dt)
+        v = torch.randn(B, Hkv, Nk, D, device="cuda", generator=g).to(dt)
         nbytes = 2 * (k.numel() + v.numel() + 2 * q.numel())
         src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
-        impls = {"c": lambda: ck.attention(q, k, v), "cudnn": lambda: cudnn(q, k, v, causal=False),
+        impls = {"c": lambda: ck.attention(q, k, v, causal=causal), "cudnn": lambda: cudnn(q, k, v, causal=causal),
                  "copy": lambda: dst.copy_(src)}
-        print(f"\n{name}: B {B}, H {Hq}/{Hkv}, Nk {Nk}, D {D}; {nbytes / 1e6:.1f} MB read (the copy: half read, half written)")
+        print(f"\n{name}: B {B}, H {Hq}/{Hkv}, Nq {Nq}, Nk {Nk}, D {D}, {dtype}, causal {causal}; "
+              f"{nbytes / 1e6:.1f} MB read and written (the copy: half read, half written)")
         for impl, fn in impls.items():
-            cells = []
+            row = []
             for flush_name, flush in flushes.items():
                 us = timing.summarize(timing.samples_graph(lambda: fn, flush=flush), True).ms_median * 1e3
-                cells.append(f"{flush_name} {us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s")
-            print(f"  {impl:6} " + " | ".join(cells), flush=True)
+                row.append(f"{flush_name} {us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s")
+            print(f"  {impl:6} " + " | ".join(row), flush=True)
         del q, k, v, src, dst
         torch.cuda.empty_cache()
     return 0
