@@ -8,16 +8,22 @@ heavy tiles of the last heads while the SMs that finished early sit idle. ``hopp
 first; a smaller chunk balances better and keeps fewer programs of one head side by side (which
 share its Q and dO tiles in L2).
 
-For each cell this prints and writes, per chunk (0 = head by head, the default):
+An order ``CgG`` (``1g4``, ``8g2``) takes chunks of ``C`` tiles within groups of ``G`` batch·heads, one
+group after another (``hopper_bwd.HEAD_GROUP``, ``LAB_BWD_HEAD_GROUP``): heavy tiles still first within a
+group, and the programs side by side read fewer batch·heads' Q and dO.
+
+For each cell this prints and writes, per order (0 = head by head; ``auto``: the default):
 
 * ``model``: the list-scheduling model's end time over the balanced one (``hopper_bwd.makespan``:
-  one program per SM, each program's work its Q tiles times the group's query heads);
+  one program per SM, each program's work its Q tiles times the group's query heads), and ``in_flight``:
+  the most batch·heads among any SM-count of programs next to each other (``hopper_bwd.heads_in_flight``);
 * ``ms``: stage C's whole backward (its default plan with that order), in interleaved rounds beside
   cuDNN's backward, and each order's gradients against the head-by-head ones first.
 
     python experiments/program_order.py --csv results/h200/experiments/<date>_program_order.csv
     python experiments/program_order.py --model-only            # the model's column alone, no GPU
     python experiments/program_order.py --cells llama3-8b,odd-n --chunks 0,4,2,1
+    python experiments/program_order.py --chunks auto,1g2,1g4,2g4
 """
 
 from __future__ import annotations
@@ -48,28 +54,49 @@ ROUNDS = 5
 SMS = 132  # (the H200's; a GPU's own count where one is present)
 
 
-def model_ratio(cell, chunk: int | str, block_m: int = 64, kv_rows: int = 128, sms: int = SMS) -> tuple[int, float]:
-    """The chunk the kernels take for this setting (``auto`` decides by the model; 0: head by head) and
-    the modelled end of the causal dK/dV kernel's programs in that order over the balanced end."""
+def model_ratio(cell, chunk: int | str, block_m: int = 64, kv_rows: int = 128, sms: int = SMS,
+                group: int | str = "auto") -> tuple[str, float, int]:
+    """The order the kernels take for this setting (``hopper_bwd.causal_order``: ``CgG``, or ``C`` across
+    every batch·head; 0: head by head), the modelled end of the causal dK/dV kernel's programs in that
+    order over the balanced end, and the batch·heads in flight."""
     from stages.c_optimized import hopper_bwd
 
     B, Hq, Hkv, N, _, _ = cell
     work = hopper_bwd.causal_dkdv_work(N, N, kv_rows, block_m, Hq // Hkv)
-    taken = hopper_bwd.order_chunk(work, B * Hkv, sms, chunk)
-    order = hopper_bwd.program_order(len(work), B * Hkv, taken)
+    taken = hopper_bwd.causal_order(work, B * Hkv, sms, chunk, group)
+    c, g = taken["tiles_per_chunk"], taken["heads_per_group"]
+    order = hopper_bwd.program_order(len(work), B * Hkv, c, g)
     total = sum(work[t] for t, _ in order)
-    return (taken if taken < len(work) else 0), hopper_bwd.makespan([work[t] for t, _ in order], sms) / (total / sms)
+    label = "0" if c >= len(work) else (f"{c}g{g}" if g < B * Hkv else str(c))
+    return label, hopper_bwd.makespan([work[t] for t, _ in order], sms) / (total / sms), hopper_bwd.heads_in_flight(
+        order, sms)
 
 
-def _chunk(text: str) -> int | str:
-    return text if text == "auto" else int(text)
+def _order(text: str) -> tuple[int | str, int | str]:
+    """(chunk, group) of an order: ``auto`` (the default: both chosen by the model), ``C`` (chunks of C
+    across every batch·head; ``auto`` chunks so: ``autog0``) or ``CgG``."""
+    if text == "auto":
+        return "auto", "auto"
+    chunk, _, group = text.partition("g")
+    if group and not group.isdigit():
+        raise ValueError(text)
+    return (chunk if chunk == "auto" else int(chunk)), int(group or 0)
+
+
+def _label(order: tuple) -> str:
+    chunk, group = order
+    if group == "auto":
+        return "auto"
+    return f"{chunk}g{group}" if group else ("autog0" if chunk == "auto" else str(chunk))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cells", default=",".join(CELLS), help=f"some of {','.join(CELLS)}")
-    ap.add_argument("--chunks", default="0,8,4,2,1,auto",
-                    help="hopper_bwd.HEAVY_FIRST values (0: head by head; auto: the default, chosen by the model)")
+    ap.add_argument("--chunks", default="0,8,4,2,1,autog0,auto",
+                    help="orders: hopper_bwd.HEAVY_FIRST values across every batch·head (0: head by head; autog0: "
+                         "the chunk chosen by the model), or in groups of G batch·heads (CgG, e.g. 1g4); auto: the "
+                         "default, chunk and group chosen by the model")
     ap.add_argument("--model-only", action="store_true", help="print the model's column alone (no GPU needed)")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
@@ -77,16 +104,19 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--cells: unknown {', '.join(unknown)}; choose from {', '.join(CELLS)}")
     try:
-        chunks = [_chunk(c) for c in args.chunks.split(",")]
+        chunks = [_order(c) for c in args.chunks.split(",")]
     except ValueError:
-        ap.error(f"--chunks: auto or whole numbers >= 0, comma-separated; got {args.chunks!r}")
-    if any(c != "auto" and c < 0 for c in chunks):
+        ap.error(f"--chunks: auto or whole numbers >= 0, each optionally with g and a group >= 1 (1g4), "
+                 f"comma-separated; got {args.chunks!r}")
+    if any(c != "auto" and c < 0 for c, _ in chunks):
         ap.error(f"--chunks: auto or whole numbers >= 0, got {args.chunks!r}")
     names = args.cells.split(",")
     if args.model_only:
         for name in names:
-            print(f"{name:18s} " + "  ".join("chunk {}: {:.3f}".format(c if c != "auto" else f"auto ({taken})", ratio)
-                                            for c in chunks for taken, ratio in [model_ratio(CELLS[name], c)]))
+            print(f"{name:18s} " + "  ".join(
+                "{}: {:.3f} ({} in flight)".format(_label(o) if o[0] != "auto" else f"{_label(o)} ({taken})", ratio,
+                                                   flight)
+                for o in chunks for taken, ratio, flight in [model_ratio(CELLS[name], o[0], group=o[1])]))
         return 0
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("program_order.py times the Hopper backward kernels: it needs an sm_90 GPU (--model-only runs "
@@ -101,7 +131,7 @@ def main(argv=None) -> int:
     from stages.c_optimized.tune_backward import _write_csv
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    default_chunk = hopper_bwd.HEAVY_FIRST
+    default_chunk, default_group = hopper_bwd.HEAVY_FIRST, hopper_bwd.HEAD_GROUP
     rows: list[dict] = []
     for name in names:
         B, Hq, Hkv, N, D, dtype_name = cell = CELLS[name]
@@ -121,7 +151,7 @@ def main(argv=None) -> int:
         fns, status = {}, {}
         ref = None
         for chunk in chunks:
-            hopper_bwd.HEAVY_FIRST = chunk
+            hopper_bwd.HEAVY_FIRST, hopper_bwd.HEAD_GROUP = chunk
             bwd._KEPT.clear()  # (a layout planned with another order)
             try:
                 grads = backward()
@@ -142,18 +172,18 @@ def main(argv=None) -> int:
         samples = {key: [] for key in [*fns, "cudnn"]}
         for _ in range(ROUNDS):
             for chunk in fns:
-                hopper_bwd.HEAVY_FIRST = chunk
+                hopper_bwd.HEAVY_FIRST, hopper_bwd.HEAD_GROUP = chunk
                 bwd._KEPT.clear()
                 samples[chunk].append(triton.testing.do_bench(backward, warmup=10, rep=60))
             samples["cudnn"].append(triton.testing.do_bench(cudnn, warmup=10, rep=60))
-        hopper_bwd.HEAVY_FIRST = default_chunk
+        hopper_bwd.HEAVY_FIRST, hopper_bwd.HEAD_GROUP = default_chunk, default_group
         bwd._KEPT.clear()
         cudnn_ms = statistics.median(samples["cudnn"])
         for chunk in chunks:
             ms = statistics.median(samples[chunk]) if chunk in fns else None
-            taken, ratio = model_ratio(cell, chunk, block_m, sms=sms)
+            taken, ratio, flight = model_ratio(cell, chunk[0], block_m, sms=sms, group=chunk[1])
             rows.append(dict(cell=name, B=B, Hq=Hq, Hkv=Hkv, N=N, D=D, dtype=dtype_name, causal=1, plan=str(plan),
-                             chunk=chunk, taken=taken, model=round(ratio, 4),
+                             chunk=_label(chunk), taken=taken, model=round(ratio, 4), in_flight=flight,
                              ms=round(ms, 4) if ms else "", cudnn_ms=round(cudnn_ms, 4),
                              c_over_cudnn=round(cudnn_ms / ms, 3) if ms else "", status=status[chunk]))
         print(f"{name}: cuDNN {cudnn_ms:.3f} ms; " + ", ".join(

@@ -339,6 +339,39 @@ def host_descriptor_us(label: str) -> tuple:
     return values[0], values[2], values[1], values[3]
 
 
+def group_order_row(cell: str) -> tuple:
+    """Entry 85's table row: cuDNN's ms, entry 76's order's ms, the groups' ms, the time saved in percent, and
+    C / cuDNN before and after (``program_order.py --chunks autog0,auto`` on an H100)."""
+    rows = {r["chunk"]: r for r in h100_experiment_rows("2026-12-06_program_order_auto_groups.csv") if r["cell"] == cell}
+    before, after = float(rows["autog0"]["ms"]), float(rows["auto"]["ms"])
+    return (float(rows["auto"]["cudnn_ms"]), before, after, 100 * (1 - after / before),
+            float(rows["autog0"]["c_over_cudnn"]), float(rows["auto"]["c_over_cudnn"]))
+
+
+def ncu_order(cell: str, order_starts: str, metric: str) -> float:
+    """One metric of the dK/dV kernel (or cuDNN's main kernel) in entry 85's Nsight Compute file."""
+    rows = [r for r in h100_experiment_rows("2026-12-06_backward_ncu_orders.csv")
+            if r["cell"] == cell and r["order"].startswith(order_starts)
+            and ("ws_bwd_dkdv" in r["kernel"] or "sdpa_sm90" in r["kernel"])]
+    assert len(rows) == 1, (cell, order_starts, len(rows))
+    return float(rows[0][metric])
+
+
+def flush_cell_us(cell: str) -> tuple:
+    """µs of stage C (read, zero, no flush), then cuDNN's and the copy's, at one cell of
+    ``2026-12-06_l2_flush_cells.txt``."""
+    import re
+
+    text = (ROOT / "results" / "h100-80gb-hbm3" / "experiments" / "2026-12-06_l2_flush_cells.txt").read_text()
+    block = text.split(f"\n{cell}:", 1)[1].split("\n\n", 1)[0]
+    out = ()
+    for impl in ("c", "cudnn", "copy"):
+        line = next(line for line in block.splitlines() if line.split()[:1] == [impl])
+        us = dict(re.findall(r"(zero|read|none)\s+([0-9.]+) us", line))
+        out += tuple(float(us[k]) for k in ("read", "zero", "none"))
+    return out
+
+
 #: the forward suite run with ``kernels.one_key_tile`` (entry 83's follow-up)
 ONE_KEY_TILE_SUITE_RUN = "2026-12-06T10:31:57.383750Z"
 
@@ -674,10 +707,12 @@ CLAIMS = [
           lambda d: (fused_dq_ms(d, 1, False), fused_dq_ms(d, 1, True))),
     Claim(C_DETAILS, "Bitwise reproducible gradients cost {}–{} % more time than the default backward on the bf16 grid",
           lambda d: tuple(100 * f(v for k, v in deterministic_costs(d).items() if k[0] == "bf16") for f in (min, max))),
-    Claim(C_DETAILS, "the grouped Llama 3 8B cell went from {} to {} ms, and a cell\nwith nothing to gain lost {} % to chunks",
-          lambda d: (program_order_ms(d, "llama3-8b", "0"), program_order_ms(d, "llama3-8b", "8"),
-                     100 * (program_order_ms(d, "grid-d128-n16384", "8") / program_order_ms(d, "grid-d128-n16384", "0")
-                            - 1))),
+    Claim(C_DETAILS, "took the grouped Llama 3\n8B cell from {} to {} ms",
+          lambda d: (program_order_ms(d, "llama3-8b", "0"), program_order_ms(d, "llama3-8b", "8"))),
+    Claim(C_DETAILS, "twice cuDNN's DRAM bytes at the grid's causal D 128\ncell",
+          lambda d: 1.8 < ncu_order("", "chunks of 8", "dram__bytes_read.sum") / ncu_order("", "cuDNN",
+                                                                                           "dram__bytes_read.sum") < 2.2,
+          why="entry 85's Nsight Compute file: the dK/dV kernel's DRAM reads in entry 76's order over cuDNN's"),
     Claim(NB["08"], "the head-by-head order ends late (the grouped Llama 3 8B cell {} → {} ms)",
           lambda d: (program_order_ms(d, "llama3-8b", "0"), program_order_ms(d, "llama3-8b", "8"))),
     Claim(NB["08"], "and lost a few percent where it\nsaid there was nothing to gain (16 heads of 16k tokens",
@@ -746,6 +781,36 @@ CLAIMS = [
            "{}, {}"),
           ("`autograd.grad` through stage C", "autograd.grad, stage c", "{}, {}"),
           ("`autograd.grad` through SDPA's cuDNN backend", "autograd.grad, SDPA CUDNN_ATTENTION", "{}, {}"))],
+    *[Claim("docs/performance-log/backward.md",
+            f"| {label} | {{}} | {{}} ({before}) | {{}} ({after}) | -{{}} % | {{}} → {mark} |",
+            lambda d, cell=cell: group_order_row(cell), rel=0.003)
+      for label, cell, before, after, mark in (
+          ("llama3-8b", "llama3-8b", "8, 8", "1g2, 6", "**{}**"), ("llama2-7b", "llama2-7b", "8, 18", "1g8, 16", "{}"),
+          ("odd-n", "odd-n", "8, 34", "1g32, 60", "{}"), ("grid D 64, N 4096", "grid-d64-n4096", "8, 18", "1g4, 8", "{}"),
+          ("grid D 128, N 4096", "grid-d128-n4096", "8, 18", "1g4, 8", "{}"))],
+    Claim("docs/performance-log/backward.md",
+          "The dK/dV kernel read {} MB from DRAM and wrote {} where cuDNN's read {} and wrote {}.",
+          lambda d: tuple(ncu_order("", order, f"dram__bytes_{rw}.sum") / 1e6
+                          for order in ("chunks of 8", "cuDNN") for rw in ("read", "write")), rel=0.003),
+    Claim("docs/performance-log/backward.md",
+          "the grid cell's dK/dV kernel read {} MB and wrote {} (cuDNN {} and {}), {} ms against {} (cuDNN's main "
+          "kernel {}); Llama 3 8B's read {} GB, {} ms against {} (cuDNN {})",
+          lambda d: (ncu_order("", "chunks of 1", "dram__bytes_read.sum") / 1e6,
+                     ncu_order("", "chunks of 1", "dram__bytes_write.sum") / 1e6,
+                     ncu_order("", "cuDNN", "dram__bytes_read.sum") / 1e6,
+                     ncu_order("", "cuDNN", "dram__bytes_write.sum") / 1e6,
+                     ncu_order("", "chunks of 1", "gpu__time_duration.sum") / 1e6,
+                     ncu_order("", "chunks of 8", "gpu__time_duration.sum") / 1e6,
+                     ncu_order("", "cuDNN", "gpu__time_duration.sum") / 1e6,
+                     ncu_order("llama3-8b", "chunks of 1", "dram__bytes_read.sum") / 1e9,
+                     ncu_order("llama3-8b", "chunks of 1", "gpu__time_duration.sum") / 1e6,
+                     ncu_order("llama3-8b", "chunks of 8", "gpu__time_duration.sum") / 1e6,
+                     ncu_order("llama3-8b", "cuDNN", "gpu__time_duration.sum") / 1e6), rel=0.005),
+    Claim("docs/performance-log/backward.md",
+          "llama3-8b from 0.91–0.92 to {} / {} of the fastest SDPA backward (eager / GPU-only)",
+          lambda d: h100_suite_ratios("llama3-8b", ("2026-12-06T11:06:36.962924Z",)), rel=0.006),
+    Claim(PERF_MODELS, "C {}, {}\nand {} µs, cuDNN {}, {} and {}, a copy of the same bytes {}, {} and {}",
+          lambda d: flush_cell_us("short"), rel=0.002),
     Claim(PERF_MODELS, "`tiny` took {} µs eager and {} µs GPU-only against stage B's {} and {}",
           lambda d: h100_suite_us("tiny", "c", ONE_KEY_TILE_SUITE_RUN) + h100_suite_us("tiny", "b", ONE_KEY_TILE_SUITE_RUN),
           rel=0.005),

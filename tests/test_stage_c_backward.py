@@ -307,17 +307,27 @@ def test_a_deterministic_backward_takes_the_plan_the_tuner_kept_for_it(fixed, ex
 @pytest.mark.parametrize("n_tiles,heads", [(1, 1), (7, 3), (64, 8), (5, 40)])
 def test_program_order_visits_every_tile_once_heaviest_chunk_first(n_tiles, heads):
     """The launch order both Hopper backward kernels decode (``hopper_bwd.program_order``): every (tile,
-    batch·head) exactly once for any chunk; a whole batch·head's tiles at a time when the chunk is all
-    of them (the order of a two-dimensional grid); chunk by chunk across every batch·head otherwise."""
+    batch·head) exactly once for any chunk and group; a whole batch·head's tiles at a time when the chunk
+    is all of them (the order of a two-dimensional grid); chunk by chunk across the batch·heads otherwise,
+    every one of them or a group's, one group after another (the last one smaller where they do not
+    divide)."""
     from stages.c_optimized import hopper_bwd
 
     every = {(t, h) for t in range(n_tiles) for h in range(heads)}
-    for chunk in range(1, n_tiles + 1):
-        order = hopper_bwd.program_order(n_tiles, heads, chunk)
-        assert len(order) == len(every) and set(order) == every
-        assert [t // chunk for t, _ in order] == sorted(t // chunk for t, _ in order)  # chunk after chunk
-    assert hopper_bwd.program_order(n_tiles, heads, n_tiles) == [(t, h) for h in range(heads) for t in range(n_tiles)]
+    for group in (0, 1, 2, 3, heads, heads + 5):
+        size = heads if group == 0 else min(group, heads)
+        for chunk in range(1, n_tiles + 1):
+            order = hopper_bwd.program_order(n_tiles, heads, chunk, group)
+            assert len(order) == len(every) and set(order) == every
+            groups = [h // size for _, h in order]
+            assert groups == sorted(groups)  # group after group
+            for g in set(groups):
+                tiles = [t // chunk for t, h in order if h // size == g]
+                assert tiles == sorted(tiles)  # within a group, chunk after chunk
+        assert hopper_bwd.program_order(n_tiles, heads, n_tiles, group) == [
+            (t, h) for h in range(heads) for t in range(n_tiles)]
     assert hopper_bwd.program_order(n_tiles, heads, 1) == [(t, h) for t in range(n_tiles) for h in range(heads)]
+    assert hopper_bwd.program_order(n_tiles, heads, 1, 0) == hopper_bwd.program_order(n_tiles, heads, 1, heads)
 
 
 def test_heavy_first_is_for_causal_grids_and_balances_the_model(monkeypatch):
@@ -348,6 +358,52 @@ def test_heavy_first_is_for_causal_grids_and_balances_the_model(monkeypatch):
             causal=causal, scale=0.125, arch=90, deterministic=True, ws=bwd.WsConfig(64, 2, 2))
             if launch.kernel is hopper_bwd.ws_bwd_dkdv_kernel]
         assert launch.args["tiles_per_chunk"] == chunk and launch.grid == (8 * 8,)
+        assert launch.args["heads_per_group"] == 8  # (every batch·head: LAB_BWD_HEAD_GROUP=0)
+    monkeypatch.setattr(hopper_bwd, "HEAD_GROUP", 3)
+    assert hopper_bwd.causal_order(work, 8, 132, heavy_first=2) == dict(tiles_per_chunk=2, heads_per_group=3)
+    assert hopper_bwd.causal_order(work, 2, 132, heavy_first=2) == dict(tiles_per_chunk=2, heads_per_group=2)
+
+
+def test_auto_order_takes_the_fewest_heads_side_by_side_that_the_model_balances():
+    """``hopper_bwd.auto_order``: of head by head, chunks of one tile in groups of 2, 4, 8, ... batch·heads
+    and chunks of 8 across all, the first within 2 % of the balanced time of the best modelled end. The
+    grouped Llama 3 8B cell (8 K/V heads of 64 tiles) takes groups of 2; the FA grid's N 4096 cell groups of
+    4; a 16k-token cell whose head-by-head order is already balanced stays head by head; a grid of one tile
+    per head too. Every choice ends within 2 % of the best candidate, and the kernels' arguments follow it
+    where both switches are ``auto``."""
+    from stages.c_optimized import hopper_bwd
+
+    for Nq, heads, group, expected in ((8192, 8, 4, (1, 2)), (4096, 64, 1, (1, 4)), (16384, 16, 1, (128, 16)),
+                                       (100, 40, 1, (1, 40)), (1500, 60, 1, None)):
+        work = hopper_bwd.causal_dkdv_work(Nq, Nq, group=group)
+        chunk, size = hopper_bwd.auto_order(tuple(work), heads, 132)
+        if expected is not None:
+            assert (chunk, size) == expected, (Nq, heads)
+        balanced = sum(work) * heads / 132
+        ends = [hopper_bwd.makespan([work[t] for t, _ in hopper_bwd.program_order(len(work), heads, c, g)], 132)
+                for c, g in [(len(work), heads), (8, heads)] + [(1, g) for g in (2, 4, 8, 16, 32) if g < heads]]
+        mine = hopper_bwd.makespan([work[t] for t, _ in hopper_bwd.program_order(len(work), heads, chunk, size)], 132)
+        assert mine <= min(ends) + hopper_bwd.AUTO_MIN_GAIN * balanced + 1e-9
+        assert hopper_bwd.causal_order(work, heads, 132, "auto", "auto") == dict(tiles_per_chunk=chunk,
+                                                                                heads_per_group=size)
+    work = hopper_bwd.causal_dkdv_work(8192, 8192, group=4)
+    assert hopper_bwd.causal_order(work, 8, 132, "auto", 0) == dict(tiles_per_chunk=8, heads_per_group=8)  # entry 76's
+
+
+@pytest.mark.parametrize("value", ["-1", "eight", "1.5"])
+def test_a_bad_head_group_switch_names_itself_and_its_values(value):
+    """``LAB_BWD_HEAD_GROUP`` is read at import: anything but ``auto`` or a whole number ≥ 0 stops the
+    import with the switch's name, the allowed values and what was given."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, LAB_BWD_HEAD_GROUP=value)
+    done = subprocess.run([sys.executable, "-c", "import stages.c_optimized.hopper_bwd"], env=env,
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode != 0
+    assert (f"LAB_BWD_HEAD_GROUP must be auto, 0 (every batch·head) or a group of batch·heads >= 1, got {value!r}"
+            in done.stderr)
 
 
 @pytest.mark.parametrize("value", ["-1", "eight", "1.5"])
@@ -523,18 +579,20 @@ def test_reordered_fused_dq_config_matches_float64(shape, config, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("chunk", [1, 3])
-@pytest.mark.parametrize("shape", WS_SHAPES + [(2, 4, 2, 1000, 700, 80)],
+@pytest.mark.parametrize("chunk,group", [(1, 0), (3, 0), (1, 3), (2, 2)])
+@pytest.mark.parametrize("shape", WS_SHAPES + [(2, 4, 2, 1000, 700, 80), (3, 6, 3, 640, 640, 64)],
                          ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}-D{}".format(*s))
-def test_heavy_first_order_matches_float64(shape, chunk, monkeypatch, device):
+def test_heavy_first_order_matches_float64(shape, chunk, group, monkeypatch, device):
     """Both Hopper kernels with their programs in chunks of tiles across batch·heads
-    (``LAB_BWD_HEAVY_FIRST``): every tile computed once (dK/dV poisoned before, fused dQ's atomics
-    would count a tile twice), causal, GQA, Nq ≠ Nk, a tail, fused dQ and the dQ kernel."""
+    (``LAB_BWD_HEAVY_FIRST``), over every batch·head or in groups of them (``LAB_BWD_HEAD_GROUP``, a
+    last group smaller than the others included): every tile computed once (dK/dV poisoned before, fused
+    dQ's atomics would count a tile twice), causal, GQA, Nq ≠ Nk, a tail, fused dQ and the dQ kernel."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Hopper backward kernels need sm_90")
     from stages.c_optimized import hopper_bwd
 
     monkeypatch.setattr(hopper_bwd, "HEAVY_FIRST", chunk)
+    monkeypatch.setattr(hopper_bwd, "HEAD_GROUP", group)
     monkeypatch.setattr(bwd, "_KEPT", {})
     B, Hq, Hkv, Nq, Nk, D = shape
     q, k, v = make_qkv(B, Hq, Nq, D, torch.bfloat16, device, Hkv=Hkv, Nk=Nk, seed=23)
