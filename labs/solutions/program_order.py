@@ -25,9 +25,11 @@ run while your functions do.
 Past the lab: the order also decides which programs run side by side, and programs of one head share
 its Q and dO tiles in L2. Stage C's forward lost a third of its speed to longest-first across every head
 for that reason, and won it back with pairs of a head's longest and shortest row blocks (performance
-log, scheduling, entries 7 and 10). ``stages/c_optimized/hopper_bwd.py`` has the backward's orders
-(``LAB_BWD_HEAVY_FIRST``; by default chunks of 8 tiles where the model promises 2 % of the balanced time)
-and ``experiments/program_order.py`` times them (backward, entries 75 and 76).
+log, scheduling, entries 7 and 10). The backward found the same: heavy tiles first across every head read
+twice cuDNN's bytes from DRAM, and heavy tiles first within small groups of heads, one group after
+another, read cuDNN's. ``stages/c_optimized/hopper_bwd.py`` has the backward's orders
+(``LAB_BWD_HEAVY_FIRST``, ``LAB_BWD_HEAD_GROUP``; by default the smallest groups the model still balances)
+and ``experiments/program_order.py`` times them (backward, entries 75, 76 and 85).
 
     python -m labs check program_order
 """
