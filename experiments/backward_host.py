@@ -33,27 +33,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 
-def per_call_us(fn, calls: int) -> float:
+def per_call_us(fn, calls: int, host_only: bool = False) -> float:
+    """Wall µs per call over ``calls`` calls after a warm-up, the GPU waited for at the end; ``host_only``:
+    the clock stops before that wait (fewer calls than the launch queue holds, so none blocks), the host's
+    time alone, for a launch whose kernel takes longer on the GPU than its launch on the host."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
-
-
-def host_us(fn, calls: int) -> float:
-    """Host time alone per call: the calls queue their kernels and the clock stops before the GPU is
-    waited for (fewer calls than the launch queue holds, so none blocks), for a launch whose kernel
-    takes longer on the GPU than its launch on the host."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
+    if not host_only:
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
@@ -161,9 +152,9 @@ def main() -> None:
     print(f"    allocating the gradients: {per_call_us(lambda: bwd._allocate(qd, kd, vd, layout.separate), args.calls):8.1f}")
     calls = min(args.calls, 500)  # (the launch queue holds about a thousand)
     for launch in layout.launches:
-        print(f"    run {launch.kernel.fn.__name__} kept, host only: {host_us(lambda: launch(tensors), calls):8.1f}")
+        print(f"    run {launch.kernel.fn.__name__} kept, host only: {per_call_us(lambda: launch(tensors), calls, host_only=True):8.1f}")
     for launch, bound in zip(layout.launches, layout.bound or ()):
-        print(f"    run {launch.kernel.fn.__name__} bound, host only: {host_us(lambda: bound(tensors), calls):8.1f}")
+        print(f"    run {launch.kernel.fn.__name__} bound, host only: {per_call_us(lambda: bound(tensors), calls, host_only=True):8.1f}")
 
 
 if __name__ == "__main__":
