@@ -362,7 +362,7 @@ class _FlatArguments:
     def of(cls, entry, args, pointer_slots, varying_slots) -> "_FlatArguments | None":
         """For a kept kernel whose launcher takes descriptors (``_kept``'s fourth item) and a binding
         whose descriptors are all among the varying values; None otherwise (the launcher whole)."""
-        if len(entry) < 4 or entry[3] is None:
+        if entry[3] is None:
             return None
         launcher, metas, before = entry[3]
         make = _make_tensordesc_arg()

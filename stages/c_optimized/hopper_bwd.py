@@ -174,9 +174,9 @@ HEAVY_FIRST: int | str = _HEAVY_FIRST if _HEAVY_FIRST == "auto" else int(_HEAVY_
 #: each group, and the programs side by side belong to about two groups' batch·heads, whose Q, dO and fused
 #: dQ accumulator can stay in L2 where every batch·head's cannot. ``auto`` (the default, with
 #: ``HEAVY_FIRST=auto``): the fewest batch·heads side by side that the model says balance
-#: (:func:`auto_order`). Measured on an H100 (performance-log entry 85): the grouped Llama 3 8B cell 3.04 →
-#: 2.88 ms, the FA grid's causal N 4096 cells 2.5–2.9 % faster, Llama 2 4 %; a forced ``g`` takes the
-#: chunk ``HEAVY_FIRST`` gives.
+#: (:func:`auto_order`). Measured on an H100 against chunks across every head (performance-log entry 85):
+#: the grouped Llama 3 8B cell 3.04 → 2.87 ms, the FA grid's causal N 4096 cells 2.6–3.1 % faster, the
+#: other causal cells 1–2.6 %; a forced ``g`` takes the chunk ``HEAVY_FIRST`` gives.
 _HEAD_GROUP = os.environ.get("LAB_BWD_HEAD_GROUP", "auto")
 if _HEAD_GROUP != "auto" and not _HEAD_GROUP.isdigit():
     raise ValueError(f"LAB_BWD_HEAD_GROUP must be auto, 0 (every batch·head) or a group of batch·heads >= 1, got "
@@ -960,9 +960,9 @@ def causal_order(work: list[int], heads: int, sms: int, heavy_first: int | str |
 def auto_order(work: tuple[int, ...], heads: int, sms: int) -> tuple[int, int]:
     """(tiles per chunk, batch·heads per group) of a causal grid: of the orders head by head, chunks of
     one tile within groups of 2, 4, 8, ... batch·heads, and chunks of :data:`AUTO_CHUNK` across every
-    batch·head, the first in that list (fewest batch·heads side by side, so most of their Q and dO reads
-    shared in L2) whose modelled end (:func:`makespan`) is within :data:`AUTO_MIN_GAIN` of the balanced
-    time of the best one's. Where the heaviest program is under that share no order can gain it and
+    batch·head, the first in that list (the smallest groups first, so that the programs side by side
+    read few batch·heads' Q and dO and share them in L2) whose modelled end (:func:`makespan`) is within
+    :data:`AUTO_MIN_GAIN` of the balanced time of the best one's. Where the heaviest program is under that share no order can gain it and
     the grid runs head by head without a simulation (Graham's bound, as :func:`auto_chunk`)."""
     n_tiles = len(work)
     balanced = sum(work) * heads / sms
