@@ -53,6 +53,16 @@ def q_tile_loop(ptx: str) -> dict:
     return {"loop_instructions": loop.instructions, "loop_local_accesses": loop.local_loads + loop.local_stores}
 
 
+def bool_flags(ap: argparse.ArgumentParser, option: str, text: str) -> list[str]:
+    """The comma-separated names in ``text``, each a bool flag of ``hopper_bwd``; otherwise ``ap`` exits
+    with an error naming ``option`` and the name."""
+    names = [s for s in text.split(",") if s]
+    for name in names:
+        if not isinstance(getattr(hopper_bwd, name, None), bool):
+            ap.error(f"{option}: {name!r} is not a bool flag of stages/c_optimized/hopper_bwd.py")
+    return names
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--D", default="64,96,128", help="head dims (comma-separated)")
@@ -62,10 +72,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=["fp16", "bf16"])
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
-    switches = [s for s in args.switch.split(",") if s]
-    for name in switches:
-        if not isinstance(getattr(hopper_bwd, name, None), bool):
-            ap.error(f"--switch: {name!r} is not a bool flag of stages/c_optimized/hopper_bwd.py")
+    switches = bool_flags(ap, "--switch", args.switch)
     problems = args.problems.split(",")
     unknown = [p for p in problems if p not in PROBLEMS]
     if unknown:

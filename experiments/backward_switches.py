@@ -35,6 +35,7 @@ from stages.c_optimized.configs import device_arch  # noqa: E402
 from stages.c_optimized.tune_backward import _write_csv  # noqa: E402
 
 from fused_dq import relative_difference  # noqa: E402  (this folder: max |a - b| over max |b|, per gradient)
+from backward_spills import bool_flags  # noqa: E402  (this folder: names of hopper_bwd's bool flags, checked)
 
 #: The suite's cells this backward runs as one K/V tile per program (Nq == Nk; the decoding-shaped
 #: ones take the split backward, which has none of these switches).
@@ -118,10 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
-    names = [s for s in args.switches.split(",") if s]
-    for n in names:
-        if not isinstance(getattr(hopper_bwd, n, None), bool):
-            ap.error(f"--switches: {n!r} is not a bool flag of stages/c_optimized/hopper_bwd.py")
+    names = bool_flags(ap, "--switches", args.switches)
     try:
         shapes = {c: cell_shape(c, args.N) for c in args.cells.split(",") if c}
     except ValueError as e:
