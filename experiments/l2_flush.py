@@ -17,6 +17,12 @@ model suite's ``short``: a read-bound forward of 2,048 heads of 128 tokens).
 
     python experiments/l2_flush.py > results/h200/experiments/<date>_l2_flush.txt
     python experiments/l2_flush.py --cells short,bert-base,decode-long
+    python experiments/l2_flush.py --cells short --kernels   # + each kernel's own duration, eager calls
+
+``--kernels``: also runs each impl eagerly after the reading flush under the torch profiler and prints
+the median duration CUPTI records for each of its kernels, beside the graph replay's event time: where a
+kernel's own duration equals a peer's and the event times differ, the difference is between kernels (the
+launch, the flush's tail), not inside them.
 """
 
 from __future__ import annotations
@@ -54,12 +60,40 @@ def cells_named(names: list[str]) -> list:
     return [decode.get(n) or suite[n] for n in names]
 
 
+def kernel_durations_us(fn, flush, calls: int = 50) -> dict[str, float]:
+    """{kernel name: median duration in µs} of the kernels ``fn`` launches, each call after ``flush``
+    (whose own kernels are left out: they are the ones a flush alone launches)."""
+    import statistics
+
+    from torch.profiler import ProfilerActivity, profile
+
+    def durations(call) -> dict[str, list[float]]:
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                call()
+            torch.cuda.synchronize()
+        out: dict[str, list[float]] = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                out.setdefault(e.name, []).append(e.device_time)
+        return out
+
+    flush_only = durations(flush)
+    both = durations(lambda: (flush(), fn()))
+    return {k: statistics.median(v) for k, v in both.items() if k not in flush_only}
+
+
 def main() -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cells", default=",".join(c[0] for c in CELLS),
                     help="cells by name, the decode sweep's or the model suite's (default: six decode cells)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also print the median CUPTI duration of each impl's kernels (reading flush, eager calls)")
     args = ap.parse_args()
     try:
         cells = cells_named([n for n in args.cells.split(",") if n])
@@ -95,6 +129,9 @@ def main() -> int:
                 us = timing.summarize(timing.samples_graph(lambda: fn, flush=flush), True).ms_median * 1e3
                 row.append(f"{flush_name} {us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s")
             print(f"  {impl:6} " + " | ".join(row), flush=True)
+            if args.kernels:
+                for kernel, us in kernel_durations_us(fn, timing.flush_l2).items():
+                    print(f"         kernel {us:7.1f} us  {kernel[:100]}", flush=True)
         del q, k, v, src, dst
         torch.cuda.empty_cache()
     return 0

@@ -4,6 +4,7 @@ batch 16, bf16), after warm-up steps, for each stage named.
 
     python experiments/train_profile.py                      # stage C against SDPA
     python experiments/train_profile.py --stages c,b,sdpa --steps 30 --top 25
+    python experiments/train_profile.py --compile inductor    # the forward and backward compiled
 
 Per stage: the step time as ``harness train`` measures it (between two synchronizations), with the
 stages taking their steps in turns (as ``harness train`` runs them) and each on its own; the GPU
@@ -37,6 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="timed steps per stage, in each of the two orders")
     ap.add_argument("--profiled", type=int, default=4, help="steps per stage under each profiler")
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--compile", choices=list(T.COMPILE_MODES), default="off",
+                    help="as harness train's --compile: off (eager), inductor, cudagraphs")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("train_profile needs a GPU")
@@ -47,7 +50,7 @@ def main(argv=None) -> int:
 
     device = torch.device("cuda")
     names = args.stages.split(",")
-    cfg = T.TrainConfig(steps=args.warmup + 2 * args.steps + 3 * args.profiled + 1)
+    cfg = T.TrainConfig(steps=args.warmup + 2 * args.steps + 3 * args.profiled + 1, compile=args.compile)
     batches = T._Batches(T.GPU_MODEL, cfg, device)
     trainers = {n: T._StageTrainer(n, T.attention_for(n), T.GPU_MODEL, cfg, device, batches) for n in names}
     step = 0
@@ -61,7 +64,8 @@ def main(argv=None) -> int:
         for n in names:
             take(n)
         step += 1
-    print(f"model {T.GPU_MODEL}, batch {cfg.batch}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"model {T.GPU_MODEL}, batch {cfg.batch}, compile {cfg.compile}, {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}")
     # 1. the step time as harness train measures it (between two synchronizations), stages in turns
     #    (harness train's order) and each stage's steps one after another
     lockstep = {n: [] for n in names}

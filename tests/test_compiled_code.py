@@ -504,6 +504,32 @@ def test_early_merge_launches_the_merge_before_the_split_kernel_ends(monkeypatch
     kernels._recipe.cache_clear()
 
 
+def test_ws_forward_as_a_programmatic_dependent_launch_waits_before_any_memory_access(monkeypatch):
+    """The warp-specialized forward launched as a programmatic dependent launch (hopper_ws.PDL): its
+    programs wait in ``griddepcontrol.wait`` before their first copy, load or store (the kernel ahead of
+    it may still be writing Q, K, V or reading what becomes O), and the launch asks for the attribute;
+    without the switch, neither."""
+    from stages.c_optimized import kernels
+
+    p = Problem(B=128, H=16, N=128, D=64, dtype="fp16")
+    for pdl in (False, True):
+        monkeypatch.setattr(hopper_ws, "PDL", pdl)
+        monkeypatch.setenv("LAB_WS_PDL", str(int(pdl)))  # (an interpreting process compiles in a child)
+        kernels._recipe.cache_clear()
+        (kernel,) = STAGES["c"].compile(p, 90)
+        assert kernel.name == "ws_attention_kernel"
+        ptx = kernel.asm["ptx"]
+        wait = ptx.find("griddepcontrol.wait")
+        assert (wait >= 0) == pdl
+        if pdl:
+            before = ptx[:wait]
+            for access in ("cp.async.bulk", "ld.global", "st.global", "red.global", "atom.global"):
+                assert access not in before, f"{access} before the wait"
+        constants, options = hopper_ws.kernel_constants(causal=False, block_n=128, stages=3)
+        assert constants["PDL"] == options["launch_pdl"] == pdl
+    kernels._recipe.cache_clear()
+
+
 def test_fused_merge_releases_after_a_barrier_and_reads_past_l1(monkeypatch):
     """The merge fused into the split kernel (decode.MERGE "fused"): one kernel; the block's threads
     meet at a barrier before the one atomic add that releases their partials (acq_rel, gpu scope),

@@ -684,6 +684,64 @@ def test_gpu_early_merge_is_the_ordinary_merge_eagerly_and_in_graph_replay(monke
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("B,H,N,D,causal,store_lse", [(128, 16, 128, 64, False, False), (2, 8, 1000, 128, True, True)])
+def test_gpu_ws_forward_as_a_programmatic_dependent_launch_is_the_ordinary_one(monkeypatch, B, H, N, D, causal,
+                                                                                store_lse):
+    """The warp-specialized forward launched as a programmatic dependent launch (``hopper_ws.PDL``) gives
+    the ordinary launch's output and log-sum-exp bit for bit, called eagerly and replayed from a CUDA
+    graph, each call right after a copy kernel writes new values into q and v (a program that read them
+    before that kernel ended would see the old ones)."""
+    q, k, v = make_qkv(B, H, N, D, torch.bfloat16, "cuda")
+    arch, sms = kernels._arch_and_sms(q)
+    if arch != 90:
+        pytest.skip("the warp-specialized kernel and programmatic dependent launch: sm_90")
+    assert kernels.select(B, H, H, N, N, D, q.dtype, causal, arch, sms).path == "ws"
+    fresh_q, fresh_v = torch.randn_like(q), torch.randn_like(v)
+
+    def use(pdl: bool) -> None:
+        monkeypatch.setattr(hopper_ws, "PDL", pdl)
+        kernels._recipe.cache_clear()
+        kernels._LAYOUT_PLANS.clear()
+
+    def call():
+        q.copy_(fresh_q)  # (the kernel just ahead of the attention's in the stream)
+        v.copy_(fresh_v)
+        if store_lse:
+            return kernels.attention_with_lse(q, k, v, causal=causal)
+        return kernels.attention(q, k, v, causal=causal), None
+
+    for _ in range(2):
+        fresh_q.normal_()
+        fresh_v.normal_()
+        use(False)
+        expected, expected_lse = call()
+        use(True)
+        for _ in range(2):  # the first call binds the launches, the second takes the bound path
+            q.zero_()
+            v.zero_()
+            out, lse = call()
+            assert torch.equal(out, expected)
+            if store_lse:
+                assert torch.equal(lse, expected_lse)
+    check_against_reference(out, q, k, v, causal=causal, dtype_name="bf16")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = call()  # (the programmatic launch, bound above)
+    use(False)
+    for _ in range(3):
+        fresh_q.normal_()
+        fresh_v.normal_()
+        q.zero_()
+        graph.replay()
+        expected, expected_lse = call()
+        assert torch.equal(out, expected)
+        if store_lse:
+            assert torch.equal(lse, expected_lse)
+    kernels._recipe.cache_clear()
+    kernels._LAYOUT_PLANS.clear()
+
+
+@pytest.mark.gpu
 def test_gpu_misaligned_view_after_aligned_calls_is_right():
     q, k, v = make_qkv(1, 4, 96, 64, torch.float16, "cuda")
     kernels.attention(q, k, v)

@@ -112,6 +112,20 @@ from ..launch import Launch
 #: Query rows per consumer warpgroup: wgmma's M is 64 per warpgroup.
 ROWS_PER_CONSUMER = 64
 
+#: Programmatic dependent launch (``LAB_WS_PDL=1``): the kernel is launched with CUDA's programmatic
+#: stream serialization, so its programs may be scheduled, allocate their shared memory and set up
+#: their barriers while the kernel before it in the stream is still finishing; each waits
+#: (``griddepcontrol.wait``) for that kernel's memory before it reads or writes any. Without a
+#: kernel in flight before it (or without the launch attribute) the wait returns at once.
+PDL = os.environ.get("LAB_WS_PDL", "0") == "1"
+
+
+@gluon.jit
+def _wait_for_prior_grids():
+    """``griddepcontrol.wait``: until the grids this one depends on have finished and their writes are
+    visible (a no-op for a kernel launched without programmatic stream serialization)."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
 
 @gluon.jit
 def _tile_coords(t, n_m, H, ROWS_PER_PROGRAM: gl.constexpr, CAUSAL: gl.constexpr, ZIGZAG: gl.constexpr):
@@ -803,7 +817,8 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, q_tail_desc, k_tail_desc
                         EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr, Q_BUFS: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, PREFETCH_L2: gl.constexpr = True,
                         LAZY_RESCALE: gl.constexpr = True, GROUP: gl.constexpr = 1,
-                        LANE_ROW_SUMS: gl.constexpr = True, PRODUCER_REGS: gl.constexpr = 24):
+                        LANE_ROW_SUMS: gl.constexpr = True, PRODUCER_REGS: gl.constexpr = 24,
+                        PDL: gl.constexpr = False):
     """Grid: one program per SM (persistent, ``Q_BUFS`` = 2) or per work item (``Q_BUFS`` = 1); work
     item t covers ``CONSUMERS × 64`` query rows of one (batch, query head), ``CONSUMERS`` 1, 2 or 3;
     ``GROUP`` query heads share a K/V head. Nq = Nk only (the causal mask and the tile ranges assume
@@ -856,6 +871,8 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, q_tail_desc, k_tail_desc
             qk_scale)
     producer_args = (k_desc, v_desc, ring, tail, keys, H, N, n_m, total, ROWS_PER_PROGRAM, BLOCK_N, CAUSAL, ZIGZAG,
                      GROUP)
+    if PDL:  # (every thread waits: the producer before its first copy, the consumers before any store)
+        _wait_for_prior_grids()
     if CONSUMERS == 1:  # ladder rung 1: one consumer, nobody to share K/V or take turns with
         gl.warp_specialize([
             (_consumer, (args, tail, keys, (turn0, turn1), 0, 1, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG,
@@ -1087,7 +1104,7 @@ RUNTIME_ARGS = ("stride_qb", "stride_qh", "stride_qn", "H", "N", "n_m", "total")
 def kernel_constants(*, causal: bool, block_n: int, stages: int, consumers: int = 2, pingpong: bool = True,
                      persistent: bool = True, prefetch_l2: bool = True, lazy_rescale: bool = True, group: int = 1,
                      lane_row_sums: bool = True, register_realloc: bool = True,
-                     even_n: bool = True, deep_q: bool = False) -> tuple[dict, dict]:
+                     even_n: bool = True, deep_q: bool = False, pdl: bool | None = None) -> tuple[dict, dict]:
     """(constexpr arguments, launch options): everything about the launch that no size changes, but
     ``even_n`` (N a multiple of ``block_n``: the consumers' K/V loop then runs without the ragged-N
     mask, the one length fact this kernel is compiled for; two variants at most).
@@ -1095,9 +1112,11 @@ def kernel_constants(*, causal: bool, block_n: int, stages: int, consumers: int 
     ``consumers``: 1, 2 or 3 consumer warpgroups (64 query rows each). ``register_realloc``: the
     producer keeps ``PRODUCER_REGS`` registers per thread and the consumers take the rest (240
     with two, 160 with three); off, every warpgroup gets the same share of the 64K (with one
-    consumer that share is the hardware's per-thread limit already, so it is always off)."""
+    consumer that share is the hardware's per-thread limit already, so it is always off). ``pdl``: a
+    programmatic dependent launch (None: as :data:`PDL` says)."""
     if consumers not in (1, 2, 3):
         raise ValueError(f"consumers must be 1, 2 or 3, got {consumers}")
+    pdl = PDL if pdl is None else pdl
     zigzag = causal and persistent
     consumer_regs, producer_regs, maxnreg = register_budget(consumers, register_realloc)
     constants = dict(BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, CAUSAL=causal,
@@ -1105,8 +1124,8 @@ def kernel_constants(*, causal: bool, block_n: int, stages: int, consumers: int 
                      CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
                      ISSUE_TURNS=pingpong and consumers == 3,
                      EXP_TURNS=pingpong and consumers == 2, PREFETCH_L2=prefetch_l2, LAZY_RESCALE=lazy_rescale,
-                     GROUP=group, LANE_ROW_SUMS=lane_row_sums)
-    return constants, {"maxnreg": maxnreg}
+                     GROUP=group, LANE_ROW_SUMS=lane_row_sums, PDL=pdl)
+    return constants, {"maxnreg": maxnreg, "launch_pdl": pdl}
 
 
 def register_budget(consumers: int, register_realloc: bool = True) -> tuple[int, int, int]:
