@@ -632,6 +632,43 @@ def test_gpu_growing_kv_cache_neither_compiles_nor_leaves_the_lean_path(monkeypa
     assert not calls, f"{len(calls)} calls went through JITFunction.run after the first two"
 
 
+def _switched_launch_gives_the_same_bits(monkeypatch, module, switch: str, call, refresh) -> tuple:
+    """Calls with ``module.<switch>`` on against the same calls with it off, bit for bit (the output and,
+    where ``call`` returns one, the log-sum-exp): eagerly (twice per round: the first call binds the
+    launches, the second takes the bound path) and replayed from a CUDA graph captured with it on, each
+    after ``refresh()`` put new data into the inputs. Returns the last (output, lse)."""
+
+    def use(on: bool) -> None:
+        monkeypatch.setattr(module, switch, on)
+        kernels._recipe.cache_clear()
+        kernels._LAYOUT_PLANS.clear()
+
+    def check(got, expected) -> None:
+        for a, b in zip(got, expected):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+    try:
+        for _ in range(2):
+            refresh()
+            use(False)
+            expected = call()
+            use(True)
+            for _ in range(2):
+                check(call(), expected)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = call()  # (switched on, the launches bound above)
+        use(False)
+        for _ in range(3):
+            refresh()
+            graph.replay()
+            check(got, call())
+        return got
+    finally:
+        kernels._recipe.cache_clear()
+        kernels._LAYOUT_PLANS.clear()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("Hq,Hkv,Nk,store_lse", [(32, 8, 32768, False), (12, 12, 700, True)])
 def test_gpu_early_merge_is_the_ordinary_merge_eagerly_and_in_graph_replay(monkeypatch, Hq, Hkv, Nk, store_lse):
@@ -643,44 +680,21 @@ def test_gpu_early_merge_is_the_ordinary_merge_eagerly_and_in_graph_replay(monke
     if kernels._arch_and_sms(q)[0] < 90:
         pytest.skip("programmatic dependent launch needs sm_90")
 
-    def use(early: bool) -> None:
-        monkeypatch.setattr(decode, "EARLY_MERGE", early)
-        kernels._recipe.cache_clear()
-        kernels._LAYOUT_PLANS.clear()
-
     def call():
         if store_lse:
             return kernels.attention_with_lse(q, k, v, causal=True)
         return kernels.attention(q, k, v, causal=True), None
 
+    def refresh():
+        k.normal_()
+        v.normal_()
+
     arch, sms = kernels._arch_and_sms(q)
     choice, _ = kernels._plan_call(q, k, v, new_output(q), None, True, arch, sms)
     # (a decoding call's config counts its splits per call: splits = 0 in the kept choice)
     assert choice.path == "split" and decode.decode_splits(1, Hkv, Hq // Hkv, 1, Nk, 128, sms) > 1
-    for _ in range(2):
-        k.normal_()
-        use(False)
-        expected, expected_lse = call()
-        use(True)
-        for _ in range(2):  # the first call binds the launches, the second takes the bound path
-            out, lse = call()
-            assert torch.equal(out, expected)
-            if store_lse:
-                assert torch.equal(lse, expected_lse)
-    check_against_reference(out, q, k, v, causal=True, dtype_name="bf16")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = call()  # (early merge, the launches bound above)
-    use(False)
-    for _ in range(3):
-        v.normal_()
-        graph.replay()
-        expected, expected_lse = call()
-        assert torch.equal(out, expected)
-        if store_lse:
-            assert torch.equal(lse, expected_lse)
-    kernels._recipe.cache_clear()
-    kernels._LAYOUT_PLANS.clear()
+    _switched_launch_gives_the_same_bits(monkeypatch, decode, "EARLY_MERGE", call, refresh)
+    check_against_reference(call()[0], q, k, v, causal=True, dtype_name="bf16")
 
 
 @pytest.mark.gpu
@@ -690,7 +704,7 @@ def test_gpu_ws_forward_as_a_programmatic_dependent_launch_is_the_ordinary_one(m
     """The warp-specialized forward launched as a programmatic dependent launch (``hopper_ws.PDL``) gives
     the ordinary launch's output and log-sum-exp bit for bit, called eagerly and replayed from a CUDA
     graph, each call right after a copy kernel writes new values into q and v (a program that read them
-    before that kernel ended would see the old ones)."""
+    before that kernel ended would see the values the zeroing left)."""
     q, k, v = make_qkv(B, H, N, D, torch.bfloat16, "cuda")
     arch, sms = kernels._arch_and_sms(q)
     if arch != 90:
@@ -698,47 +712,21 @@ def test_gpu_ws_forward_as_a_programmatic_dependent_launch_is_the_ordinary_one(m
     assert kernels.select(B, H, H, N, N, D, q.dtype, causal, arch, sms).path == "ws"
     fresh_q, fresh_v = torch.randn_like(q), torch.randn_like(v)
 
-    def use(pdl: bool) -> None:
-        monkeypatch.setattr(hopper_ws, "PDL", pdl)
-        kernels._recipe.cache_clear()
-        kernels._LAYOUT_PLANS.clear()
-
     def call():
-        q.copy_(fresh_q)  # (the kernel just ahead of the attention's in the stream)
+        q.copy_(fresh_q)  # (the kernels just ahead of the attention's in the stream)
         v.copy_(fresh_v)
         if store_lse:
             return kernels.attention_with_lse(q, k, v, causal=causal)
         return kernels.attention(q, k, v, causal=causal), None
 
-    for _ in range(2):
-        fresh_q.normal_()
-        fresh_v.normal_()
-        use(False)
-        expected, expected_lse = call()
-        use(True)
-        for _ in range(2):  # the first call binds the launches, the second takes the bound path
-            q.zero_()
-            v.zero_()
-            out, lse = call()
-            assert torch.equal(out, expected)
-            if store_lse:
-                assert torch.equal(lse, expected_lse)
-    check_against_reference(out, q, k, v, causal=causal, dtype_name="bf16")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = call()  # (the programmatic launch, bound above)
-    use(False)
-    for _ in range(3):
+    def refresh():
         fresh_q.normal_()
         fresh_v.normal_()
         q.zero_()
-        graph.replay()
-        expected, expected_lse = call()
-        assert torch.equal(out, expected)
-        if store_lse:
-            assert torch.equal(lse, expected_lse)
-    kernels._recipe.cache_clear()
-    kernels._LAYOUT_PLANS.clear()
+        v.zero_()
+
+    _switched_launch_gives_the_same_bits(monkeypatch, hopper_ws, "PDL", call, refresh)
+    check_against_reference(call()[0], q, k, v, causal=causal, dtype_name="bf16")
 
 
 @pytest.mark.gpu
