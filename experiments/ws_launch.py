@@ -113,6 +113,8 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in suite]
     if unknown:
         ap.error(f"--cells: unknown cell(s) {', '.join(unknown)}; choose from {', '.join(suite)}")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if not torch.cuda.is_available():
         print("error: this experiment times kernels on a CUDA GPU; none here", file=sys.stderr)
         return 2
