@@ -11,20 +11,21 @@ faster depends on whether the last round's half of the SMs can still draw the me
 read-bound call needs, which this measures rather than assumes.
 
 A kernel launched the ordinary way starts once the kernel before it in the stream has finished and the
-GPU has set the next grid up. Launched with programmatic stream serialization (``hopper_ws.PDL``,
-``LAB_WS_PDL=1``) its programs may be placed on the SMs, allocate shared memory and set up their
-barriers while that kernel drains, and wait (``griddepcontrol.wait``) only before touching memory. In the
-harness's timing an event stands between the flush and the timed call, and (we expect) keeps them
-apart; in a model the kernel ahead is the projection that made Q, K and V, with nothing between. So a
-third timing, ``chain``, mimics that: a copy kernel writes Q, then the attention runs, 50 times between
-two events (the copy's own time is in every variant's number alike).
+GPU has set the next grid up. Launched with programmatic stream serialization (``hopper_ws.PDL``, the
+default since this experiment; ``LAB_WS_PDL=0`` turns it off) its programs may be placed on the SMs,
+allocate shared memory and set up their barriers while that kernel drains, and wait
+(``griddepcontrol.wait``) only before touching memory. In the harness's timing an event stands between
+the flush and the timed call and keeps them apart (measured: no change there); in a model the kernel
+ahead is the projection that made Q, K and V, with nothing between. So a third timing, ``chain``, mimics
+that: a copy kernel writes Q, then the attention runs, 50 times between two events (the copy's own time
+is in every variant's number alike).
 
 Per cell (the model suite's, by name, where the warp-specialized kernel runs), in rounds of turns, each
 timed eagerly and on the GPU alone (CUDA-graph replay: a graph of one kernel starts after the flush has
 ended, so there a programmatic launch has nothing to overlap), the harness's reading flush before every
 repetition:
 
-* ``sms``: stage C as it chooses today (one program per SM);
+* ``sms``: stage C's kernel and config, one program per SM, launched the ordinary way;
 * ``balanced``: the same kernel and config, the grid cut to the fewest programs with the same longest walk;
 * ``pdl``, ``balanced+pdl``: the same two, launched as programmatic dependent launches;
 * ``one-per-item``: the chosen config without the persistent grid (one program per item, the hardware's
@@ -148,7 +149,7 @@ def main(argv=None) -> int:
         units = -(-units // 2) if c.causal else units
         print(f"\n{name}: {choice.config}, {units} units of work, grid {min(units, sms)} -> "
               f"{balanced_programs(units, sms)} balanced", flush=True)
-        fresh_q = torch.randn_like(q)
+        fresh_q = q.clone()  # (the chain's copy rewrites Q with the same values: every variant sees the same input)
         times = {(kind, how): [] for kind in VARIANTS for how in HOW}
         for r in range(args.rounds):
             for kind in VARIANTS:
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
                 hopper_ws.PDL = kind.endswith("pdl")
                 ck._recipe.cache_clear()  # (PDL is part of the kernel's recipe: its constants and launch options)
                 ck._LAYOUT_PLANS.clear()  # (the grid is part of a layout's kept plan)
-                if r == 0 and kind != "cudnn":  # the same kernel's arithmetic: every variant's O should be the same bits
+                if r == 0 and kind != "cudnn":  # (the same kernel's arithmetic: every variant's O the same bits)
                     out = variant(kind)()
                     if kind == "sms":
                         reference = out

@@ -112,12 +112,15 @@ from ..launch import Launch
 #: Query rows per consumer warpgroup: wgmma's M is 64 per warpgroup.
 ROWS_PER_CONSUMER = 64
 
-#: Programmatic dependent launch (``LAB_WS_PDL=1``): the kernel is launched with CUDA's programmatic
-#: stream serialization, so its programs may be scheduled, allocate their shared memory and set up
-#: their barriers while the kernel before it in the stream is still finishing; each waits
-#: (``griddepcontrol.wait``) for that kernel's memory before it reads or writes any. Without a
-#: kernel in flight before it (or without the launch attribute) the wait returns at once.
-PDL = os.environ.get("LAB_WS_PDL", "0") == "1"
+#: Programmatic dependent launch (on; ``LAB_WS_PDL=0`` turns it off): the kernel is launched with CUDA's
+#: programmatic stream serialization, so its programs may be scheduled, allocate their shared memory
+#: and set up their barriers while the kernel before it in the stream is still finishing; each waits
+#: (``griddepcontrol.wait``) for that kernel's memory before it reads or writes any. Without a kernel
+#: in flight before it (or without the launch attribute) the wait returns at once. Measured on an H100
+#: with a copy kernel writing Q right before each call, as a projection does in a model: 1.8-3.4 µs
+#: less per call on five model-suite cells; with an event between the two (the harness's timing) no change
+#: (docs/performance-log/model-shapes.md, entry 86; ``experiments/ws_launch.py``).
+PDL = os.environ.get("LAB_WS_PDL", "1") == "1"
 
 
 @gluon.jit
