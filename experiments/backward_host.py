@@ -3,12 +3,17 @@ work is tiny (B 1, H 8, N 1024, D 64: tens of µs of kernels).
 
     python experiments/backward_host.py                      # B 1, H 8, N 1024, D 64, bf16, causal
     python experiments/backward_host.py --N 128 --calls 2000
+    python experiments/backward_host.py --B 16 --H 8 --Hkv 2 --compiled   # harness train's attention
 
 Each line is the mean wall time per call over ``--calls`` calls, the GPU synchronized once at the end
 (so a line is host-bound when the host is slower than the kernels it queues, which is the point):
 
 * ``autograd.grad`` through each impl's attention (what training pays), and through SDPA's backends;
-* stage C's ``attention_backward`` called directly (no autograd); then what separates the two:
+* stage C's ``attention_backward`` called directly (no autograd), and what a compiled graph calls
+  instead: the custom ops ``torch.ops.attention_lab.c_forward``/``c_backward`` against the same
+  functions called directly and cuDNN's forward op; with ``--compiled``, the forward and
+  ``autograd.grad`` of the attention alone through ``torch.compile`` (Inductor), stage C and cuDNN;
+  then what separates ``autograd.grad`` from the direct call:
   autograd.grad with stage C's backward stubbed out, the backward formula called from the main
   thread, a thread handoff alone and the direct call on another thread;
 * its parts: the checks, ``plan_backward`` (building the launches as data), each launch run alone
@@ -66,12 +71,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--B", type=int, default=1)
     ap.add_argument("--H", type=int, default=8)
+    ap.add_argument("--Hkv", type=int, default=None, help="K/V heads (default: --H)")
     ap.add_argument("--N", type=int, default=1024)
     ap.add_argument("--D", type=int, default=64)
     ap.add_argument("--dtype", default="bf16", choices=["fp16", "bf16"])
     ap.add_argument("--causal", type=int, default=1)
     ap.add_argument("--calls", type=int, default=500)
+    ap.add_argument("--compiled", action="store_true", help="also time the attention through torch.compile")
     args = ap.parse_args()
+    Hkv = args.Hkv or args.H
+    if args.H % Hkv:
+        ap.error(f"--Hkv must divide --H ({args.H}), got {Hkv}")
+    if not torch.cuda.is_available():
+        sys.exit("error: this experiment times the host path of GPU calls; no CUDA GPU here")
     import stages  # noqa: F401  (first: it chooses the interpreter on a machine without a GPU)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -83,10 +95,12 @@ def main() -> None:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     causal = bool(args.causal)
     shape = (args.B, args.H, args.N, args.D)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    q = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn((args.B, Hkv, args.N, args.D), device="cuda", dtype=dtype, requires_grad=True)
+            for _ in range(2))
     do = torch.randn(shape, device="cuda", dtype=dtype)
     scale = args.D ** -0.5
-    print(f"B={args.B} H={args.H} N={args.N} D={args.D} {args.dtype} causal={int(causal)}; "
+    print(f"B={args.B} H={args.H}/{Hkv} N={args.N} D={args.D} {args.dtype} causal={int(causal)}; "
           f"{args.calls} calls per line; µs per call")
 
     def grad_of(forward):
@@ -96,20 +110,46 @@ def main() -> None:
     for name in ("b", "c"):
         attention = stages.STAGES[name].attention
         print(f"  autograd.grad, stage {name}: {per_call_us(grad_of(lambda: attention(q, k, v, causal=causal)), args.calls):8.1f}")
+    gqa = Hkv != args.H
     for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
         with sdpa_kernel(backend):
-            fn = grad_of(lambda: sdpa(q, k, v, is_causal=causal))
+            fn = grad_of(lambda: sdpa(q, k, v, is_causal=causal, enable_gqa=gqa))
             print(f"  autograd.grad, SDPA {backend.name}: {per_call_us(fn, args.calls):8.1f}")
+    if args.compiled:  # the attention alone through torch.compile, as harness train --compile inductor runs it
+        for name, attend in (("stage C", lambda a, b, c: stages.STAGES["c"].attention(a, b, c, causal=causal)),
+                             ("SDPA CUDNN_ATTENTION", lambda a, b, c: sdpa(a, b, c, is_causal=causal, enable_gqa=gqa))):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                compiled = torch.compile(attend, fullgraph=True)
+
+                def step():
+                    torch.autograd.grad(compiled(q, k, v), (q, k, v), do)
+
+                print(f"  compiled forward + autograd.grad, {name}: {per_call_us(step, args.calls):8.1f}")
 
     qd, kd, vd = (t.detach() for t in (q, k, v))
     o, lse = attention_with_lse(qd, kd, vd, causal=causal)
     direct = lambda: bwd.attention_backward(do, qd, kd, vd, o, lse, causal=causal, scale=scale)  # noqa: E731
     print(f"  stage C attention_backward, direct: {per_call_us(direct, args.calls):8.1f}")
+    # What a compiled graph calls: the custom ops, through PyTorch's dispatcher, against the same functions
+    # called directly (their arguments as kernels._forward_op and _backward_op take them).
+    from stages.c_optimized import kernels as ck
+
+    options = (None, None, None, True, True, True, True, True, True, False)  # config ... deterministic
+    ops = torch.ops.attention_lab
+    with torch.no_grad():
+        rows = {"stage C forward with lse, direct": lambda: ck._forward(qd, kd, vd, causal, scale, True, *options),
+                "stage C forward with lse, through its op": lambda: ops.c_forward(qd, kd, vd, causal, scale, True,
+                                                                                  *options),
+                "cuDNN's forward op with lse": lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(
+                    qd, qd, qd, None, True, 0.0, causal, False, scale=scale),
+                "stage C backward, through its op": lambda: ops.c_backward(do, qd, kd, vd, o, lse, causal, scale,
+                                                                           False, True, True, True, True, True)}
+        for label, fn in rows.items():
+            print(f"  {label}: {per_call_us(fn, args.calls):8.1f}")
     # Where autograd.grad's extra time goes: autograd's own cost (the backward replaced by three empty
     # tensors), stage C's backward formula called from this thread with a saved context, and the
     # direct call run on another thread (autograd runs a CUDA backward on a device thread of its own).
     from concurrent.futures import ThreadPoolExecutor
-    from stages.c_optimized import kernels as ck
 
     real_backward = ck._backward
     ck._backward = lambda do_, q_, k_, v_, *rest: (torch.empty_like(q_), torch.empty_like(k_), torch.empty_like(v_))
