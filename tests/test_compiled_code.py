@@ -523,7 +523,7 @@ def test_ws_forward_as_a_programmatic_dependent_launch_waits_before_any_memory_a
         assert (wait >= 0) == pdl
         if pdl:
             before = ptx[:wait]
-            for access in ("cp.async.bulk", "ld.global", "st.global", "red.global", "atom.global"):
+            for access in ("cp.async.bulk", "prefetch.", "ld.global", "st.global", "red.global", "atom.global"):
                 assert access not in before, f"{access} before the wait"
         constants, options = hopper_ws.kernel_constants(causal=False, block_n=128, stages=3)
         assert constants["PDL"] == options["launch_pdl"] == pdl
