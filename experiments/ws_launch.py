@@ -98,8 +98,7 @@ class _GridRule:
         grid, ints = self.original(*args, **kwargs)
         if self.balanced and kwargs.get("persistent"):
             total = ints[-1]
-            units = -(-total // 2) if kwargs.get("causal") else total
-            grid = (balanced_programs(units, kwargs["num_sms"]),)
+            grid = (balanced_programs(hopper_ws.work_units(total, kwargs["causal"], True), kwargs["num_sms"]),)
         return grid, ints
 
 
@@ -144,10 +143,10 @@ def main(argv=None) -> int:
                 return lambda: ck.attention(q, k, v, causal=c.causal, config=one_per_item)
             return lambda: ck.attention(q, k, v, causal=c.causal)
 
-        n_m = -(-c.Nq // choice.config.block_m)
-        units = n_m * c.B * c.Hq
-        units = -(-units // 2) if c.causal else units
-        print(f"\n{name}: {choice.config}, {units} units of work, grid {min(units, sms)} -> "
+        grid, ints = rule.original(c.B, c.Hq, c.Nq, q.stride(), causal=c.causal, consumers=choice.config.consumers,
+                                   persistent=True, num_sms=sms)
+        units = hopper_ws.work_units(ints[-1], c.causal, True)
+        print(f"\n{name}: {choice.config}, {units} units of work, grid {grid[0]} -> "
               f"{balanced_programs(units, sms)} balanced", flush=True)
         fresh_q = q.clone()  # (the chain's copy rewrites Q with the same values: every variant sees the same input)
         times = {(kind, how): [] for kind in VARIANTS for how in HOW}

@@ -1146,15 +1146,19 @@ def register_budget(consumers: int, register_realloc: bool = True) -> tuple[int,
     return maxnreg, maxnreg, maxnreg
 
 
+def work_units(total: int, causal: bool, persistent: bool) -> int:
+    """The units of work a grid deals out of ``total`` items: a persistent program walks items
+    round-robin, causal ones in pairs (see _tile_coords), so there a pair is the unit it is dealt."""
+    return -(-total // 2) if causal and persistent else total
+
+
 def runtime_args(B: int, H: int, N: int, q_stride: tuple, *, causal: bool, consumers: int, persistent: bool,
                  num_sms: int) -> tuple[tuple, tuple]:
     """(grid, the :data:`RUNTIME_ARGS` values) of one call: the work items of ``consumers × 64``
     query rows, and the persistent grid's size (one program per SM, at most one per unit of work)."""
     n_m = -(-N // (ROWS_PER_CONSUMER * consumers))
     total = n_m * B * H
-    # A persistent program walks items round-robin; causal ones in pairs (see _tile_coords), so a
-    # pair is the unit of work a program is dealt.
-    units = -(-total // 2) if causal and persistent else total
+    units = work_units(total, causal, persistent)
     grid = (min(units, num_sms) if persistent else total,)
     return grid, (q_stride[0], q_stride[1], q_stride[2], H, N, n_m, total)
 
