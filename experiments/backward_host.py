@@ -124,7 +124,16 @@ def main() -> None:
                 def step():
                     torch.autograd.grad(compiled(q, k, v), (q, k, v), do)
 
-                print(f"  compiled forward + autograd.grad, {name}: {per_call_us(step, args.calls):8.1f}")
+                print(f"  compiled forward + autograd.grad, {name}: {per_call_us(step, args.calls):8.1f}   host only "
+                      f"{per_call_us(step, min(args.calls, 200), host_only=True):8.1f}")
+        # Whether the compiled graph's calls take the lean path: the layouts planned by the forward and
+        # the backward (one each after the first step, as in eager), and whether their launches were bound.
+        from stages.c_optimized import backward as c_bwd, kernels as c_kernels
+
+        forward_plans = list(c_kernels._LAYOUT_PLANS.values())
+        print(f"  forward layouts planned: {len(forward_plans)}, bound: "
+              f"{[bool(p.bound) for p in forward_plans]}; backward layouts kept: {len(c_bwd._KEPT)}, bound: "
+              f"{[bool(k.bound) for k in c_bwd._KEPT.values()]}")
 
     qd, kd, vd = (t.detach() for t in (q, k, v))
     o, lse = attention_with_lse(qd, kd, vd, causal=causal)
@@ -144,8 +153,9 @@ def main() -> None:
                     qd, qd, qd, None, True, 0.0, causal, False, scale=scale),
                 "stage C backward, through its op": lambda: ops.c_backward(do, qd, kd, vd, o, lse, causal, scale,
                                                                            False, True, True, True, True, True)}
-        for label, fn in rows.items():
-            print(f"  {label}: {per_call_us(fn, args.calls):8.1f}")
+        for label, fn in rows.items():  # wall (GPU waited for) and the host's own time (before the wait)
+            print(f"  {label}: {per_call_us(fn, args.calls):8.1f}   host only "
+                  f"{per_call_us(fn, min(args.calls, 200), host_only=True):8.1f}")
     # Where autograd.grad's extra time goes: autograd's own cost (the backward replaced by three empty
     # tensors), stage C's backward formula called from this thread with a saved context, and the
     # direct call run on another thread (autograd runs a CUDA backward on a device thread of its own).

@@ -185,6 +185,37 @@ def test_deep_q_kernel_has_three_q_buffers_per_consumer_and_no_spills():
         assert usage["spill_stores"] == 0 and usage["spill_loads"] == 0, (name, usage)
 
 
+def test_two_programs_per_sm_halve_the_register_pool_and_fit_twice():
+    """A ``-P2`` config (one consumer warpgroup, a persistent grid of two programs per SM): the kernel
+    is the one-consumer kernel with its register pool halved (``maxnreg`` 128, the consumer 232 a
+    thread when the producer takes its minimum), so two programs' registers and shared memory fit
+    one SM; the grid is two programs per SM; it compiles without spills. Only one consumer may share
+    an SM this way, and only a persistent grid asks for it."""
+    assert hopper_ws.register_budget(1, programs_per_sm=2) == (232, hopper_ws.PRODUCER_REGS, 128)
+    assert hopper_ws.register_budget(1) == (256, 256, 256)
+    with pytest.raises(ValueError, match="consumers"):
+        hopper_ws.register_budget(2, programs_per_sm=2)
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        configs.ws_config(128, 128, 3, True, programs_per_sm=2)
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        configs.ws_config(64, 128, 3, False, programs_per_sm=2)
+    grid, _ = hopper_ws.runtime_args(128, 16, 128, (1, 1, 1), causal=False, consumers=1, persistent=True,
+                                     num_sms=132, programs_per_sm=2)
+    assert grid == (264,)
+    for name, D in (("WS-M64-N128-s3-P2", 64), ("WS-M64-N64-s2-P2", 128)):
+        config = configs.Config.parse(name)
+        assert str(config) == name and config.programs_per_sm == 2 and config.consumers == 1
+        assert configs.fits(config, D, 2, 90)
+        (kernel,) = STAGES["c"].compile(Problem(2, 4, 300, D, "bf16", True), 90, config=config)
+        assert 2 * (kernel.shared_bytes + 1024) <= 228 * 1024, name  # (1 KB of each block is the system's)
+        assert re.search(r"\.maxnreg 128\b", kernel.asm["ptx"]), name
+        usage = run_ptxas(kernel.asm["ptx"], "sm_90a")
+        assert "ptxas_error" not in usage, usage
+        assert usage["registers"] <= 128 and usage["spill_stores"] == 0 and usage["spill_loads"] == 0, (name, usage)
+    # twice the shared memory of a 3-slot ring of 128-row K/V tiles at D 128 does not fit
+    assert not configs.fits(configs.Config.parse("WS-M64-N128-s3-P2"), 128, 2, 90)
+
+
 def _region(text: str, start: int) -> str:
     """The MLIR region opened on the line holding ``start``: up to the closing brace at that line's
     indentation (MLIR prints nested regions indented)."""

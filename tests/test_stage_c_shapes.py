@@ -526,6 +526,30 @@ def test_gpu_ws_training_forward_lse(D):
                 _check_lse(lse, q, k, causal=causal)
 
 
+@pytest.mark.gpu
+def test_gpu_ws_two_programs_per_sm():
+    """The one-consumer kernel two to an SM (``-P2``: a persistent grid of 2 × SMs, the register pool
+    halved): GQA, ragged N, causal both, many one-tile heads and long ones, with the row
+    log-sum-exps, against float64; outputs poisoned first, so an item no program took fails."""
+    if configs.device_arch(torch.device("cuda")) != 90:
+        pytest.skip("the warp-specialized kernel is for sm_90")
+    for name, D in (("WS-M64-N128-s3-P2", 64), ("WS-M64-N64-s3-P2", 64), ("WS-M64-N64-s2-P2", 128)):
+        config = configs.Config.parse(name)
+        for B, H, Hkv, N in ((64, 8, 8, 128), (2, 8, 2, 1000), (1, 4, 1, 4099)):
+            for causal in (False, True):
+                q, k, v = make_qkv(B, H, N, D, torch.bfloat16, "cuda", Hkv=Hkv, scale=4.0)
+                o = contract.new_output(q)
+                lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+                launches = c_kernels.plan(q, k, v, o, causal=causal, scale=D ** -0.5, arch=90, lse=lse,
+                                          config=config)
+                units = hopper_ws.work_units(B * H * -(-N // 64), causal, persistent=True)
+                assert [launch.grid for launch in launches] == [(min(units, 2 * configs.num_sms(q.device)),)]
+                for launch in launches:
+                    launch.run()
+                check_against_reference(o, q, k, v, causal=causal, dtype_name="bf16")
+                _check_lse(lse, q, k, causal=causal)
+
+
 def test_grouped_decode_on_a_full_gpu_reads_each_kv_head_once(monkeypatch, device):
     """Many sequences of grouped-query decoding fill the GPU without splitting, but still take the
     split kernel, unsplit (one program holds a KV head's whole query group), never the one-pass

@@ -36,7 +36,9 @@ class Config:
     ``hopper_ws._rescale_if_needed``); ``-Q3`` marks three Q buffers per consumer (a persistent
     program fetches each item's Q two items ahead, ``hopper_ws.q_buffers``); ``-pad`` runs a head
     dim that would take a main part and a narrow tail (``hopper_ws.tile_widths``) in tiles of the
-    next power of two instead (the ablation of the tail)."""
+    next power of two instead (the ablation of the tail); ``-P2`` is a persistent grid of two programs
+    per SM, for one consumer (``WS-M64-...``: ``hopper_ws.register_budget`` halves each program's
+    registers, and the shared memory must fit twice)."""
 
     block_m: int
     block_n: int
@@ -47,6 +49,7 @@ class Config:
     lazy_rescale: bool = True
     deep_q: bool = False
     pad_head_dim: bool = False
+    programs_per_sm: int = 1
 
     def with_stages(self, num_stages: int) -> "Config":
         return replace(self, num_stages=num_stages)
@@ -59,14 +62,16 @@ class Config:
         """``hopper_ws.plan``'s keyword arguments for this warp-specialized config; with ``ws_rung``,
         those of that rung of the ladder built on it (``hopper_ws.rung_options``)."""
         options = dict(block_n=self.block_n, stages=self.num_stages, consumers=self.consumers,
-                       persistent=self.persistent, lazy_rescale=self.lazy_rescale, deep_q=self.deep_q)
+                       persistent=self.persistent, lazy_rescale=self.lazy_rescale, deep_q=self.deep_q,
+                       programs_per_sm=self.programs_per_sm)
         if ws_rung is not None:
             options.update(hopper_ws.rung_options(ws_rung, self.consumers, self.persistent, self.lazy_rescale))
         return options
 
     def __str__(self) -> str:
         if self.ws:
-            return (f"WS-M{self.block_m}-N{self.block_n}-s{self.num_stages}" + ("-P" if self.persistent else "")
+            persistent = ("-P" + ("2" if self.programs_per_sm == 2 else "")) if self.persistent else ""
+            return (f"WS-M{self.block_m}-N{self.block_n}-s{self.num_stages}" + persistent
                     + ("" if self.lazy_rescale else "-E") + ("-Q3" if self.deep_q else "")
                     + ("-pad" if self.pad_head_dim else ""))
         return f"M{self.block_m}-N{self.block_n}-w{self.num_warps}-s{self.num_stages}"
@@ -76,22 +81,27 @@ class Config:
         m = re.fullmatch(r"M(\d+)-N(\d+)-w(\d+)-s(\d+)", text)
         if m:
             return cls(*(int(g) for g in m.groups()))
-        m = re.fullmatch(r"WS-M(\d+)-N(\d+)-s(\d+)(-P)?(-E)?(-Q3)?(-pad)?", text)
+        m = re.fullmatch(r"WS-M(\d+)-N(\d+)-s(\d+)(-P(2)?)?(-E)?(-Q3)?(-pad)?", text)
         if m:
             bm, bn, st = (int(g) for g in m.groups()[:3])
-            return ws_config(bm, bn, st, persistent=bool(m.group(4)), lazy_rescale=not m.group(5),
-                             deep_q=bool(m.group(6)), pad_head_dim=bool(m.group(7)))
-        raise ValueError(f"config must look like 'M128-N64-w4-s3' or 'WS-M128-N128-s3-P(-E)(-Q3)(-pad)', "
+            return ws_config(bm, bn, st, persistent=bool(m.group(4)), lazy_rescale=not m.group(6),
+                             deep_q=bool(m.group(7)), pad_head_dim=bool(m.group(8)),
+                             programs_per_sm=2 if m.group(5) else 1)
+        raise ValueError(f"config must look like 'M128-N64-w4-s3' or 'WS-M128-N128-s3-P(2)(-E)(-Q3)(-pad)', "
                          f"got {text!r}")
 
 
 def ws_config(block_m: int, block_n: int, num_stages: int, persistent: bool, lazy_rescale: bool = True,
-              deep_q: bool = False, pad_head_dim: bool = False) -> Config:
+              deep_q: bool = False, pad_head_dim: bool = False, programs_per_sm: int = 1) -> Config:
     """A warp-specialized config: ``block_m // 64`` consumer warpgroups of 4 warps each."""
     if deep_q and not persistent:
         raise ValueError("deep_q (three Q buffers) needs a persistent config: one item per program has no next Q")
+    if programs_per_sm != 1 and not (persistent and block_m == 64):
+        raise ValueError(f"programs_per_sm={programs_per_sm} needs a persistent config of one consumer (M64), "
+                         f"got M{block_m}, persistent={persistent}")
     return Config(block_m, block_n, 4 * (block_m // 64), num_stages, ws=True, persistent=persistent,
-                  lazy_rescale=lazy_rescale, deep_q=deep_q, pad_head_dim=pad_head_dim)
+                  lazy_rescale=lazy_rescale, deep_q=deep_q, pad_head_dim=pad_head_dim,
+                  programs_per_sm=programs_per_sm)
 
 
 def ws_rung_config(config: Config, ws_rung: int) -> Config:
@@ -102,7 +112,8 @@ def ws_rung_config(config: Config, ws_rung: int) -> Config:
     o = config.ws_options(ws_rung)
     return ws_config(hopper_ws.ROWS_PER_CONSUMER * o["consumers"], config.block_n, config.num_stages,
                      o["persistent"], o["lazy_rescale"], deep_q=o["deep_q"] and o["persistent"],
-                     pad_head_dim=config.pad_head_dim)
+                     pad_head_dim=config.pad_head_dim,
+                     programs_per_sm=o["programs_per_sm"] if o["persistent"] else 1)
 
 
 #: Stage B's configuration. With every switch off, stage C runs exactly this.
@@ -131,7 +142,9 @@ def fits(config: Config, D: int, element_bytes: int, arch: int) -> bool:
     kernel's that or a main part and a narrow tail, ``hopper_ws.tile_widths``)."""
     limit = SHARED_MEMORY_LIMIT.get(arch, 99 * 1024)
     width = hopper_ws.tile_width(D, config.pad_head_dim) if config.ws else padded_head_dim(D)
-    return shared_memory_bytes(config, width, element_bytes) + 1024 <= limit  # 1 KB for barriers
+    # 1 KB for barriers; programs sharing an SM share its shared memory (and each has 1 KB reserved)
+    programs = config.programs_per_sm
+    return programs * (shared_memory_bytes(config, width, element_bytes) + 2048) - 1024 <= limit
 
 
 def candidate_configs(D: int, dtype: torch.dtype, arch: int, warp_specialization: bool = True) -> list[Config]:

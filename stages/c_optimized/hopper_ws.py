@@ -1085,7 +1085,7 @@ PRODUCER_REGS = 24
 def static_plan(B: int, H: int, N: int, D: int, q_stride: tuple, *, causal: bool, block_n: int, stages: int,
                 consumers: int = 2, pingpong: bool = True, persistent: bool = True, num_sms: int = 132,
                 prefetch_l2: bool = True, lazy_rescale: bool = True, group: int = 1, lane_row_sums: bool = True,
-                register_realloc: bool = True, deep_q: bool = False) -> tuple[tuple, dict, dict]:
+                register_realloc: bool = True, deep_q: bool = False, programs_per_sm: int = 1) -> tuple[tuple, dict, dict]:
     """The launch but its tensors and descriptors: (grid, every other argument, launch options), the
     union of :func:`kernel_constants` (what the compiled kernel is keyed on) and
     :func:`runtime_args` (what each call computes from its shapes)."""
@@ -1093,9 +1093,9 @@ def static_plan(B: int, H: int, N: int, D: int, q_stride: tuple, *, causal: bool
                                         pingpong=pingpong, persistent=persistent, prefetch_l2=prefetch_l2,
                                         lazy_rescale=lazy_rescale, group=group, lane_row_sums=lane_row_sums,
                                         register_realloc=register_realloc, even_n=N % block_n == 0,
-                                        deep_q=deep_q)
+                                        deep_q=deep_q, programs_per_sm=programs_per_sm)
     grid, ints = runtime_args(B, H, N, q_stride, causal=causal, consumers=consumers, persistent=persistent,
-                              num_sms=num_sms)
+                              num_sms=num_sms, programs_per_sm=programs_per_sm)
     return grid, {**dict(zip(RUNTIME_ARGS, ints)), **constants}, extra
 
 
@@ -1107,7 +1107,8 @@ RUNTIME_ARGS = ("stride_qb", "stride_qh", "stride_qn", "H", "N", "n_m", "total")
 def kernel_constants(*, causal: bool, block_n: int, stages: int, consumers: int = 2, pingpong: bool = True,
                      persistent: bool = True, prefetch_l2: bool = True, lazy_rescale: bool = True, group: int = 1,
                      lane_row_sums: bool = True, register_realloc: bool = True,
-                     even_n: bool = True, deep_q: bool = False, pdl: bool | None = None) -> tuple[dict, dict]:
+                     even_n: bool = True, deep_q: bool = False, pdl: bool | None = None,
+                     programs_per_sm: int = 1) -> tuple[dict, dict]:
     """(constexpr arguments, launch options): everything about the launch that no size changes, but
     ``even_n`` (N a multiple of ``block_n``: the consumers' K/V loop then runs without the ragged-N
     mask, the one length fact this kernel is compiled for; two variants at most).
@@ -1116,12 +1117,13 @@ def kernel_constants(*, causal: bool, block_n: int, stages: int, consumers: int 
     producer keeps ``PRODUCER_REGS`` registers per thread and the consumers take the rest (240
     with two, 160 with three); off, every warpgroup gets the same share of the 64K (with one
     consumer that share is the hardware's per-thread limit already, so it is always off). ``pdl``: a
-    programmatic dependent launch (None: as :data:`PDL` says)."""
+    programmatic dependent launch (None: as :data:`PDL` says). ``programs_per_sm``: see
+    :func:`register_budget` (the kernel is the same; its register pool is halved)."""
     if consumers not in (1, 2, 3):
         raise ValueError(f"consumers must be 1, 2 or 3, got {consumers}")
     pdl = PDL if pdl is None else pdl
     zigzag = causal and persistent
-    consumer_regs, producer_regs, maxnreg = register_budget(consumers, register_realloc)
+    consumer_regs, producer_regs, maxnreg = register_budget(consumers, register_realloc, programs_per_sm)
     constants = dict(BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, CAUSAL=causal,
                      EVEN_N=even_n, ZIGZAG=zigzag, Q_BUFS=q_buffers(persistent, deep_q),
                      CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
@@ -1131,18 +1133,29 @@ def kernel_constants(*, causal: bool, block_n: int, stages: int, consumers: int 
     return constants, {"maxnreg": maxnreg, "launch_pdl": pdl}
 
 
-def register_budget(consumers: int, register_realloc: bool = True) -> tuple[int, int, int]:
+def register_budget(consumers: int, register_realloc: bool = True, programs_per_sm: int = 1) -> tuple[int, int, int]:
     """(registers per consumer thread, per producer thread, ``maxnreg``) of a kernel with ``consumers``
     consumer warpgroups and one producer warp (this kernel and ``hopper_bwd.py``'s). 4 warps run the
     default partition (consumer 0); the workers add 4 per further consumer and 1 producer warp,
     rounded up to whole warpgroups. ``maxnreg`` sets the register pool they share: 65536 registers
     over all the threads (at most 256 each: setmaxnreg's ceiling). With ``register_realloc`` the
     producer keeps ``PRODUCER_REGS`` and the consumers take the rest (240 with two, 160 with three);
-    without it, or with one consumer, every partition asks for the even share."""
+    without it, or with one consumer, every partition asks for the even share.
+
+    ``programs_per_sm`` (1 or 2): programs that share an SM's 64K registers. Two are for one consumer
+    (``maxnreg`` 128): the producer drops to its minimum and the consumer, the default partition,
+    takes what is left of the program's 32K, 232 per thread (Triton sets the default partition's
+    share), enough for a 64-row tile at D 64."""
+    if programs_per_sm not in (1, 2):
+        raise ValueError(f"programs_per_sm must be 1 or 2, got {programs_per_sm}")
+    if programs_per_sm == 2 and consumers != 1:
+        raise ValueError(f"two programs per SM take one consumer warpgroup each, got consumers={consumers}")
     threads = 128 * (consumers + 1)
-    maxnreg = min((65536 // threads) // 8 * 8, 256)
+    maxnreg = min((65536 // programs_per_sm // threads) // 8 * 8, 256)
     if register_realloc and consumers > 1:
         return (240 if consumers == 2 else 160), PRODUCER_REGS, maxnreg
+    if programs_per_sm > 1:
+        return (65536 // programs_per_sm - 128 * PRODUCER_REGS) // 128 // 8 * 8, PRODUCER_REGS, maxnreg
     return maxnreg, maxnreg, maxnreg
 
 
@@ -1153,20 +1166,21 @@ def work_units(total: int, causal: bool, persistent: bool) -> int:
 
 
 def runtime_args(B: int, H: int, N: int, q_stride: tuple, *, causal: bool, consumers: int, persistent: bool,
-                 num_sms: int) -> tuple[tuple, tuple]:
+                 num_sms: int, programs_per_sm: int = 1) -> tuple[tuple, tuple]:
     """(grid, the :data:`RUNTIME_ARGS` values) of one call: the work items of ``consumers × 64``
-    query rows, and the persistent grid's size (one program per SM, at most one per unit of work)."""
+    query rows, and the persistent grid's size (``programs_per_sm`` programs per SM, at most one per
+    unit of work)."""
     n_m = -(-N // (ROWS_PER_CONSUMER * consumers))
     total = n_m * B * H
     units = work_units(total, causal, persistent)
-    grid = (min(units, num_sms) if persistent else total,)
+    grid = (min(units, num_sms * programs_per_sm) if persistent else total,)
     return grid, (q_stride[0], q_stride[1], q_stride[2], H, N, n_m, total)
 
 
 def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int, lse=None, consumers: int = 2,
          pingpong: bool = True, persistent: bool = True, num_sms: int = 132, prefetch_l2: bool = True,
          lazy_rescale: bool = True, lane_row_sums: bool = True, register_realloc: bool = True,
-         deep_q: bool = False, pad_head_dim: bool = False) -> Launch:
+         deep_q: bool = False, pad_head_dim: bool = False, programs_per_sm: int = 1) -> Launch:
     """The launch of ``ws_attention_kernel`` for these tensors: grid, arguments and options.
 
     This runs on every call, on the host, before the GPU sees the kernel, so it is kept short: when
@@ -1194,7 +1208,7 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
     late.
 
     ``pad_head_dim``: tiles as wide as the next power of two of the head dim, never a main part and
-    a narrow tail (:func:`tile_widths`).
+    a narrow tail (:func:`tile_widths`). ``programs_per_sm``: see :func:`register_budget`.
 
     ``lse``: an fp32 [B, H, N] tensor for the rows' log-sum-exps (the training forward), or None.
 
@@ -1206,7 +1220,7 @@ def plan(q, k, v, o, *, causal: bool, qk_scale: float, block_n: int, stages: int
                                     consumers=consumers, pingpong=pingpong, persistent=persistent, num_sms=num_sms,
                                     prefetch_l2=prefetch_l2, lazy_rescale=lazy_rescale, group=H // k.shape[1],
                                     lane_row_sums=lane_row_sums, register_realloc=register_realloc,
-                                    deep_q=deep_q)
+                                    deep_q=deep_q, programs_per_sm=programs_per_sm)
     args.update(descriptors(q, k, v, o, block_n, pad_head_dim))
     args.update(Q=q, LSE=lse, qk_scale=qk_scale)
     return Launch(ws_attention_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)

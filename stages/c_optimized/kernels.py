@@ -510,7 +510,8 @@ def _ws_runtime(q, k, v, o, choice: Choice, sms: int, causal: bool) -> tuple:
     B, Hq, Nq, _ = q.shape
     options = choice.config.ws_options(choice.ws_rung)
     grid, ints = hopper_ws.runtime_args(B, Hq, Nq, q.stride(), causal=causal, consumers=options["consumers"],
-                                        persistent=options["persistent"], num_sms=sms)
+                                        persistent=options["persistent"], num_sms=sms,
+                                        programs_per_sm=options["programs_per_sm"])
     return (), ((grid, ints),)
 
 
