@@ -982,7 +982,7 @@ def render_decode_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> 
     cache grows by one key per call, against a fixed cache (harness/decode_loop.py renders it)."""
     from .decode_loop import DECODE_CSV, render_block as render
 
-    return render(Path(results_dir) / DECODE_CSV) + "\n"
+    return render(Path(results_dir) / DECODE_CSV, readme_dir) + "\n"
 
 
 # ------------------------------------------------------------------ the head-dim sweep
