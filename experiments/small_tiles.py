@@ -29,9 +29,6 @@ A config that does not fit the cell's head dim (shared memory) is recorded as sk
 
 from __future__ import annotations
 
-import argparse
-import csv
-import statistics
 import sys
 from pathlib import Path
 
@@ -40,51 +37,34 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import stages  # noqa: E402,F401  (before triton)
-from harness import timing  # noqa: E402
-from harness.inputs import make_inputs  # noqa: E402
+import turns  # noqa: E402  (experiments/turns.py)
 from harness.peers import peer_attention  # noqa: E402
 from harness.reference import reference_attention, rel_err  # noqa: E402
-from harness.suites import SUITES  # noqa: E402
 from stages.c_optimized import configs  # noqa: E402
 from stages.c_optimized import kernels as ck  # noqa: E402
-from stages.contract import Problem  # noqa: E402
 
 CONFIGS = ("WS-M64-N128-s3-P", "WS-M64-N128-s3-P2", "WS-M64-N128-s2-P2", "WS-M64-N128-s2-P2-Q3", "WS-M64-N64-s3-P2")
 HOW = ("eager", "graph")
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cells", default="short", help="model-suite cells by name, comma-separated")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of turns (default 3)")
-    ap.add_argument("--csv", help="also write one row per (cell, variant, timing, round) here")
-    args = ap.parse_args(argv)
-    suite = {c.name: c for c in SUITES["models"]}
-    names = [n for n in args.cells.split(",") if n]
-    unknown = [n for n in names if n not in suite]
-    if unknown:
-        ap.error(f"--cells: unknown cell(s) {', '.join(unknown)}; choose from {', '.join(suite)}")
-    if args.rounds < 1:
-        ap.error(f"--rounds must be at least 1, got {args.rounds}")
-    if not torch.cuda.is_available():
-        print("error: this experiment times kernels on a CUDA GPU; none here", file=sys.stderr)
+    parsed = turns.parse(__doc__.splitlines()[0], rounds=3, argv=argv)
+    if parsed is None:
         return 2
+    args, cells = parsed
     sms = configs.num_sms(torch.device("cuda"))
     cudnn = peer_attention("sdpa_cudnn")
     rows = []
-    print(f"{torch.cuda.get_device_name()}, {sms} SMs; µs per call, eager (events around each call) and on the GPU "
-          f"alone (graph replay), the harness's reading flush before each; medians over rounds")
-    for name in names:
-        c = suite[name]
-        p = Problem(c.B, c.Hq, c.Nq, c.D, c.dtype, c.causal, c.Hkv, c.Nk)
-        q, k, v = make_inputs(p, "cuda")
-        choice = ck.select(c.B, c.Hq, c.Hkv, c.Nq, c.Nk, c.D, q.dtype, c.causal, 90, sms)
+    turns.header(sms)
+    for c in cells:
+        name = c.name
+        q, k, v, choice = turns.cell_inputs(c, sms)
         variants = {"chosen": lambda: ck.attention(q, k, v, causal=c.causal),
                     "cudnn": lambda: cudnn(q, k, v, causal=c.causal)}
         status = {}
         for text in CONFIGS:
             config = configs.Config.parse(text)
-            if choice.path != "ws" and c.Nq != c.Nk:
+            if c.Nq != c.Nk:
                 status[text] = "skipped: the warp-specialized kernel needs Nq == Nk"
             elif not configs.fits(config, c.D, q.element_size(), 90):
                 status[text] = "skipped: does not fit shared memory at this head dim"
@@ -96,46 +76,25 @@ def main(argv=None) -> int:
             print(f"  {text}: {why}")
             rows.append(dict(cell=name, variant=text, timing="", round="", us="", status=why))
         ref = reference_attention(q, k, v, causal=c.causal)
-        broken = set()
-        for kind, fn in variants.items():
+        for kind, fn in list(variants.items()):
             try:
-                err = rel_err(fn(), ref)
-                print(f"  {kind}: error against float64 {err:.2e}", flush=True)
+                print(f"  {kind}: error against float64 {rel_err(fn(), ref):.2e}", flush=True)
             except Exception as e:  # a config that does not run here: recorded, the rest go on
-                broken.add(kind)
-                why = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
-                print(f"  {kind}: {why}", flush=True)
-                rows.append(dict(cell=name, variant=kind, timing="", round="", us="", status=why))
+                del variants[kind]
+                print(f"  {kind}: {turns.failure(e, 160)}", flush=True)
+                rows.append(dict(cell=name, variant=kind, timing="", round="", us="", status=turns.failure(e, 160)))
         del ref
         times = {(kind, how): [] for kind in variants for how in HOW}
         for r in range(args.rounds):
             for kind, fn in variants.items():
-                if kind in broken:
-                    continue
                 for how in HOW:
-                    try:
-                        if how == "eager":
-                            samples = timing.samples_gpu(fn, 50, 60)
-                        else:
-                            samples = timing.samples_graph(lambda: fn, 50, 60)
-                        us, state = timing.summarize(samples, True).ms_median * 1e3, "ok"
-                    except Exception as e:
-                        us, state = float("nan"), f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    us, state = turns.median_us(turns.eager_or_graph(fn, how))
                     times[kind, how].append(us)
                     rows.append(dict(cell=name, variant=kind, timing=how, round=r, us=f"{us:.3f}", status=state))
-        for kind in variants:
-            if kind in broken:
-                continue
-            line = "  ".join(f"{how} {statistics.median(times[kind, how]):8.2f} µs" for how in HOW)
-            rounds = " ".join(f"{t:.2f}" for t in times[kind, "eager"])
-            print(f"  {kind:19} {line}   eager rounds: {rounds}", flush=True)
+        turns.print_medians(times, variants, HOW, width=19)
         del q, k, v
         torch.cuda.empty_cache()
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=["cell", "variant", "timing", "round", "us", "status"])
-            w.writeheader()
-            w.writerows(rows)
+    turns.write_rows(args.csv, rows)
     return 0
 
 

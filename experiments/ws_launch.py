@@ -37,9 +37,6 @@ repetition:
 
 from __future__ import annotations
 
-import argparse
-import csv
-import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -49,14 +46,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import stages  # noqa: E402,F401  (before triton)
+import turns  # noqa: E402  (experiments/turns.py)
 from harness import timing  # noqa: E402
-from harness.inputs import make_inputs  # noqa: E402
 from harness.peers import peer_attention  # noqa: E402
-from harness.suites import SUITES  # noqa: E402
 from stages.c_optimized import hopper_ws  # noqa: E402
 from stages.c_optimized import kernels as ck  # noqa: E402
 from stages.c_optimized.configs import num_sms  # noqa: E402
-from stages.contract import Problem  # noqa: E402
 
 VARIANTS = ("sms", "balanced", "pdl", "balanced+pdl", "one-per-item", "cudnn")
 HOW = ("eager", "graph", "chain")
@@ -103,34 +98,20 @@ class _GridRule:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cells", default="short", help="model-suite cells by name, comma-separated")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds of turns (default 5)")
-    ap.add_argument("--csv", help="also write one row per (cell, variant, round) here")
-    args = ap.parse_args(argv)
-    suite = {c.name: c for c in SUITES["models"]}
-    names = [n for n in args.cells.split(",") if n]
-    unknown = [n for n in names if n not in suite]
-    if unknown:
-        ap.error(f"--cells: unknown cell(s) {', '.join(unknown)}; choose from {', '.join(suite)}")
-    if args.rounds < 1:
-        ap.error(f"--rounds must be at least 1, got {args.rounds}")
-    if not torch.cuda.is_available():
-        print("error: this experiment times kernels on a CUDA GPU; none here", file=sys.stderr)
+    parsed = turns.parse(__doc__.splitlines()[0], rounds=5, argv=argv)
+    if parsed is None:
         return 2
+    args, cells = parsed
     rule = _GridRule()
     hopper_ws.runtime_args = rule
     pdl_default = hopper_ws.PDL
     sms = num_sms(torch.device("cuda"))
     cudnn = peer_attention("sdpa_cudnn")
     rows = []
-    print(f"{torch.cuda.get_device_name()}, {sms} SMs; µs per call, eager (events around each call) and on the GPU "
-          f"alone (graph replay), the harness's reading flush before each; medians over rounds")
-    for name in names:
-        c = suite[name]
-        p = Problem(c.B, c.Hq, c.Nq, c.D, c.dtype, c.causal, c.Hkv, c.Nk)
-        q, k, v = make_inputs(p, "cuda")
-        choice = ck.select(c.B, c.Hq, c.Hkv, c.Nq, c.Nk, c.D, q.dtype, c.causal, 90, sms)
+    turns.header(sms)
+    for c in cells:
+        name = c.name
+        q, k, v, choice = turns.cell_inputs(c, sms)
         if choice.path != "ws" or not choice.config.persistent:
             print(f"{name}: runs {choice.path}:{choice.config}, not the persistent warp-specialized kernel; skipped")
             continue
@@ -164,36 +145,20 @@ def main(argv=None) -> int:
                     print(f"  {kind}: O {'the same bits as' if same else 'DIFFERS from'} the default launch's",
                           flush=True)
                 for how in HOW:
-                    try:
-                        if how == "chain":
-                            samples = chain_ms(variant(kind), q, fresh_q)
-                        elif how == "eager":
-                            fn = variant(kind)
-                            fn()
-                            samples = timing.samples_gpu(fn, 50, 60)
-                        else:
-                            samples = timing.samples_graph(lambda: variant(kind), 50, 60)
-                        us, status = timing.summarize(samples, True).ms_median * 1e3, "ok"
-                    except Exception as e:  # a config that does not run here: recorded, the rest go on
-                        us, status = float("nan"), f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    fn = variant(kind)
+                    samples = (lambda: chain_ms(fn, q, fresh_q)) if how == "chain" else turns.eager_or_graph(fn, how)
+                    us, status = turns.median_us(samples)
                     times[kind, how].append(us)
                     rows.append(dict(cell=name, variant=kind, timing=how, round=r, us=f"{us:.3f}", status=status))
         rule.balanced = False
         hopper_ws.PDL = pdl_default
         ck._recipe.cache_clear()
         ck._LAYOUT_PLANS.clear()
-        for kind in VARIANTS:
-            line = "  ".join(f"{how} {statistics.median(times[kind, how]):8.2f} µs" for how in HOW)
-            rounds = " ".join(f"{t:.2f}" for t in times[kind, "eager"])
-            print(f"  {kind:13} {line}   eager rounds: {rounds}", flush=True)
+        turns.print_medians(times, VARIANTS, HOW)
         del q, k, v
         torch.cuda.empty_cache()
     hopper_ws.runtime_args = rule.original
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=["cell", "variant", "timing", "round", "us", "status"])
-            w.writeheader()
-            w.writerows(rows)
+    turns.write_rows(args.csv, rows)
     return 0
 
 

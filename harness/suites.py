@@ -80,6 +80,17 @@ SUITE_HELP: dict[str, str] = {
 GPU_SIZED: frozenset[str] = frozenset({"models"})
 
 
+def named_cells(names: str, suite: str = "models") -> list[SuiteCell]:
+    """The cells of ``suite`` named in ``names`` (comma-separated), in that order: what an experiment's
+    ``--cells`` takes. A ValueError names the unknown ones and the choices."""
+    cells = {c.name: c for c in SUITES[suite]}
+    wanted = [n for n in names.split(",") if n]
+    unknown = [n for n in wanted if n not in cells]
+    if unknown:
+        raise ValueError(f"unknown cell(s) {', '.join(unknown)}; choose from {', '.join(cells)}")
+    return [cells[n] for n in wanted]
+
+
 def suite_cells(name: str, passes: tuple[str, ...] | list[str] = ("fwd",)) -> list:
     """The suite's cells as :class:`harness.results.Cell` (one per cell and pass), named."""
     from .results import Cell

@@ -200,10 +200,12 @@ def candidate_configs(D: int, dtype: torch.dtype, arch: int, warp_specialization
 #: 2-slot ring, one program per item (no room for the persistent kernel's second Q buffer); tuned on
 #: the H200 over N 1k-16k, fp16 and bf16, causal both, it won all 20 cells (first-pass times): 32-key
 #: tiles in a 4-slot ring ran 10-25 % slower, the eager rescale 0.3-5.5 % slower, the best tl config
-#: 1.4-1.7x slower (docs/performance-log/model-shapes.md, entry 44).
+#: 1.4-1.7x slower (docs/performance-log/model-shapes.md, entry 44). The last D = 64 config is one
+#: consumer with 64-row items, two programs to an SM (``-P2``): never the first guess, it is what
+#: :func:`shape_aware_config` takes where the wider items would be mostly padding (entry 88).
 WS_SHAPES = {
     64: [ws_config(192, 128, 3, True), ws_config(192, 128, 3, False), ws_config(128, 128, 3, True),
-         ws_config(128, 128, 3, True, lazy_rescale=False)],
+         ws_config(128, 128, 3, True, lazy_rescale=False), ws_config(64, 64, 3, True, programs_per_sm=2)],
     128: [ws_config(128, 128, 2, True), ws_config(128, 128, 3, False)],
     256: [ws_config(128, 64, 2, False), ws_config(128, 32, 4, False), ws_config(128, 64, 2, False, lazy_rescale=False)],
 }
@@ -398,7 +400,12 @@ def work_items(B: int, Hq: int, Nq: int, block_m: int) -> int:
 #: cells), and the ``tl`` kernel (no warp specialization) a row about a fifth dearer than the
 #: two-consumer kernel (the ablation's warp-specialization step at N = 4096). Read off the H200's
 #: measurements; only their order matters much for the choice below.
-ROW_COST = {"ws192": 0.95, "ws128": 1.0, "tl": 1.2}
+ROW_COST = {"ws192": 0.95, "ws128": 1.0, "tl": 1.2, "ws64x2": 2.0}
+#: ``ws64x2``: one consumer, two programs to an SM (``-P2``), per program: each runs at about half an
+#: SM's pace, so a row costs about what it does in the two-consumer kernel with twice the programs
+#: dealing the work. Read off an H100 (``experiments/small_tiles.py``, five D 64 suite cells forced
+#: to ``WS-M64-N64-s3-P2`` and ``WS-M64-N128-s3-P2``): 1.8 where the chosen tiles were mostly padding
+#: (257-row sequences: 50.1 against 62.6 µs), 1.9-2.1 on one- to four-tile items, 2.2 causal.
 
 #: A config other than the tuned one is taken only when the model says it is this much cheaper:
 #: the tuned winner was measured, the model is an estimate.
@@ -418,6 +425,13 @@ def grid_cost(B: int, Hq: int, Nq: int, block_m: int, sms: int, row_cost: float)
     return _waves(work_items(B, Hq, Nq, block_m), sms) * block_m * row_cost
 
 
+def _ws_grid_cost(config: Config, B: int, Hq: int, Nq: int, sms: int) -> float:
+    """:func:`grid_cost` of a warp-specialized config: its programs are ``programs_per_sm`` × ``sms``."""
+    if config.programs_per_sm > 1:
+        return grid_cost(B, Hq, Nq, config.block_m, sms * config.programs_per_sm, ROW_COST["ws64x2"])
+    return grid_cost(B, Hq, Nq, config.block_m, sms, ROW_COST[f"ws{config.block_m}"])
+
+
 @lru_cache(maxsize=4096)
 def shape_aware_config(config: Config, B: int, Hq: int, Nq: int, D: int, dtype: torch.dtype, arch: int,
                        sms: int) -> Config:
@@ -429,8 +443,9 @@ def shape_aware_config(config: Config, B: int, Hq: int, Nq: int, D: int, dtype: 
     per program × a kernel's cost per row, :data:`ROW_COST`) and take the cheapest, but leave the
     tuned config only for one that is :data:`SWITCH_MARGIN` cheaper. Eligible: the tuned config; on
     Hopper with the warp-specialized kernel, its 192- and 128-row configs (persistent, as tuned:
-    one program per SM measured faster even with fewer items than SMs) and the ``tl`` kernel's
-    64-row config (one item of a tiny problem: no producer/consumer machinery to start); elsewhere
+    one program per SM measured faster even with fewer items than SMs), at D 64 its 64-row config
+    two programs to an SM (``-P2``: it wins where the wider items are mostly padding), and the ``tl``
+    kernel's 64-row config (one item of a tiny problem: no producer/consumer machinery to start); elsewhere
     the ``tl`` config with BLOCK_M halved down to 64.
 
     Measured on the H200 (GPU-only time, ``experiments/suite_configs.py``): 4 heads of 8192 rows
@@ -440,10 +455,10 @@ def shape_aware_config(config: Config, B: int, Hq: int, Nq: int, D: int, dtype: 
     """
     e = torch.tensor([], dtype=dtype).element_size()
     if config.ws:
-        options = [(config, grid_cost(B, Hq, Nq, config.block_m, sms, ROW_COST[f"ws{config.block_m}"]))]
+        options = [(config, _ws_grid_cost(config, B, Hq, Nq, sms))]
         for c in ws_shapes(D):
             if c.block_m != config.block_m and c.persistent:
-                options.append((c, grid_cost(B, Hq, Nq, c.block_m, sms, ROW_COST[f"ws{c.block_m}"])))
+                options.append((c, _ws_grid_cost(c, B, Hq, Nq, sms)))
         tl64 = next((c for c in candidate_configs(D, dtype, arch, False) if c.block_m == 64), None)
         if tl64 is not None:
             options.append((tl64, grid_cost(B, Hq, Nq, 64, sms, ROW_COST["tl"])))
@@ -481,8 +496,8 @@ def mean_kv_tiles(N: int, block_m: int, block_n: int, causal: bool) -> float:
 def with_deep_q(config: Config, N: int, causal: bool, D: int, element_bytes: int, arch: int) -> Config:
     """``config`` with three Q buffers where its items are too short for the next Q to arrive in time
     (:data:`DEEP_Q_BELOW_TILES`) and the third buffer fits; else ``config`` unchanged."""
-    if not (config.ws and config.persistent) or config.deep_q:
-        return config
+    if not (config.ws and config.persistent) or config.deep_q or config.programs_per_sm > 1:
+        return config  # (-P2: the SM's other program works while one waits for a late Q; not measured deeper)
     if mean_kv_tiles(N, config.block_m, config.block_n, causal) >= DEEP_Q_BELOW_TILES:
         return config
     deep = replace(config, deep_q=True)
