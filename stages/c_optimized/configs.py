@@ -66,6 +66,8 @@ class Config:
                        programs_per_sm=self.programs_per_sm)
         if ws_rung is not None:
             options.update(hopper_ws.rung_options(ws_rung, self.consumers, self.persistent, self.lazy_rescale))
+            if not options["persistent"]:  # (a rung below the persistent grid: one program per item, the
+                options["programs_per_sm"] = 1  # full register pool, as ws_rung_config names it)
         return options
 
     def __str__(self) -> str:
@@ -112,8 +114,7 @@ def ws_rung_config(config: Config, ws_rung: int) -> Config:
     o = config.ws_options(ws_rung)
     return ws_config(hopper_ws.ROWS_PER_CONSUMER * o["consumers"], config.block_n, config.num_stages,
                      o["persistent"], o["lazy_rescale"], deep_q=o["deep_q"] and o["persistent"],
-                     pad_head_dim=config.pad_head_dim,
-                     programs_per_sm=o["programs_per_sm"] if o["persistent"] else 1)
+                     pad_head_dim=config.pad_head_dim, programs_per_sm=o["programs_per_sm"])
 
 
 #: Stage B's configuration. With every switch off, stage C runs exactly this.
