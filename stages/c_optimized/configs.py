@@ -427,10 +427,11 @@ def grid_cost(B: int, Hq: int, Nq: int, block_m: int, sms: int, row_cost: float)
 
 
 def _ws_grid_cost(config: Config, B: int, Hq: int, Nq: int, sms: int) -> float:
-    """:func:`grid_cost` of a warp-specialized config: its programs are ``programs_per_sm`` × ``sms``."""
-    if config.programs_per_sm > 1:
-        return grid_cost(B, Hq, Nq, config.block_m, sms * config.programs_per_sm, ROW_COST["ws64x2"])
-    return grid_cost(B, Hq, Nq, config.block_m, sms, ROW_COST[f"ws{config.block_m}"])
+    """:func:`grid_cost` of a warp-specialized config: its programs are ``programs_per_sm`` × ``sms``, each
+    at its row cost (``ws<rows>``, with ``x<programs>`` where programs share an SM)."""
+    pairs = config.programs_per_sm
+    key = f"ws{config.block_m}" + (f"x{pairs}" if pairs > 1 else "")
+    return grid_cost(B, Hq, Nq, config.block_m, sms * pairs, ROW_COST[key])
 
 
 @lru_cache(maxsize=4096)
