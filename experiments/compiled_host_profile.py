@@ -3,6 +3,7 @@
 
     python experiments/compiled_host_profile.py                     # harness train's attention
     python experiments/compiled_host_profile.py --B 1 --H 8 --Hkv 8 --steps 100
+    python experiments/compiled_host_profile.py --timing-only     # the host-time lines alone
 
 ``backward_host.py --compiled`` showed the gap (at B 16, H 8/2, N 1024, D 64 on an H100: 790 µs of host
 time a step for stage C, 311 for cuDNN) and that the lab's two ops take only about 130 µs of it. This
@@ -105,6 +106,8 @@ def main() -> None:
     ap.add_argument("--causal", type=int, default=1)
     ap.add_argument("--steps", type=int, default=200, help="steps per host-time line")
     ap.add_argument("--rows", type=int, default=30, help="rows per profile table")
+    ap.add_argument("--timing-only", action="store_true",
+                    help="print the host-time lines only (no synchronization count, no profiles)")
     args = ap.parse_args()
     if args.H % args.Hkv:
         ap.error(f"--Hkv must divide --H ({args.H}), got {args.Hkv}")
@@ -141,6 +144,8 @@ def main() -> None:
                 print(f"  {name}, {backend}: forward + autograd.grad {host_us(step, args.steps)};   "
                       f"forward alone, no grad {host_us(forward_only, args.steps)}")
                 steps[name, backend] = step
+        if args.timing_only:
+            return
         for (name, backend), step in steps.items():
             syncs = synchronizations(step)
             print(f"  {name}, {backend}: {len(syncs)} synchronizing calls a step" +

@@ -378,14 +378,12 @@ def _forward(q, k, v, causal: bool, scale: float):
     return o, p
 
 
-@torch.library.custom_op(f"{ops.LIBRARY}::a_forward", mutates_args=())
-def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+def _forward_op_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, causal, scale)
 
 
-@_forward_op.register_fake
-def _(q, k, v, causal, scale):
+def _forward_fake(q, k, v, causal, scale):
     B, H, N_Q, _ = q.shape
     return ops.empty_output(q), nn_buffer(B * H, N_Q, k.shape[2], q.dtype, q.device)
 
@@ -402,14 +400,12 @@ def _backward(do, q, k, v, p, scale: float):
     return dq, dk, dv
 
 
-@torch.library.custom_op(f"{ops.LIBRARY}::a_backward", mutates_args=())
-def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: torch.Tensor,
+def _backward_op_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: torch.Tensor,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward(do, q, k, v, p, scale)
 
 
-@_backward_op.register_fake
-def _(do, q, k, v, p, scale):
+def _backward_fake(do, q, k, v, p, scale):
     return ops.empty_output(q), ops.empty_output(k), ops.empty_output(v)
 
 
@@ -428,7 +424,9 @@ def _grad(ctx, do, dp):
     return dq, dk, dv, None, None
 
 
-_forward_op.register_autograd(_grad, setup_context=_setup_context)
+#: the custom ops (stages/ops.py): ``torch.ops.attention_lab.a_forward`` and ``a_backward``
+_forward_op = ops.define("a_forward", _forward_op_impl, _forward_fake, setup_context=_setup_context, backward=_grad)
+_backward_op = ops.define("a_backward", _backward_op_impl, _backward_fake)
 #: the eager path's autograd node: the same forward, saved P and backward as the op's
 NaiveAttention = ops.autograd_function("NaiveAttention", _forward, _setup_context, _grad)
 

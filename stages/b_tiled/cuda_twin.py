@@ -228,15 +228,16 @@ def _forward(q, k, v, causal: bool, scale: float, smem_pad: bool) -> torch.Tenso
 
 # The twin as a custom op (forward only: the twins teach the forward's mechanics), so a traced
 # program holds it as one node; see stages/ops.py.
-@torch.library.custom_op(f"{ops.LIBRARY}::b_cuda_forward", mutates_args=())
-def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+def _forward_op_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                 smem_pad: bool) -> torch.Tensor:
     return _forward(q, k, v, causal, scale, smem_pad)
 
 
-@_forward_op.register_fake
-def _(q, k, v, causal, scale, smem_pad):
+def _forward_fake(q, k, v, causal, scale, smem_pad):
     return ops.empty_output(q)
+
+
+_forward_op = ops.define("b_cuda_forward", _forward_op_impl, _forward_fake)
 
 
 def hbm_bytes(problem: Problem, **_layout) -> HbmTraffic:

@@ -389,15 +389,13 @@ def _forward(q, k, v, causal: bool, scale: float, store_lse: bool, dq_method: st
     return o, lse
 
 
-@torch.library.custom_op(f"{ops.LIBRARY}::b_forward", mutates_args=())
-def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, store_lse: bool,
+def _forward_op_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, store_lse: bool,
                 dq_method: str) -> tuple[torch.Tensor, torch.Tensor]:
     o, lse = _forward(q, k, v, causal, scale, store_lse, dq_method)
     return o, (lse if lse is not None else q.new_empty(0, dtype=torch.float32))  # an op returns tensors
 
 
-@_forward_op.register_fake
-def _(q, k, v, causal, scale, store_lse, dq_method):
+def _forward_fake(q, k, v, causal, scale, store_lse, dq_method):
     return ops.empty_output(q), q.new_empty(q.shape[:3] if store_lse else (0,), dtype=torch.float32)
 
 
@@ -417,15 +415,13 @@ def _backward(do, q, k, v, o, lse, causal: bool, scale: float, dq_method: str):
     return dq, dk, dv
 
 
-@torch.library.custom_op(f"{ops.LIBRARY}::b_backward", mutates_args=())
-def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+def _backward_op_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                  lse: torch.Tensor, causal: bool, scale: float,
                  dq_method: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward(do, q, k, v, o, lse, causal, scale, dq_method)
 
 
-@_backward_op.register_fake
-def _(do, q, k, v, o, lse, causal, scale, dq_method):
+def _backward_fake(do, q, k, v, o, lse, causal, scale, dq_method):
     return ops.empty_output(q), ops.empty_output(k), ops.empty_output(v)
 
 
@@ -448,7 +444,9 @@ def _grad(ctx, do, dlse):
     return dq, dk, dv, None, None, None, None
 
 
-_forward_op.register_autograd(_grad, setup_context=_setup_context)
+#: the custom ops (stages/ops.py): ``torch.ops.attention_lab.b_forward`` and ``b_backward``
+_forward_op = ops.define("b_forward", _forward_op_impl, _forward_fake, setup_context=_setup_context, backward=_grad)
+_backward_op = ops.define("b_backward", _backward_op_impl, _backward_fake)
 #: the eager path's autograd node: the same forward, saved tensors and backward as the op's
 _TiledAttention = ops.autograd_function("StageBAttention", _forward, _setup_context, _grad)
 

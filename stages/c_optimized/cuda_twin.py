@@ -71,15 +71,16 @@ def _forward(q, k, v, causal: bool, scale: float, layout: int) -> torch.Tensor:
 
 
 # The twin as a custom op (forward only), so a traced program holds it as one node; see stages/ops.py.
-@torch.library.custom_op(f"{ops.LIBRARY}::c_cuda_forward", mutates_args=())
-def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+def _forward_op_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                 layout: int) -> torch.Tensor:
     return _forward(q, k, v, causal, scale, layout)
 
 
-@_forward_op.register_fake
-def _(q, k, v, causal, scale, layout):
+def _forward_fake(q, k, v, causal, scale, layout):
     return ops.empty_output(q)
+
+
+_forward_op = ops.define("c_cuda_forward", _forward_op_impl, _forward_fake)
 
 
 def kv_rows_read(problem: Problem) -> int:

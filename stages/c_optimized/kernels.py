@@ -973,19 +973,17 @@ def _prepare_merge(recipe: _Recipe, runs: tuple, tensors: dict, scale: float) ->
     recipe.launches[1].prepare((1,), {**tensors, "o_part": unused, "lse_part": unused}, (rows_total, 2), scale)
 
 
-@torch.library.custom_op(f"{ops.LIBRARY}::c_forward", mutates_args=(), device_types=None)
-def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, store_lse: bool,
-                config: str | None, split_kv: int | None, ws_rung: int | None, tuned_tiles: bool, pipelining: bool,
-                tma: bool, exp2: bool, causal_skip: bool, warp_specialization: bool, deterministic: bool,
-                key_starts: torch.Tensor | None = None,
-                key_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_op_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                     store_lse: bool, config: str | None, split_kv: int | None, ws_rung: int | None,
+                     tuned_tiles: bool, pipelining: bool, tma: bool, exp2: bool, causal_skip: bool,
+                     warp_specialization: bool, deterministic: bool, key_starts: torch.Tensor | None = None,
+                     key_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     o, lse = _forward(q, k, v, causal, scale, store_lse, config, split_kv, ws_rung, tuned_tiles, pipelining, tma,
                       exp2, causal_skip, warp_specialization, deterministic, key_starts, key_lengths)
     return o, (lse if lse is not None else q.new_empty(0, dtype=torch.float32))  # an op returns tensors
 
 
-@_forward_op.register_fake
-def _(q, k, v, causal, scale, store_lse, *options):
+def _forward_fake(q, k, v, causal, scale, store_lse, *options):
     lse_shape = q.shape[:3] if store_lse else (0,)
     return ops.empty_output(q), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -1001,18 +999,16 @@ def _backward(do, q, k, v, o, lse, causal: bool, scale: float, deterministic: bo
                               key_starts=key_starts, key_lengths=key_lengths)
 
 
-@torch.library.custom_op(f"{ops.LIBRARY}::c_backward", mutates_args=(), device_types=None)
-def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                 lse: torch.Tensor, causal: bool, scale: float, deterministic: bool, tuned_tiles: bool,
-                 pipelining: bool, exp2: bool, causal_skip: bool, warp_specialization: bool,
-                 key_starts: torch.Tensor | None = None,
-                 key_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward_op_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                      lse: torch.Tensor, causal: bool, scale: float, deterministic: bool, tuned_tiles: bool,
+                      pipelining: bool, exp2: bool, causal_skip: bool, warp_specialization: bool,
+                      key_starts: torch.Tensor | None = None,
+                      key_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward(do, q, k, v, o, lse, causal, scale, deterministic, tuned_tiles, pipelining, exp2, causal_skip,
                      warp_specialization, key_starts, key_lengths)
 
 
-@_backward_op.register_fake
-def _(do, q, k, v, o, lse, *options):
+def _backward_fake(do, q, k, v, o, lse, *options):
     return ops.empty_output(q), ops.empty_output(k), ops.empty_output(v)
 
 
@@ -1041,7 +1037,9 @@ def _grad(ctx, do, dlse):
     return dq, dk, dv, *(None,) * (ctx.inputs - 3)
 
 
-_forward_op.register_autograd(_grad, setup_context=_setup_context)
+#: the custom ops (stages/ops.py): ``torch.ops.attention_lab.c_forward`` and ``c_backward``
+_forward_op = ops.define("c_forward", _forward_op_impl, _forward_fake, setup_context=_setup_context, backward=_grad)
+_backward_op = ops.define("c_backward", _backward_op_impl, _backward_fake)
 #: the eager path's autograd node: the same forward, saved tensors and backward as the op's
 _Attention = ops.autograd_function("StageCAttention", _forward, _setup_context, _grad)
 
