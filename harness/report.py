@@ -583,7 +583,13 @@ def render_ablation_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -
             if table:
                 parts.append(table)
     if len(parts) == 2:
-        parts.append("_No ablation rows yet: run `python -m harness sweep --stages c --ablation --N 4096`._")
+        if any(r["impl"] == "c" and r["kind"] == "ablation" and r["dtype"] == dtype and r["pass"] == "fwd"
+               for r in rows):
+            # The table's first row is stage B at the same cell: ablation rows alone do not make one.
+            parts.append(f"_Stage C's ablation rows are here, but no stage B row at their cells to start the walk "
+                         f"from: run `python -m harness sweep --stages b --N 4096 --D 64,128 --dtype {dtype}`._")
+        else:
+            parts.append("_No ablation rows yet: run `python -m harness sweep --stages c --ablation --N 4096`._")
     return "\n\n".join(parts) + "\n"
 
 

@@ -323,6 +323,21 @@ def test_headline_block_without_rows_names_the_command(tmp_path):
     assert "run `python -m harness sweep`" in block and "|" not in block
 
 
+def test_ablation_block_walks_from_stage_b_and_says_what_is_missing(tmp_path):
+    """The ablation table starts at stage B's row of the same cell: with C's ablation rows but no B
+    row (a GPU where only ``--stages c --ablation`` ran) the block asks for stage B, not for the
+    ablation run that is already there; with neither, for the ablation run."""
+    rows = build_rows()
+    full = report.render_ablation_block(build_results(tmp_path / "full", rows=rows), tmp_path)
+    assert "| stage B |" in full and "share of the B → C gain" in full
+    no_b = [r for r in rows if r["impl"] != "b"]
+    block = report.render_ablation_block(build_results(tmp_path / "no_b", rows=no_b), tmp_path)
+    assert "|" not in block and "no stage B row" in block and "--stages b " in block
+    bare = [r for r in no_b if r["kind"] != "ablation"]
+    block = report.render_ablation_block(build_results(tmp_path / "bare", rows=bare), tmp_path)
+    assert "No ablation rows yet" in block and "--stages c --ablation" in block
+
+
 def test_report_update_writes_the_results_page_from_its_template(results, tmp_path, capsys):
     """`report RESULTS --update` on a folder without a README writes one section per block, fills it,
     and leaves a landing page alone unless --readme names it; --check alone checks the results page."""
