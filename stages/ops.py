@@ -51,15 +51,16 @@ def traced(*tensors: torch.Tensor) -> bool:
     return not _plain(tensors)
 
 
-def _plain(args) -> bool:
-    """Whether a call on ``args`` can run the implementation itself: every tensor a plain
-    ``torch.Tensor`` (not a FakeTensor, FunctionalTensor or Parameter, which the op handles), no
-    ``__torch_dispatch__`` mode that would record or intercept the op (``make_fx``, ``FlopCounterMode``),
-    no ``torch.func`` transform (``vmap`` wraps tensors below autograd)."""
+def _plain(tensors) -> bool:
+    """Whether a call on ``tensors`` (its tensor arguments; None for an optional one not given) can run
+    the implementation itself: every tensor a plain ``torch.Tensor`` (not a FakeTensor,
+    FunctionalTensor or Parameter, which the op handles), no ``__torch_dispatch__`` mode that would
+    record or intercept the op (``make_fx``, ``FlopCounterMode``), no ``torch.func`` transform (``vmap``
+    wraps tensors below autograd)."""
     if torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active():
         return False
-    for a in args:
-        if isinstance(a, torch.Tensor) and type(a) is not torch.Tensor:
+    for t in tensors:
+        if t is not None and type(t) is not torch.Tensor:
             return False
     return True
 
@@ -134,12 +135,17 @@ def define(name: str, implementation, fake, *, setup_context=None, backward=None
     if backward is not None:
         differentiable = autograd_function(f"{name}_autograd", op, setup_context, backward)
     below_autograd = torch._C._after_autograd_keyset
+    # Where the schema takes a tensor: the kernel looks at those arguments only (the dispatcher may
+    # leave trailing arguments at their defaults out, hence the length check).
+    tensor_type = torch._C.OptionalType.ofTensor()
+    tensor_at = tuple(i for i, a in enumerate(op._schema.arguments) if a.type.isSubtypeOf(tensor_type))
 
     def autograd_kernel(keyset, *args):
+        tensors = [args[i] for i in tensor_at if i < len(args)]
         if differentiable is not None and torch.is_grad_enabled() and any(
-                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                t is not None and t.requires_grad for t in tensors):
             return differentiable.apply(*args)
-        if _plain(args):
+        if _plain(tensors):
             return implementation(*args)
         return op.redispatch(keyset & below_autograd, *args)
 
