@@ -14,14 +14,14 @@ one for the forward and one for the backward, each with
 To a traced program the attention call is then one opaque node, the way ``aten`` ops are; at run
 time the node calls the real implementation, which launches the kernels.
 
-Why eager calls skip the dispatcher. Going through ``torch.ops`` costs a trip through PyTorch's C++
-dispatcher into Python and back, and a registered autograd formula another: measured on a 2-core
-CPU at about 15 µs per call without gradients and 50 µs with them, on top of a stage C call whose
-whole host path is a few tens of µs. A decode loop calls attention once per layer per token, so
-that would be the largest cost in it. The stages therefore call their implementation directly
-when nothing is tracing (:func:`traced` is False) and through the op otherwise. Both run the same
-functions: the op's implementation, and an ``autograd.Function`` built from the same forward,
-``setup_context`` and backward that the op registers (:func:`autograd_function`).
+Why eager calls skip the dispatcher. Going through ``torch.ops`` costs at least one trip from
+PyTorch's C++ dispatcher into Python and back, with every argument converted on the way (below: 7 µs
+on a 2-core CPU for stage C's forward), on top of a stage C call whose whole host path is a few tens
+of µs. A decode loop calls attention once per layer per token, so that would be a large share of its
+cost. The stages therefore call their implementation directly when nothing is tracing (:func:`traced`
+is False) and through the op otherwise. Both run the same functions: the op's implementation, and an
+``autograd.Function`` built from the same forward, ``setup_context`` and backward that the op
+registers (:func:`autograd_function`).
 
 Why not ``torch.library.custom_op``. A compiled graph does go through the dispatcher, on every
 call, and there ``custom_op``'s layers cost more than the crossing itself: its autograd kernel is
@@ -92,8 +92,8 @@ def autograd_function(name: str, forward, setup_context, backward) -> type[torch
     declaring ``setup_context`` beside it: for a Function that declares one, every ``apply`` binds
     its arguments to ``forward``'s signature with ``inspect.signature`` (to fill in defaults), which
     for the 16 arguments of stage C's forward costs about 37 µs per call on a 2-core CPU, more than
-    the rest of the call's host path. (The separate form is what ``torch.func`` transforms need;
-    traced calls go through the custom op, which keeps it.)"""
+    the rest of the call's host path. (The separate form is what ``torch.func`` transforms need, and
+    the lab's ops do not support those transforms.)"""
     def forward_with_ctx(ctx, *inputs):
         outputs = forward(*inputs)
         setup_context(ctx, inputs, outputs)

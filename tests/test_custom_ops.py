@@ -169,6 +169,20 @@ def test_traced_tells_tracers_from_eager_calls():
     with FakeTensorMode() as mode:
         assert ops.traced(mode.from_tensor(t))
     assert ops.traced(torch.nn.Parameter(t))  # a subclass: the op handles it too
+    # A dispatch mode records or intercepts ops on plain tensors (make_fx, FlopCounterMode); a
+    # torch.func transform wraps them below autograd: the call must be the op in both.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Listening(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Listening():
+        assert ops.traced(t)
+    seen = []
+    torch.vmap(lambda x: seen.append(ops.traced(x)) or x)(t)
+    assert seen == [True]
+    assert not ops.traced(t)
 
 
 @pytest.mark.gpu
@@ -245,3 +259,16 @@ def test_eager_training_call_binds_no_signature(name, device, monkeypatch):
     assert calls == [], f"inspect.signature called {len(calls)} times by one eager call"
     dq, dk, dv = torch.autograd.grad(o.sum(), (q, k, v))
     assert dq.shape == q.shape and dk.shape == k.shape and torch.isfinite(dv).all()
+
+
+@pytest.mark.parametrize("name", STAGE_NAMES)
+def test_vmap_goes_through_the_op(name, device):
+    """Under ``torch.vmap`` the tensors a stage sees are batched wrappers that its kernels cannot read:
+    ``ops.traced`` counts the transform as tracing, so the call goes through the op, whose batching
+    falls back to one call per entry. Each entry equals the stage called on it alone."""
+    q, k, v = _inputs(device, grad=False)
+    qs = torch.stack([q, q.flip(2)])
+    attention = _attention(name)
+    out = torch.vmap(lambda x: attention(x, k, v, causal=True))(qs)
+    for i in range(2):
+        torch.testing.assert_close(out[i], attention(qs[i], k, v, causal=True), rtol=0, atol=0)
