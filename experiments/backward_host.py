@@ -79,6 +79,11 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=500)
     ap.add_argument("--compiled", action="store_true", help="also time the attention through torch.compile")
     args = ap.parse_args()
+    for option in ("B", "H", "N", "D", "calls"):
+        if getattr(args, option) < 1:
+            ap.error(f"--{option} must be >= 1, got {getattr(args, option)}")
+    if args.Hkv is not None and args.Hkv < 1:
+        ap.error(f"--Hkv must be >= 1, got {args.Hkv}")
     Hkv = args.Hkv or args.H
     if args.H % Hkv:
         ap.error(f"--Hkv must divide --H ({args.H}), got {Hkv}")

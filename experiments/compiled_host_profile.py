@@ -109,6 +109,9 @@ def main() -> None:
     ap.add_argument("--timing-only", action="store_true",
                     help="print the host-time lines only (no synchronization count, no profiles)")
     args = ap.parse_args()
+    for option in ("B", "H", "Hkv", "N", "D", "steps", "rows"):
+        if getattr(args, option) < 1:
+            ap.error(f"--{option} must be >= 1, got {getattr(args, option)}")
     if args.H % args.Hkv:
         ap.error(f"--Hkv must divide --H ({args.H}), got {args.Hkv}")
     if not torch.cuda.is_available():

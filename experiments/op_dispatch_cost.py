@@ -50,6 +50,9 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=40)
     ap.add_argument("--calls", type=int, default=20)
     args = ap.parse_args()
+    for option in ("blocks", "calls"):
+        if getattr(args, option) < 1:
+            ap.error(f"--{option} must be >= 1, got {getattr(args, option)}")
     if not torch.cuda.is_available():
         sys.exit("error: this experiment times GPU calls' host path; no CUDA GPU here")
     import stages
