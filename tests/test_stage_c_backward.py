@@ -1221,3 +1221,111 @@ def test_gpu_hopper_backward_above_128_columns(D, configs, ws_padded_head_dims, 
             check_gradients(attention, q, k, v, causal=causal, dtype_name="bf16", ws_config=ws, ws_dq_config=ws_dq)
     q, k, v = make_qkv(1, 2, 130, D, torch.float16, device, seed=42, layout="bnhd")
     check_gradients(attention, q, k, v, causal=True, dtype_name="fp16", ws_config=ws, ws_dq_config=ws_dq)
+
+
+# ---------------------------------------------------- the persistent dK/dV grid (hopper_bwd.PERSISTENT_DKDV)
+
+@pytest.fixture
+def persistent_dkdv(monkeypatch):
+    """``hopper_bwd.PERSISTENT_DKDV`` on (and for ``compile``'s child process, through the environment),
+    with the kept layouts planned under the other setting forgotten."""
+    from stages.c_optimized import hopper_bwd
+
+    monkeypatch.setattr(hopper_bwd, "PERSISTENT_DKDV", True)
+    monkeypatch.setenv("LAB_BWD_PERSISTENT", "1")
+    monkeypatch.setattr(bwd, "_KEPT", {})
+    return hopper_bwd
+
+
+def _dkdv_launch(q_shape, kv_shape, causal, ws, sms=None, **kw):
+    """The dK/dV kernel's launch planned over meta tensors of these shapes (bf16), deterministic dQ."""
+    meta = lambda *s, dt=torch.bfloat16: torch.empty(s, dtype=dt, device="meta")  # noqa: E731
+    q, o, do, dq = (meta(*q_shape) for _ in range(4))
+    k, v, dk, dv = (meta(*kv_shape) for _ in range(4))
+    lse, delta = (meta(*q_shape[:3], dt=torch.float32) for _ in range(2))
+    (launch,) = [launch for launch in bwd.plan_backward(
+        do, q, k, v, o, lse, delta, dq, dk, dv, None, causal=causal, scale=0.125, arch=90, deterministic=True,
+        ws=bwd.WsConfig.parse(ws), **kw) if launch.kernel.fn.__name__ == "ws_bwd_dkdv_kernel"]
+    return launch
+
+
+def test_persistent_dkdv_grid_has_a_program_per_sm_at_most(persistent_dkdv, monkeypatch):
+    """With the persistent grid a program walks items: the grid is the SM count where the items are more,
+    the items' count where they are fewer (a grid of one item per program, as without it), and the
+    kernel is told so; dK and dV are handed to it as tensors (the persistent epilogue stores them from
+    the registers). Off, one program per item."""
+    monkeypatch.setattr(persistent_dkdv, "sm_count", lambda device: 7)
+    many = _dkdv_launch((2, 8, 1000, 64), (2, 4, 1000, 64), False, "ws-M64-c2-s2")  # 8 tiles × 8 heads
+    assert many.grid == (7,) and many.args["PERSISTENT"] and many.args["heads"] == 8
+    assert many.args["DK"].shape == (2, 4, 1000, 64)
+    few = _dkdv_launch((1, 2, 200, 128), (1, 2, 200, 128), True, "ws-M64-c2-s2")  # 2 tiles × 2 heads
+    assert few.grid == (4,) and few.args["PERSISTENT"]
+    monkeypatch.setattr(persistent_dkdv, "PERSISTENT_DKDV", False)
+    assert _dkdv_launch((2, 8, 1000, 64), (2, 4, 1000, 64), False, "ws-M64-c2-s2").grid == (64,)
+
+
+def test_persistent_dkdv_compiles_for_sm90_with_the_register_epilogue(persistent_dkdv):
+    """Compiled for sm_90a, the persistent dK/dV kernel stores dK and dV from the registers (``st.global``)
+    where one program per item stores them by TMA through the K/V buffers, and it loops over its items
+    (the producer's wait on the consumers' ``kv_free``); D 256's split head dim keeps the TMA epilogue."""
+    from harness.inspect_code import run_ptxas
+
+    p = Problem(2, 4, 300, 64, "bf16", False, Hkv=2)
+    persistent = bwd.compile_backward(p, 90, ws_config="ws-M64-c2-s2", ws_dq_config="fused")[1]
+    assert persistent.name == "ws_bwd_dkdv_kernel" and "st.global" in persistent.asm["ptx"]
+    assert run_ptxas(persistent.asm["ptx"], "sm_90a")["spill_stores"] == 0
+    split = bwd.compile_backward(Problem(1, 2, 200, 256, "bf16", True), 90, ws_config="ws-M32-c2-s3-x",
+                                 ws_dq_config="ws-M64-c2-s2")[1]
+    assert "cp.async.bulk.tensor" in split.asm["ptx"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", [
+    dict(ws_config="ws-M64-c2-s2", ws_dq_config="fused"),
+    dict(ws_config="ws-M32-c2-s2", ws_dq_config="ws-M64-c2-s2"),
+    dict(ws_config="ws-M64-c1-s3", ws_dq_config="fused"),
+    dict(ws_config="ws-M128-c1-s2", ws_dq_config="ws-M128-c1-s2"),
+], ids=lambda k: "+".join(k.values()))
+@pytest.mark.parametrize("shape", WS_SHAPES + [(1, 4, 2, 1000, 700, 80), (2, 2, 1, 130, 1100, 96)],
+                         ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}-D{}".format(*s))
+def test_gpu_persistent_dkdv_matches_float64(shape, kernels, persistent_dkdv, monkeypatch, device):
+    """The persistent grid against float64, with a grid of 3 programs so that every program walks several
+    items (a GPU's 132 SMs would give these small shapes one item each): the ring's slots and the
+    barriers' phases must run on across items, the next item's K/V must not land before the consumers
+    are done with the last one's, fused dQ's reduces must be waited for before the program ends. Causal
+    and not, GQA, Nq ≠ Nk both ways, ragged tiles, head-dim tails, fp16 and bf16."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper backward kernels need sm_90")
+    B, Hq, Hkv, Nq, Nk, D = shape
+    if D % 64 and kernels["ws_config"] != "ws-M64-c2-s2":
+        pytest.skip("a head-dim tail takes 64-row Q tiles and two consumers with fused dQ")
+    monkeypatch.setattr(persistent_dkdv, "sm_count", lambda device: 3)
+    for causal, dtype_name in ((False, "bf16"), (True, "bf16"), (True, "fp16")):
+        q, k, v = make_qkv(B, Hq, Nq, D, DTYPES[dtype_name], device, Hkv=Hkv, Nk=Nk, seed=17)
+        check_gradients(attention, q, k, v, causal=causal, dtype_name=dtype_name, **kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ws", ["ws-M32-c2-s3-x", "ws-M32-c2-s3"])
+def test_gpu_persistent_dkdv_with_a_split_head_dim_matches_float64(ws, persistent_dkdv, monkeypatch, device):
+    """D 256 (the consumers split the head dim, sharing the scores or recomputing them) on the persistent
+    grid: the TMA epilogue through the shared K/V tile, then ``kv_free``, item after item."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper backward kernels need sm_90")
+    monkeypatch.setattr(persistent_dkdv, "sm_count", lambda device: 2)
+    for causal in (False, True):
+        q, k, v = make_qkv(2, 4, 300, 256, torch.bfloat16, device, Hkv=2, Nk=400, seed=19)
+        check_gradients(attention, q, k, v, causal=causal, dtype_name="bf16", ws_config=ws,
+                        ws_dq_config="ws-M64-c2-s2")
+
+
+@pytest.mark.gpu
+def test_gpu_persistent_dkdv_default_plan_matches_float64(persistent_dkdv, device):
+    """The default plan (the tuned tiles) on the persistent grid with the GPU's own SM count, at a size
+    with more items than SMs (B 2, H 16, N 1100: 2 · 16 · 9 K/V tiles), causal and not."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper backward kernels need sm_90")
+    for D in (64, 128):
+        for causal in (False, True):
+            q, k, v = make_qkv(2, 16, 1100, D, torch.bfloat16, device, seed=23 + causal)
+            check_gradients(attention, q, k, v, causal=causal, dtype_name="bf16")

@@ -72,6 +72,12 @@ through the tail's buffers. The multiply-adds then follow D (80 costs 80 columns
 consumers' registers are those of D 64 plus 8-16 per tail accumulator, so 64-row Q tiles fit with
 no spills. Fused dQ and the split head dim keep the padded width. A ``-pad`` config turns it off.
 
+**A persistent grid** (:data:`PERSISTENT_DKDV`, a rung that can be switched on): one program per SM
+walks work items (a K/V tile of one batch·K/V head) in the grid's order, instead of one program per
+item. The consumers release an item's K/V buffers (an mbarrier, ``kv_free``) as soon as they are done
+reading them, so the producer loads the next item's K and V while this item's dK and dV leave straight
+from the registers; the ring of Q/dO slots and every barrier's phase run on from item to item.
+
 Covers sm_90, fp16/bf16, D 64, 128 and 256 (and, with ``hopper_ws.PADDED_HEAD_DIMS``, every multiple
 of 8 from 40: with a tail, or in tiles of the padded width), Nq ≠ Nk, GQA, 16-byte aligned strides
 (TMA's rule).
@@ -187,6 +193,17 @@ HEAD_GROUP: int | str = _HEAD_GROUP if _HEAD_GROUP == "auto" else int(_HEAD_GROU
 AUTO_CHUNK = 8
 #: ``auto`` takes the chunks where the model's end falls by this share of the balanced time or more.
 AUTO_MIN_GAIN = 0.02
+#: A persistent grid for the dK/dV kernel (``LAB_BWD_PERSISTENT``): one program per SM, each walking the
+#: work items (K/V tile, batch·K/V head) from its own index on in steps of the grid's size, in the order
+#: :data:`HEAVY_FIRST` and :data:`HEAD_GROUP` give. One program per item, as without it, ends each item
+#: with the pipeline empty: the K/V tiles stored (through the K/V buffers, by TMA) and the store waited
+#: for, then a new program's barriers, K/V load and first Q/dO tiles; with several items per program the
+#: next item's K and V are loaded as soon as the consumers are done reading this one's (an mbarrier,
+#: ``kv_free``), while its dK and dV leave straight from the registers, and the ring of Q/dO slots runs
+#: on from item to item. cuDNN's backward kernel is persistent; it leads most where items are short (N 1024:
+#: a program's K/V tile meets 16 Q tiles). Not with :data:`FUSED_DQ_AHEAD` or :data:`FUSED_DQ_LAG` (a
+#: ``-r`` config), whose last Q tile's dQ slice each item flushes: those keep one program per item.
+PERSISTENT_DKDV = os.environ.get("LAB_BWD_PERSISTENT", "0") == "1"
 if FUSED_DQ_ATOMICS not in FUSED_DQ_ATOMICS_CHOICES:
     raise ValueError(f"LAB_FUSED_DQ_ATOMICS must be one of {', '.join(FUSED_DQ_ATOMICS_CHOICES)}, "
                      f"got {FUSED_DQ_ATOMICS!r}")
@@ -245,18 +262,44 @@ def _copy_tile(desc, tail_desc, bar, buf, tail_buf, b, h, row):
 
 
 @gluon.jit
-def _producer(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, ring, tail, b, h_kv, start_n, Nq, Nk,
+def _producer(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, kv_free, ring, tail, sched, Nq, Nk,
               GROUP: gl.constexpr, CAUSAL: gl.constexpr, STAGGER: gl.constexpr):
-    """One warp: this program's K and V tiles (64 rows each: one per consumer, or one that two
-    consumers split by head-dim halves) once, then the Q and dO tiles of every query head of the
-    group, in the consumers' order, through the ring. With a head-dim tail (``tail``,
-    :func:`hopper_ws.tile_widths`) every tile comes as two copies, main columns and tail, on one barrier."""
+    """One warp: :func:`_producer_item` for each work item of this program, the ring's slots running on
+    from item to item. ``sched``: the program's one item (batch, K/V head, first key), or with a
+    persistent grid what finds its items (:func:`_item_coords`'s five values). (Told apart by its length:
+    a worker partition's arguments arrive as values, so a switch among them would not be a constant.)"""
+    ROWS_TOTAL: gl.constexpr = k_bufs.shape[0] * k_bufs.shape[3]
+    args = (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, kv_free, ring, tail, Nq, Nk)
+    if len(sched) == 3:
+        b, h_kv, start_n = sched
+        _producer_item(args, b, h_kv, start_n, start_n * 0, 0, GROUP, CAUSAL, STAGGER, False)
+    else:
+        it = 0
+        t = 0
+        for item in range(gl.program_id(0), _items(sched), gl.num_programs(0)):
+            b, h_kv, start_n = _item_coords(item, sched, ROWS_TOTAL)
+            it = _producer_item(args, b, h_kv, start_n, it, t, GROUP, CAUSAL, STAGGER, True)
+            t += 1
+
+
+@gluon.jit
+def _producer_item(args, b, h_kv, start_n, it, t, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+                   STAGGER: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One work item: its K and V tiles (64 rows each: one per consumer, or one that two consumers split
+    by head-dim halves) once (persistent: as soon as the consumers are done with the last item's,
+    ``kv_free``), then the Q and dO tiles of every query head of the group, in the consumers' order,
+    through the ring. With a head-dim tail (``tail``, :func:`hopper_ws.tile_widths`) every tile comes as
+    two copies, main columns and tail, on one barrier. Returns the ring's count of tiles."""
+    q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, kv_free, ring, tail, Nq, Nk = args
     q_bufs, do_bufs, ready, empty = ring
     q_tail_desc, k_tail_desc, v_tail_desc, do_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs, do_tail_bufs = tail
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[3]
     KV_TILES: gl.constexpr = k_bufs.shape[0]
     ROWS: gl.constexpr = k_bufs.shape[3]
+    if PERSISTENT:
+        # (a fresh mbarrier counts as "phase 1 completed": the first item does not wait)
+        mbarrier.wait(kv_free, (t & 1) ^ 1)
     if k_tail_desc is not None:
         mbarrier.expect(kv_bar, 2 * KV_TILES * (k_desc.block_type.nbytes + k_tail_desc.block_type.nbytes))
     else:
@@ -265,7 +308,6 @@ def _producer(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, ring, tai
         _copy_tile(k_desc, k_tail_desc, kv_bar, k_bufs.index(c), k_tail_bufs.index(c), b, h_kv, start_n + c * ROWS)
         _copy_tile(v_desc, v_tail_desc, kv_bar, v_bufs.index(c), v_tail_bufs.index(c), b, h_kv, start_n + c * ROWS)
     first, n_tiles, unmasked = _q_range(start_n, Nq, Nk, BLOCK_M, ROWS * KV_TILES, CAUSAL)
-    it = 0
     for g in range(GROUP):
         h = h_kv * GROUP + g
         for j in range(n_tiles):
@@ -280,6 +322,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, ring, tai
             _copy_tile(q_desc, q_tail_desc, ready.index(s), q_bufs.index(s), q_tail_bufs.index(s), b, h, row)
             _copy_tile(do_desc, do_tail_desc, ready.index(s), do_bufs.index(s), do_tail_bufs.index(s), b, h, row)
             it += 1
+    return it
 
 
 @builtin
@@ -394,15 +437,17 @@ def _probabilities_t(st, lse, keys, queries, qk_scale, need_mask, Nk, offset, CA
 
 
 @gluon.jit
-def _store_halves(dk, dv, k_bufs, v_bufs, bars, dk_desc, dv_desc, b, h_kv, start_n, WG: gl.constexpr,
-                  COL0: gl.constexpr):
+def _store_halves(dk, dv, k_bufs, v_bufs, bars, kv_free, dk_desc, dv_desc, b, h_kv, start_n, phase,
+                  WG: gl.constexpr, COL0: gl.constexpr, PERSISTENT: gl.constexpr):
     """The epilogue of two consumers that split the head dim: the shared K/V tile is read by both
     consumers' products until their last one, so each writes its halves of dK and dV over it only
     when both are done (``bars`` 0: one arrival per warpgroup, after the warpgroup barrier Triton puts
-    before it), and consumer 0 TMA-stores the whole tiles once both halves are in (``bars`` 1)."""
+    before it), and consumer 0 TMA-stores the whole tiles once both halves are in (``bars`` 1). The K/V
+    buffers are free for the next item (``kv_free``) once that store has read them. ``phase``: the
+    program's item count's parity (each barrier completes once per item)."""
     DH: gl.constexpr = dk.shape[1]
     mbarrier.arrive(bars.index(0))
-    mbarrier.wait(bars.index(0), 0)
+    mbarrier.wait(bars.index(0), phase)
     k_t = k_bufs.index(0).reshape([k_bufs.shape[3], k_bufs.shape[4]])
     v_t = v_bufs.index(0).reshape([v_bufs.shape[3], v_bufs.shape[4]])
     k_t.slice(COL0, DH, dim=1).store(dk.to(k_bufs.dtype))
@@ -410,10 +455,26 @@ def _store_halves(dk, dv, k_bufs, v_bufs, bars, dk_desc, dv_desc, b, h_kv, start
     fence_async_shared()
     mbarrier.arrive(bars.index(1))
     if WG == 0:
-        mbarrier.wait(bars.index(1), 0)
+        mbarrier.wait(bars.index(1), phase)
         tma.async_copy_shared_to_global(dk_desc, [b, h_kv, start_n, 0], k_bufs.index(0))
         tma.async_copy_shared_to_global(dv_desc, [b, h_kv, start_n, 0], v_bufs.index(0))
         tma.store_wait(0)
+    if PERSISTENT:
+        mbarrier.arrive(kv_free)
+
+
+@gluon.jit
+def _store_rows(ptr, acc, row0, Nk, COL0: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Rows ``row0 ...`` of a contiguous ``[Nk, HEAD_DIM]`` gradient (``ptr``: its head's first element),
+    columns from ``COL0`` on, from the accumulator's registers as they lie (rows past Nk and columns
+    past the head dim left out): the persistent epilogue, which leaves the K/V buffers to the next item."""
+    layout: gl.constexpr = acc.type.layout
+    rows = row0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = COL0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    mask = gl.expand_dims(rows < Nk, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
+    # (int32 offsets: a head holds under 2^31 elements)
+    gl.store(ptr + gl.expand_dims(rows * HEAD_DIM, 1) + gl.expand_dims(cols, 0), acc.to(ptr.dtype.element_ty),
+             mask=mask)
 
 
 @gluon.jit
@@ -421,15 +482,42 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
               ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr, AHEAD: gl.constexpr, STAGGER: gl.constexpr,
               LAG: gl.constexpr, COMPACT_STATS: gl.constexpr, EARLY_RELEASE: gl.constexpr,
               PREFETCH_STATS: gl.constexpr):
-    """One warpgroup: dK and dV of its 64 K/V rows, over every Q tile of the group's query heads; with
+    """One warpgroup, over this program's work items (``sched`` in ``args``, as :func:`_producer` reads
+    it): each is :func:`_consumer_item`, the ring's slot count running on from one to the next. A
+    persistent program waits for the bulk reduces of fused dQ still in flight after its last item
+    before it ends (they read shared memory)."""
+    k_bufs = args[2]
+    sched = args[13]
+    ROWS_TOTAL: gl.constexpr = k_bufs.shape[0] * k_bufs.shape[3]
+    if len(sched) == 3:  # one item; the ring's count a runtime zero, which the item's loops carry
+        b, h_kv, start_n = sched
+        _consumer_item(args, tail, b, h_kv, start_n, start_n * 0, 0, WG, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D,
+                       AHEAD, STAGGER, LAG, COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS, False)
+    else:
+        it = 0
+        t = 0
+        for item in range(gl.program_id(0), _items(sched), gl.num_programs(0)):
+            b, h_kv, start_n = _item_coords(item, sched, ROWS_TOTAL)
+            it = _consumer_item(args, tail, b, h_kv, start_n, it, t, WG, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D,
+                                AHEAD, STAGGER, LAG, COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS, True)
+            t += 1
+        tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP: gl.constexpr,
+                   CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr,
+                   AHEAD: gl.constexpr, STAGGER: gl.constexpr, LAG: gl.constexpr, COMPACT_STATS: gl.constexpr,
+                   EARLY_RELEASE: gl.constexpr, PREFETCH_STATS: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One warpgroup, one work item: dK and dV of its 64 K/V rows, over every Q tile of the group's query heads; with
     a dQ accumulator (``DQ_ACC``, fused dQ), also each Q tile's share of dQ from these rows. With
     ``SPLIT_D`` = 2 two consumers share one 64-row K/V tile and each keeps the dK and dV columns of
     its half of the head dim: both compute the whole Sᵀ and dPᵀ (products over the full head dim),
     and each multiplies them into its half of Q and dO. With a head-dim tail (``tail``; neither fused
     dQ nor a split head dim): ``Sᵀ`` and ``dPᵀ`` each add the tail columns' product, and dK and dV
     have a tail accumulator each, fed by a product of their own."""
-    (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, out_bar, ring, LSE, DELTA, DQ_ACC, ds_bufs, dq_stages, b, h_kv,
-     start_n, Hq, Nq, Nk, qk_scale, sm_scale) = args
+    (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, out_bar, ring, LSE, DELTA, DQ_ACC, ds_bufs, dq_stages, kv_free,
+     sched, DK, DV, Hq, Hkv, Nq, Nk, qk_scale, sm_scale) = args
     q_bufs, do_bufs, ready, empty = ring
     dk_tail_desc, dv_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs, do_tail_bufs, dq_tail_desc, dq_tail_stages = tail
     TAIL: gl.constexpr = dk_tail_desc is not None
@@ -490,15 +578,19 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
         lse_n, delta_n = _load_row_stats(LSE, DELTA, (b * Hq + h_kv * GROUP).to(gl.int64),
                                          _q_tile_row(first, 0, n_tiles, start_n, ROWS * KV_TILES, BLOCK_M, STAGGER),
                                          Nq, n_tiles > 0, BLOCK_M, stat_layout)
-    mbarrier.wait(kv_bar, 0)
-    it = 0
+    mbarrier.wait(kv_bar, t & 1)
+    if PERSISTENT:
+        it0 = it  # (the ring's slots count on from the last item; this item's tiles from here)
+    else:
+        it = 0  # (a constant, as the one item's code was compiled before the persistent grid)
+        it0 = 0
     for g in range(GROUP):
         bh = (b * Hq + h_kv * GROUP + g).to(gl.int64)
         for j in range(n_tiles):
             row0 = _q_tile_row(first, j, n_tiles, start_n, ROWS * KV_TILES, BLOCK_M, STAGGER)
             queries = row0 + gl.arange(0, BLOCK_M, layout=query_layout)
             if PREFETCH_STATS == 1:  # the first tile's were asked for before the K/V wait
-                if it == 0:
+                if it == it0:
                     lse_c = lse_n
                     delta_c = delta_n
                 else:
@@ -532,7 +624,7 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
                 # The last tile's slice, first in the queue (the first turn multiplies a buffer not
                 # yet written, and adds nothing).
                 xp = (it + 1) % 2
-                if it > 0:
+                if it > it0:
                     mbarrier.wait(out_bar.index(2 + xp), ((it - 1) // 2) & 1)  # the other's dSᵀ is in
                 dq = _pair_dq_issue(ds_bufs, xp, k_bufs, WG * DQ_COLS, DQ_COLS, dq_layout)
             q_tt = q_tail_bufs.index(s).reshape([BLOCK_M, DT])
@@ -547,7 +639,7 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
                 dpt = warpgroup_mma(v_tt, do_tt.permute((1, 0)), dpt, is_async=True)
             if DQ_ACC is not None and ATOMICS == "pair" and AHEAD_ON:
                 dq, st = warpgroup_mma_wait(1, deps=(dq, st))  # the slice and Sᵀ are done
-                if it > 0:
+                if it > it0:
                     _pair_dq_add(dq, DQ_ACC, dq_stages.index(WG), b, pend_h, pend_row, sm_scale, WG * DQ_COLS)
                     mbarrier.arrive(out_bar.index(4 + xp))  # done reading the last tile's buffer
             else:
@@ -598,11 +690,11 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
                 # The last tile's slice, queued behind this tile's dK and dV products (the first turn
                 # multiplies a buffer not yet written, and adds nothing).
                 xp = (it + 1) % 2
-                if it > 0:
+                if it > it0:
                     mbarrier.wait(out_bar.index(2 + xp), ((it - 1) // 2) & 1)  # the other's dSᵀ is in
                 dq = _pair_dq_issue(ds_bufs, xp, k_bufs, WG * DQ_COLS, DQ_COLS, dq_layout)
                 dv, dk, pt_op, dst_op, dq = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op, dq))
-                if it > 0:
+                if it > it0:
                     _pair_dq_add(dq, DQ_ACC, dq_stages.index(WG), b, pend_h, pend_row, sm_scale, WG * DQ_COLS)
                     mbarrier.arrive(out_bar.index(4 + xp))  # done reading the last tile's buffer
             elif TAIL:
@@ -641,7 +733,7 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
             it += 1
     if DQ_ACC is not None and ATOMICS == "pair":
         if AHEAD_ON or LAG_ON:
-            if it > 0:  # the last Q tile's slice, not issued ahead of anything
+            if it > it0:  # the last Q tile's slice, not issued ahead of anything
                 xp = (it + 1) % 2
                 mbarrier.wait(out_bar.index(2 + xp), ((it - 1) // 2) & 1)
                 _pair_dq(ds_bufs, xp, k_bufs, DQ_ACC, dq_stages.index(WG), b, pend_h, pend_row, sm_scale,
@@ -649,8 +741,20 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
         # Both consumers' dQ products read both K tiles up to their last Q tile: neither writes its dK
         # over its K tile before the other is done with them (out_bar 0, one arrival per consumer).
         mbarrier.arrive(out_bar.index(0))
-        mbarrier.wait(out_bar.index(0), 0)
-    if SPLIT_D == 1:
+        mbarrier.wait(out_bar.index(0), t & 1)
+    if SPLIT_D == 1 and PERSISTENT:
+        # Nothing reads this item's K and V any more: the producer may bring the next item's in while
+        # this one's dK and dV leave straight from the registers (rows past Nk and columns past the
+        # head dim left out), not through the K/V buffers.
+        mbarrier.arrive(kv_free)
+        head = (b * Hkv + h_kv).to(gl.int64) * Nk * HEAD_DIM
+        rows0 = start_n + WG * ROWS
+        _store_rows(DK + head, dk * sm_scale, rows0, Nk, 0, HEAD_DIM)
+        _store_rows(DV + head, dv, rows0, Nk, 0, HEAD_DIM)
+        if TAIL:
+            _store_rows(DK + head, dk_t * sm_scale, rows0, Nk, D, HEAD_DIM)
+            _store_rows(DV + head, dv_t, rows0, Nk, D, HEAD_DIM)
+    elif SPLIT_D == 1:
         # Out through this consumer's own K and V buffers (nothing reads them any more), TMA-stored:
         # the store clips rows past Nk.
         k_bufs.index(WG).reshape([ROWS, D]).store((dk * sm_scale).to(dtype))
@@ -665,13 +769,34 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
             tma.async_copy_shared_to_global(dk_tail_desc, [b, h_kv, start_n + WG * ROWS, D], k_tail_bufs.index(WG))
             tma.async_copy_shared_to_global(dv_tail_desc, [b, h_kv, start_n + WG * ROWS, D], v_tail_bufs.index(WG))
         tma.store_wait(0)
+        if PERSISTENT:
+            mbarrier.arrive(kv_free)  # (the stores have read the K/V buffers)
     else:
-        _store_halves(dk * sm_scale, dv, k_bufs, v_bufs, out_bar, dk_desc, dv_desc, b, h_kv, start_n, WG, COL0)
+        _store_halves(dk * sm_scale, dv, k_bufs, v_bufs, out_bar, kv_free, dk_desc, dv_desc, b, h_kv, start_n, t & 1,
+                      WG, COL0, PERSISTENT)
+    return it
 
 
 @gluon.jit
 def _consumer_shared_scores(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
-    """One of two warpgroups that share one 64-row K/V tile and split its head dim (as ``_consumer``
+    """:func:`_consumer_shared_scores_item` over this program's work items, as :func:`_consumer`."""
+    sched = args[13]
+    if len(sched) == 3:
+        b, h_kv, start_n = sched
+        _consumer_shared_scores_item(args, b, h_kv, start_n, start_n * 0, 0, WG, GROUP, CAUSAL, False)
+    else:
+        it = 0
+        t = 0
+        for item in range(gl.program_id(0), _items(sched), gl.num_programs(0)):
+            b, h_kv, start_n = _item_coords(item, sched, args[2].shape[3])
+            it = _consumer_shared_scores_item(args, b, h_kv, start_n, it, t, WG, GROUP, CAUSAL, True)
+            t += 1
+
+
+@gluon.jit
+def _consumer_shared_scores_item(args, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP: gl.constexpr,
+                                 CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One work item of one of two warpgroups that share one 64-row K/V tile and split its head dim (as ``_consumer``
     with ``SPLIT_D`` = 2), computing the scores once between them: of each Q tile this consumer
     computes the columns of Sᵀ and dPᵀ of its half of the queries, keeps its Pᵀ and dSᵀ in registers
     for its own products and hands them to the other consumer through shared memory, and takes the
@@ -679,8 +804,8 @@ def _consumer_shared_scores(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL:
     columns] + Pᵀ[:, other queries] · dO[other queries, my columns], dK alike. The exchange buffers are
     double-buffered: mbarriers ``xready`` (both halves written) and ``xfree`` (both consumers done
     reading the other's) per buffer, one arrival per warpgroup."""
-    (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, bars, ring, LSE, DELTA, DQ_ACC, p_x, s_x, b, h_kv,
-     start_n, Hq, Nq, Nk, qk_scale, sm_scale) = args
+    (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, bars, ring, LSE, DELTA, DQ_ACC, p_x, s_x, kv_free, sched, DK, DV,
+     Hq, Hkv, Nq, Nk, qk_scale, sm_scale) = args
     q_bufs, do_bufs, ready, empty = ring
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[3]
@@ -707,8 +832,7 @@ def _consumer_shared_scores(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL:
     v_t = v_bufs.index(0).reshape([ROWS, D])
     dk = gl.zeros([ROWS, DH], gl.float32, acc_layout)
     dv = gl.zeros([ROWS, DH], gl.float32, acc_layout)
-    mbarrier.wait(kv_bar, 0)
-    it = 0
+    mbarrier.wait(kv_bar, t & 1)
     for g in range(GROUP):
         bh = (b * Hq + h_kv * GROUP + g).to(gl.int64)
         for j in range(n_tiles):
@@ -755,20 +879,20 @@ def _consumer_shared_scores(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL:
             mbarrier.arrive(bars.index(4 + x))  # done reading the other's halves in buffer x
             _signal(empty.index(s))
             it += 1
-    _store_halves(dk * sm_scale, dv, k_bufs, v_bufs, bars, dk_desc, dv_desc, b, h_kv, start_n, WG, COL0)
+    _store_halves(dk * sm_scale, dv, k_bufs, v_bufs, bars, kv_free, dk_desc, dv_desc, b, h_kv, start_n, t & 1,
+                  WG, COL0, PERSISTENT)
+    return it
 
 
 @gluon.jit
-def _program_tile(n_tiles, chunk, group):
-    """(tile, batch·head) of this program in a one-dimensional grid of ``n_tiles`` per batch·head,
+def _program_tile(item, n_tiles, heads, chunk, group):
+    """(tile, batch·head) of work item ``item`` of ``n_tiles`` per batch·head over ``heads`` batch·heads,
     ordered as :func:`program_order` says: the batch·heads in groups of ``group``, one group after
     another, and within a group the tiles in chunks of ``chunk`` across its batch·heads."""
-    pid = gl.program_id(0)
-    heads = gl.num_programs(0) // n_tiles
     per_group = group * n_tiles
-    first_head = pid // per_group * group
+    first_head = item // per_group * group
     in_group = gl.minimum(group, heads - first_head)
-    r = pid % per_group
+    r = item % per_group
     per_chunk = chunk * in_group
     first = r // per_chunk * chunk
     in_chunk = gl.minimum(chunk, n_tiles - first)
@@ -776,37 +900,61 @@ def _program_tile(n_tiles, chunk, group):
     return first + r % in_chunk, first_head + r // in_chunk
 
 
-@gluon.jit(do_not_specialize=["Hq", "Hkv", "Nq", "Nk", "tiles_per_chunk", "heads_per_group"])
+@gluon.jit
+def _items(sched):
+    """How many work items (K/V tile, batch·K/V head) the grid has: ``sched`` is (K/V tiles per
+    batch·head, batch·heads, ``tiles_per_chunk``, ``heads_per_group``, K/V heads)."""
+    n_tiles, heads, chunk, group, Hkv = sched
+    return n_tiles * heads
+
+
+@gluon.jit
+def _item_coords(item, sched, ROWS_TOTAL: gl.constexpr):
+    """(batch, K/V head, first key) of work item ``item``. A program walks the items from its own index
+    on in steps of the grid's size: one item where the grid has a program per item, several where it has
+    one per SM (:data:`PERSISTENT_DKDV`). Producer and consumers ask the same."""
+    n_tiles, heads, chunk, group, Hkv = sched
+    pid_n, bh = _program_tile(item, n_tiles, heads, chunk, group)
+    return bh // Hkv, bh % Hkv, pid_n * ROWS_TOTAL
+
+
+@gluon.jit(do_not_specialize=["Hq", "Hkv", "Nq", "Nk", "tiles_per_chunk", "heads_per_group", "heads"])
 def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail_desc, k_tail_desc, v_tail_desc,
-                       do_tail_desc, dk_tail_desc, dv_tail_desc, LSE, DELTA, DQ_ACC, DQ_TAIL_ACC, qk_scale,
+                       do_tail_desc, dk_tail_desc, dv_tail_desc, LSE, DELTA, DQ_ACC, DQ_TAIL_ACC, DK, DV, qk_scale,
                        sm_scale,
-                       Hq, Hkv, Nq, Nk, tiles_per_chunk, heads_per_group,
+                       Hq, Hkv, Nq, Nk, tiles_per_chunk, heads_per_group, heads,
                        STAGES: gl.constexpr, CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                        HEAD_DIM: gl.constexpr, ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr,
                        SHARE_SCORES: gl.constexpr, AHEAD: gl.constexpr, STAGGER: gl.constexpr, LAG: gl.constexpr,
                        COMPACT_STATS: gl.constexpr, EARLY_RELEASE: gl.constexpr, PREFETCH_STATS: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """One program per (K/V tile of ``CONSUMERS / SPLIT_D × 64`` rows, batch·K/V head), in the order
-    ``tiles_per_chunk`` and ``heads_per_group`` give (:func:`program_order`). ``q_tail_desc`` ... ``dv_tail_desc``: None, or the
+                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Work items (K/V tile of ``CONSUMERS / SPLIT_D × 64`` rows, batch·K/V head) over ``heads``
+    batch·K/V heads, in the order ``tiles_per_chunk`` and ``heads_per_group`` give (:func:`program_order`):
+    one program per item, or (``PERSISTENT``, a grid of one program per SM) each program walking every
+    grid-size-th item, the next item's K/V tiles loaded as soon as the consumers are done reading this
+    one's and its dK/dV stored from the registers (``DK``, ``DV``: the contiguous gradients). ``q_tail_desc`` ... ``dv_tail_desc``: None, or the
     head-dim tail's descriptors (the columns from the main tiles' width on); with fused dQ,
     ``DQ_TAIL_ACC`` the fp32 accumulator's tail descriptor. See the module docstring."""
     ROWS: gl.constexpr = k_desc.block_type.shape[2]
     KV_TILES: gl.constexpr = CONSUMERS // SPLIT_D
-    pid_n, bh = _program_tile(gl.cdiv(Nk, ROWS * KV_TILES), tiles_per_chunk, heads_per_group)
-    b = bh // Hkv
-    h_kv = bh % Hkv
-    start_n = pid_n * (ROWS * KV_TILES)
+    if PERSISTENT:  # what a program needs to find its items
+        sched = (gl.cdiv(Nk, ROWS * KV_TILES), heads, tiles_per_chunk, heads_per_group, Hkv)
+    else:  # its one item, found here as before the persistent grid (fewer values into the partitions)
+        sched = _item_coords(gl.program_id(0), (gl.cdiv(Nk, ROWS * KV_TILES), heads, tiles_per_chunk,
+                                                heads_per_group, Hkv), ROWS * KV_TILES)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [KV_TILES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [KV_TILES] + v_desc.block_type.shape, v_desc.layout)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # SPLIT_D's epilogue (0, 1; fused dQ's "pair" meets on 0 before its epilogue) and the exchange's
     # "ready" (2, 3) and "free" (4, 5) per buffer, of SHARE_SCORES' scores or the pair's dSᵀ tiles
     out_bar = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
+    mbarrier.init(kv_free, count=CONSUMERS)  # one arrival per consumer warpgroup, once per item
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
@@ -843,9 +991,9 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BM // 2], q_desc.dtype)
         ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, ROWS, BM // 2], x_layout)
         dq_stages = gl.allocate_shared_memory(q_desc.dtype, [4, ROWS, BM // 2], x_layout)
-    args = (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, out_bar, ring, LSE, DELTA, DQ_ACC, ds_bufs, dq_stages, b, h_kv,
-            start_n, Hq, Nq, Nk, qk_scale, sm_scale)
-    producer_args = (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, ring, producer_tail, b, h_kv, start_n,
+    args = (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, out_bar, ring, LSE, DELTA, DQ_ACC, ds_bufs, dq_stages, kv_free,
+            sched, DK, DV, Hq, Hkv, Nq, Nk, qk_scale, sm_scale)
+    producer_args = (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, kv_free, ring, producer_tail, sched,
                      Nq, Nk, GROUP, CAUSAL, STAGGER)
     if SHARE_SCORES:
         gl.warp_specialize([
@@ -1090,7 +1238,7 @@ def _tail_descriptors(tensors: dict, rows: dict, main: int, tail: int) -> dict:
 
 def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float, sm_scale: float, block_m: int,
               consumers: int, stages: int, dq_acc=None, share_scores: bool = False, pad: bool = False,
-              reorder: bool = False) -> Launch:
+              reorder: bool = False, persistent: bool | None = None) -> Launch:
     """The launch of ``ws_bwd_dkdv_kernel`` for these tensors: K/V tiles of ``consumers × 64`` rows
     (above 128 columns, one tile of 64 rows whose head dim the two consumers split:
     :func:`split_head_dim`), Q/dO tiles of ``block_m`` rows through ``stages`` slots; with ``dq_acc`` (a
@@ -1099,7 +1247,9 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
     ``share_scores`` (with the split head dim only): the two consumers compute the scores of a Q tile's
     halves and exchange them (``_consumer_shared_scores``) instead of both computing all. The tiles'
     widths: :func:`tile_widths` (``pad``: the whole power of two, for the ablation). ``reorder`` (fused dQ):
-    :data:`FUSED_DQ_STAGGER` and :data:`FUSED_DQ_LAG` for this launch, whatever the module's switches say."""
+    :data:`FUSED_DQ_STAGGER` and :data:`FUSED_DQ_LAG` for this launch, whatever the module's switches say.
+    ``persistent``: a grid of one program per SM walking the items (:data:`PERSISTENT_DKDV` where None),
+    where the kernel takes it (contiguous dK and dV, neither ahead nor lagging fused dQ)."""
     if dq_acc is not None and block_m not in fused_dq_block_ms(consumers):
         raise ValueError(f"fused dQ with {consumers} consumer(s) adding by {FUSED_DQ_ATOMICS!r} takes Q tiles of "
                          f"{' or '.join(map(str, fused_dq_block_ms(consumers)))} rows, got {block_m}")
@@ -1118,6 +1268,10 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                          f"{SPLIT_ABOVE} columns); got D {q.shape[-1]}")
     rows = (1, 1, ROWS_PER_CONSUMER, main)
     n_tiles = cdiv(Nk, ROWS_PER_CONSUMER * consumers // split)
+    lag = FUSED_DQ_LAG or reorder
+    persistent = (PERSISTENT_DKDV if persistent is None else persistent) and dk.is_contiguous() and \
+        dv.is_contiguous() and not (dq_acc is not None and (FUSED_DQ_AHEAD or lag))
+    items = n_tiles * B * Hkv
     # (a pair of one consumer is the per-consumer bulk reduce)
     atomics = "tma" if FUSED_DQ_ATOMICS == "pair" and consumers == 1 else FUSED_DQ_ATOMICS
     consumer_regs, producer_regs, extra = kernel_options(consumers)
@@ -1127,7 +1281,7 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 **_tail_descriptors(dict(q=q, k=k, v=v, do=do, dk=dk, dv=dv),
                                     dict(q=block_m, do=block_m, k=ROWS_PER_CONSUMER, v=ROWS_PER_CONSUMER,
                                          dk=ROWS_PER_CONSUMER, dv=ROWS_PER_CONSUMER), main, tail),
-                LSE=lse, DELTA=delta,
+                LSE=lse, DELTA=delta, DK=dk, DV=dv,
                 DQ_ACC=_dq_descriptor(dq_acc, main, block_m) if dq_acc is not None and atomics in ("tma", "pair")
                 else dq_acc,
                 DQ_TAIL_ACC=_dq_descriptor(dq_acc, tail, block_m) if dq_acc is not None and tail else None,
@@ -1135,17 +1289,19 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 sm_scale=sm_scale, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, **causal_order(
                     causal_dkdv_work(Nq, Nk, ROWS_PER_CONSUMER * consumers // split, block_m, Hq // Hkv), B * Hkv,
                     sm_count(q.device)) if causal else dict(tiles_per_chunk=n_tiles, heads_per_group=B * Hkv),
+                heads=B * Hkv,
                 STAGES=stages, CONSUMERS=consumers,
                 GROUP=Hq // Hkv, CAUSAL=causal, HEAD_DIM=q.shape[-1], ATOMICS=atomics, SPLIT_D=split,
                 SHARE_SCORES=share_scores, AHEAD=FUSED_DQ_AHEAD,
-                STAGGER=(FUSED_DQ_STAGGER or reorder) and dq_acc is not None, LAG=FUSED_DQ_LAG or reorder,
+                STAGGER=(FUSED_DQ_STAGGER or reorder) and dq_acc is not None, LAG=lag,
                 COMPACT_STATS=(2 if joined_row_stats((main + tail) // split, block_m) else 1) if COMPACT_ROW_STATS
                 else 0,
                 EARLY_RELEASE=EARLY_SLOT_RELEASE,
                 PREFETCH_STATS=(2 if PREFETCH_ROW_STATS else 1 if first_row_stats_early((main + tail) // split, causal)
                                 else 0) if COMPACT_ROW_STATS else 0,
-                CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
-    return Launch(ws_bwd_dkdv_kernel, (n_tiles * B * Hkv,), args, num_warps=4, num_stages=1, extra=extra)
+                CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, PERSISTENT=persistent)
+    grid = (min(items, sm_count(q.device)) if persistent else items,)
+    return Launch(ws_bwd_dkdv_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)
 
 
 # ------------------------------------------------------------------------------------------ dQ
@@ -1288,7 +1444,8 @@ def ws_bwd_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, q_tail_desc, k_ta
     None, or the head-dim tail's descriptors (as ``ws_bwd_dkdv_kernel``'s)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     n_tiles = gl.cdiv(Nq, ROWS * CONSUMERS)
-    pid_m, bh = _program_tile(n_tiles, tiles_per_chunk, heads_per_group)
+    pid_m, bh = _program_tile(gl.program_id(0), n_tiles, gl.num_programs(0) // n_tiles, tiles_per_chunk,
+                              heads_per_group)
     if CAUSAL:
         pid_m = n_tiles - 1 - pid_m  # the last rows see the most keys: first
     b = bh // Hq
