@@ -1275,7 +1275,7 @@ def test_persistent_dkdv_compiles_for_sm90_with_the_register_epilogue(persistent
     assert persistent.name == "ws_bwd_dkdv_kernel" and "st.global" in persistent.asm["ptx"]
     assert run_ptxas(persistent.asm["ptx"], "sm_90a")["spill_stores"] == 0
     split = bwd.compile_backward(Problem(1, 2, 200, 256, "bf16", True), 90, ws_config="ws-M32-c2-s3-x",
-                                 ws_dq_config="ws-M64-c2-s2")[1]
+                                 ws_dq_config="ws-M64-c1-s2")[1]
     assert "cp.async.bulk.tensor" in split.asm["ptx"]
 
 
@@ -1316,7 +1316,7 @@ def test_gpu_persistent_dkdv_with_a_split_head_dim_matches_float64(ws, persisten
     for causal in (False, True):
         q, k, v = make_qkv(2, 4, 300, 256, torch.bfloat16, device, Hkv=2, Nk=400, seed=19)
         check_gradients(attention, q, k, v, causal=causal, dtype_name="bf16", ws_config=ws,
-                        ws_dq_config="ws-M64-c2-s2")
+                        ws_dq_config="ws-M64-c1-s2")
 
 
 @pytest.mark.gpu
