@@ -492,7 +492,7 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
     k_bufs = args[2]
     sched = args[13]
     ROWS_TOTAL: gl.constexpr = k_bufs.shape[0] * k_bufs.shape[3]
-    if len(sched) == 3:  # one item; the ring's count a runtime zero, which the item's loops carry
+    if len(sched) == 3:  # one item (its ring count starts from a constant zero inside, as before the grid)
         b, h_kv, start_n = sched
         _consumer_item(args, tail, b, h_kv, start_n, start_n * 0, 0, WG, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D,
                        AHEAD, STAGGER, LAG, COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS, False)
