@@ -492,7 +492,7 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
     k_bufs = args[2]
     sched = args[13]
     ROWS_TOTAL: gl.constexpr = k_bufs.shape[0] * k_bufs.shape[3]
-    if len(sched) == 3:  # one item (its ring count starts from a constant zero inside, as before the grid)
+    if len(sched) == 3:  # one item: the same machine code as before the persistent grid
         b, h_kv, start_n = sched
         _consumer_item(args, tail, b, h_kv, start_n, start_n * 0, 0, WG, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D,
                        AHEAD, STAGGER, LAG, COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS, False)
@@ -582,11 +582,7 @@ def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP:
                                          _q_tile_row(first, 0, n_tiles, start_n, ROWS * KV_TILES, BLOCK_M, STAGGER),
                                          Nq, n_tiles > 0, BLOCK_M, stat_layout)
     mbarrier.wait(kv_bar, t & 1)
-    if PERSISTENT:
-        it0 = it  # (the ring's slots count on from the last item; this item's tiles from here)
-    else:
-        it = 0  # (a constant, as the one item's code was compiled before the persistent grid)
-        it0 = 0
+    it0 = it  # (the ring's slots count on from the last item; this item's tiles from here)
     for g in range(GROUP):
         bh = (b * Hq + h_kv * GROUP + g).to(gl.int64)
         for j in range(n_tiles):
