@@ -41,6 +41,9 @@ The kernels
      K/V tiles, accumulates dQ in registers in a fixed order: bitwise reproducible. It recomputes
      QK^T and dO V^T, so seven matmuls per pair instead of five (3.5× the forward's FLOPs instead of
      2.5×, +40 %), and reads K and V once more per Q tile; no fp32 workspace, no atomics.
+   On Hopper the dK/dV kernel can add dQ itself in a fixed order instead (``ORDERED_DQ``, see
+   ``hopper_bwd.py``): five products and bitwise reproducible, each Q tile's adds taking turns at a
+   semaphore; ``LAB_ORDERED_DQ=1`` makes it what ``deterministic=True`` runs where fused dQ is the plan.
 4. A decoding-shaped problem (the group's query rows fit one tile after a cache, the forward's decode
    class) runs none of these: the split backward of ``decode_backward.py`` holds every query row in each
    program and shares out the keys, as the forward's split-KV path does (``split_backward``).
@@ -71,6 +74,7 @@ exactly 0 (2^(finite − ∞) = 0), so they contribute nothing and need no mask 
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -261,12 +265,12 @@ class BwdPlan:
     def atomic_dq(self) -> bool:
         """Whether dQ is added into an fp32 accumulator (the tl plan's atomic dQ, or fused into the
         Hopper dK/dV kernel) rather than written once by a dQ kernel of its own."""
-        return self.ws_dq == FUSED_DQ or not self.separate_dq
+        return self.ws_dq in FUSED_DQS or not self.separate_dq
 
     def __str__(self) -> str:
         dkdv = str(self.ws) if self.ws is not None else str(self.dkdv)
-        if self.ws_dq == FUSED_DQ:
-            return f"dkdv:{dkdv}+fused-dq"
+        if self.ws_dq in FUSED_DQS:
+            return f"dkdv:{dkdv}+{self.ws_dq}-dq"
         dq = str(self.ws_dq) if self.ws_dq is not None else str(self.dq)
         return f"dkdv:{dkdv}+" + (f"dq:{dq}" if self.separate_dq else "atomic-dq")
 
@@ -275,11 +279,21 @@ class BwdPlan:
 #: Hopper dK/dV kernel (``hopper_bwd._fused_dq``: five products per pair instead of seven, not
 #: deterministic, 64-row Q tiles).
 FUSED_DQ = "fused"
+#: ``ws_dq_config`` / a tuned ``deterministic`` entry's ``ws_dq``: fused dQ added in a fixed order, so
+#: deterministic with five products per pair: each Q tile's adds wait their turn at a semaphore in global
+#: memory (``hopper_bwd._ordered_dq_turn``), as FlashAttention-3's deterministic backward does.
+ORDERED_DQ = "ordered"
+#: The ``ws_dq`` values that form dQ inside the Hopper dK/dV kernel.
+FUSED_DQS = (FUSED_DQ, ORDERED_DQ)
+#: Where the tuned plan adds dQ inside the Hopper dK/dV kernel (:data:`FUSED_DQ`) and a deterministic
+#: backward is asked for, run the same tiles with :data:`ORDERED_DQ` instead of the tuner's plan without
+#: fused dQ (``LAB_ORDERED_DQ=1``; off until a GPU has timed it beside that plan).
+ORDERED_DQ_DEFAULT = os.environ.get("LAB_ORDERED_DQ", "0") == "1"
 
 
 def parse_ws_dq(text: WsConfig | str) -> WsConfig | str:
-    """A Hopper dQ kernel's tiles, or :data:`FUSED_DQ`."""
-    return FUSED_DQ if text == FUSED_DQ else WsConfig.parse(text) if isinstance(text, str) else text
+    """A Hopper dQ kernel's tiles, :data:`FUSED_DQ` or :data:`ORDERED_DQ`."""
+    return text if text in FUSED_DQS else WsConfig.parse(text) if isinstance(text, str) else text
 
 
 def _hand_config(D_pad: int, dtype: torch.dtype, arch: int, element_bytes: int) -> BwdConfig:
@@ -358,12 +372,15 @@ def backward_plan(D: int, dtype: torch.dtype, arch: int, causal: bool = False, *
                     plan = BwdPlan(dkdv, entry["dq_method"] == "separate", dq, ws, FUSED_DQ)
                 elif ws is not None or ws_dq not in (None, FUSED_DQ):
                     plan = BwdPlan(dkdv, True, dq, ws, ws_dq if ws_dq != FUSED_DQ else None)
-    if deterministic and hopper and "deterministic" in entry:
+    if deterministic and plan.ws_dq == FUSED_DQ and ORDERED_DQ_DEFAULT and ordered_dq_fits(plan.ws):
+        plan = replace(plan, ws=replace(plan.ws, reorder=False), ws_dq=ORDERED_DQ)  # (the same tiles, in order)
+    elif deterministic and hopper and "deterministic" in entry:
         # Where fused dQ (atomics) won, the tuner also kept the fastest plan without atomics: its Hopper
         # kernels by name, {} for the tl kernels alone (tune_backward.tune_hopper_cell).
         det = entry["deterministic"]
-        plan = replace(plan, separate_dq=True, ws=WsConfig.parse(det["ws"]) if "ws" in det else None,
-                       ws_dq=parse_ws_dq(det["ws_dq"]) if "ws_dq" in det else None)
+        ws_dq = parse_ws_dq(det["ws_dq"]) if "ws_dq" in det else None
+        plan = replace(plan, separate_dq=ws_dq != ORDERED_DQ, ws=WsConfig.parse(det["ws"]) if "ws" in det else None,
+                       ws_dq=ws_dq)
     elif deterministic:
         # (fused dQ is atomics: a deterministic backward takes the separate tl dQ kernel instead)
         plan = replace(plan, separate_dq=True, ws_dq=None if plan.ws_dq == FUSED_DQ else plan.ws_dq)
@@ -743,6 +760,14 @@ def fused_dq_fits(ws: WsConfig) -> bool:
     return ws.block_m in hopper_bwd.fused_dq_block_ms(ws.consumers)
 
 
+def ordered_dq_fits(ws: WsConfig | None) -> bool:
+    """Whether ordered dQ (:data:`ORDERED_DQ`) runs with these Hopper dK/dV tiles: fused dQ's, two
+    consumers adding once per pair (``hopper_bwd.ordered_dq_takes``; a '-r' config runs in order)."""
+    from . import hopper_bwd
+
+    return ws is not None and fused_dq_fits(ws) and hopper_bwd.ordered_dq_takes(ws.consumers)
+
+
 def _new_gradient(t: torch.Tensor) -> torch.Tensor:
     """A contiguous gradient buffer shaped like ``t`` (NaN-filled when the tests poison outputs)."""
     return new_output(t)
@@ -780,14 +805,15 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
                   exp2: bool = True, causal_skip: bool = True, tma: bool = True,
                   config: BwdConfig | None = None, dq_config: BwdConfig | None = None,
                   ws: WsConfig | None = None, ws_dq: WsConfig | None = None, key_starts=None,
-                  key_lengths=None) -> list[Launch]:
+                  key_lengths=None, dq_sem=None) -> list[Launch]:
     """The backward's launches in order: Δ pre-pass, dK/dV (+ atomic dQ into ``dq_acc``), and with
     ``deterministic`` the dQ kernel writing ``dq``. ``dq_acc`` is None in deterministic mode. ``tma``
     is accepted and ignored (pointer loads everywhere, see the module docstring). ``config`` forces the
     dK/dV kernel's tiles, ``dq_config`` the dQ kernel's (default: ``config`` the other way round).
     ``ws``: dK/dV from the Hopper kernel with these tiles (``choose_ws``; needs ``deterministic``,
     the separate dQ kernel, unless ``ws_dq`` is :data:`FUSED_DQ`: dQ added into ``dq_acc`` by the
-    Hopper dK/dV kernel itself); ``ws_dq``: dQ from the Hopper dQ kernel (``deterministic`` too).
+    Hopper dK/dV kernel itself, or :data:`ORDERED_DQ`: the same in a fixed order, deterministic, with the
+    zeroed semaphores ``dq_sem``); ``ws_dq``: dQ from the Hopper dQ kernel (``deterministic`` too).
     ``key_starts``/``key_lengths``: the forward's key ranges (the ``tl`` kernels take them)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -797,8 +823,13 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
                              pipelining=pipelining)
         config, dq_config = plan.dkdv, dq_config or plan.dq
     dq_config = dq_config or config
-    fused = ws_dq == FUSED_DQ
-    if fused and (ws is None or deterministic or dq_acc is None or not fused_dq_fits(ws)):
+    ordered = ws_dq == ORDERED_DQ
+    if ordered and not (ordered_dq_fits(ws) and dq_acc is not None and dq_sem is not None):
+        raise ValueError(f"ws_dq_config={ORDERED_DQ!r} (fused dQ added in a fixed order) needs a Hopper dK/dV config "
+                         f"fused dQ takes with two consumers (e.g. 'ws-M64-c2-s2'), adding once per pair, the fp32 "
+                         f"accumulator and the semaphores (dq_sem); got ws_config={ws}")
+    fused = ws_dq == FUSED_DQ or ordered
+    if ws_dq == FUSED_DQ and (ws is None or deterministic or dq_acc is None or not fused_dq_fits(ws)):
         raise ValueError(f"ws_dq_config={FUSED_DQ!r} (dQ by atomics inside the Hopper dK/dV kernel) needs a Hopper "
                          f"dK/dV config with 64-row Q tiles, or 32-row ones with two consumers (ws_config, e.g. "
                          f"'ws-M64-c2-s2' or 'ws-M32-c2-s3'), deterministic off and the fp32 accumulator; got "
@@ -830,7 +861,8 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
         launches.append(hopper_bwd.plan_dkdv(q, k, v, do, dk, dv, lse, delta, causal=causal, qk_scale=qk_scale,
                                              sm_scale=scale, block_m=ws.block_m, consumers=ws.consumers,
                                              stages=ws.stages, dq_acc=dq_acc if fused else None,
-                                             share_scores=ws.share, pad=ws.pad, reorder=ws.reorder))
+                                             share_scores=ws.share, pad=ws.pad, reorder=ws.reorder and not ordered,
+                                             dq_sem=dq_sem if ordered else None))
     else:
         launches.append(Launch(
             attention_bwd_dkdv_kernel, (cdiv(Nk, BN), B * Hkv),
@@ -911,7 +943,7 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         if len(_KEPT) >= _KEPT_MAX:
             _KEPT.clear()  # a model's layouts come back every step; a cleared table refills
         _KEPT[key] = kept
-    tensors = _allocate(q, k, v, kept.separate, kept.workspace, kept.split)
+    tensors = _allocate(q, k, v, kept.separate, kept.workspace, kept.split, kept.ordered)
     tensors.update(do=do, q=q, k=k, v=v, o=o, lse=lse, key_starts=key_starts, key_lengths=key_lengths)
     bound = kept.bound
     if bound and all(b.open() for b in bound):
@@ -948,23 +980,32 @@ class KeptLayout:
     bound: object = None
     workspace: tuple | None = None  # the split backward's dQ partials (decode_backward.workspace_shape)
     split: bool = False  # the split backward (which forms Δ in its own programs: no buffer for it)
+    ordered: bool = False  # ordered dQ (its zeroed semaphores, per call)
 
 #: Which call tensor each tensor or descriptor argument of the backward kernels takes.
 _ROLES = {"Q": "q", "K": "k", "V": "v", "O": "o", "DO": "do", "DQ": "dq", "DK": "dk", "DV": "dv", "LSE": "lse",
           "DELTA": "delta", "DQ_ACC": "dq_acc", "q_desc": "q", "k_desc": "k", "v_desc": "v", "do_desc": "do",
           "dq_desc": "dq", "dk_desc": "dk", "dv_desc": "dv", "q_tail_desc": "q", "k_tail_desc": "k",
           "v_tail_desc": "v", "do_tail_desc": "do", "dq_tail_desc": "dq", "dk_tail_desc": "dk", "dv_tail_desc": "dv", "DQ_TAIL_ACC": "dq_acc",
-          "KEY_STARTS": "key_starts", "KEY_LENGTHS": "key_lengths", "DQ_PART": "dq_part"}
+          "KEY_STARTS": "key_starts", "KEY_LENGTHS": "key_lengths", "DQ_PART": "dq_part",
+          "DQ_SEM": "dq_sem"}
 
 
-def _allocate(q, k, v, separate: bool, workspace: tuple | None = None, split: bool = False) -> dict:
+def _allocate(q, k, v, separate: bool, workspace: tuple | None = None, split: bool = False,
+              ordered: bool = False) -> dict:
     """The buffers one backward writes: Δ, dK, dV, and dQ (separate kernel) or the fp32 atomic
     accumulator (which fp32 inputs use as dQ itself); ``split``: the split backward's, dK, dV, dQ
-    and, with ``workspace``, its fp32 dQ partials of that shape (``dq_part``), no Δ."""
+    and, with ``workspace``, its fp32 dQ partials of that shape (``dq_part``), no Δ; ``ordered``:
+    ordered dQ's zeroed semaphores (``dq_sem``)."""
     B, Hq, Nq, D = q.shape
     out = dict(delta=None if split else torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device),
                dk=_new_gradient(k), dv=_new_gradient(v),
-               dq_part=torch.empty(workspace, dtype=torch.float32, device=q.device) if workspace else None)
+               dq_part=torch.empty(workspace, dtype=torch.float32, device=q.device) if workspace else None,
+               dq_sem=None)
+    if ordered:
+        from . import hopper_bwd
+
+        out["dq_sem"] = hopper_bwd.ordered_dq_semaphores(B, Hq, Nq, q.device)
     if separate:
         out.update(dq=_new_gradient(q), dq_acc=None)
     else:
@@ -1018,17 +1059,23 @@ def _plan_layout(do, q, k, v, o, lse, *, causal, scale, deterministic, tuned_til
                       name="ws_dq_config")
     if ws_dq == FUSED_DQ and ws_dq_config is None and (ws is None or ws_config is not None or not fused_dq_fits(ws)):
         ws_dq = None  # a planned fused dQ goes with the planned dK/dV kernel only (else the tl kernels' dQ)
+    if ws_dq == ORDERED_DQ and ws_dq_config is None and (ws is None or ws_config is not None or not ordered_dq_fits(ws)):
+        ws_dq = None  # (a planned ordered dQ likewise; the tl dQ kernel, in a fixed order too, instead)
     if ws_dq == FUSED_DQ and deterministic:
-        raise ValueError(f"ws_dq_config={FUSED_DQ!r} adds dQ by atomics: it cannot be deterministic")
-    if ws_dq == FUSED_DQ and ws is None:
-        raise ValueError(f"ws_dq_config={FUSED_DQ!r} needs the Hopper dK/dV kernel (ws_config) to run")
-    separate = (plan.separate_dq or ws is not None or ws_dq is not None) and ws_dq != FUSED_DQ
-    t = _allocate(q, k, v, separate)  # (planned over stand-ins of this call's buffers: only their layout counts)
+        raise ValueError(f"ws_dq_config={FUSED_DQ!r} adds dQ by atomics: it cannot be deterministic (its "
+                         f"deterministic twin is ws_dq_config={ORDERED_DQ!r})")
+    if ws_dq in FUSED_DQS and ws is None:
+        raise ValueError(f"ws_dq_config={ws_dq!r} needs the Hopper dK/dV kernel (ws_config) to run")
+    ordered = ws_dq == ORDERED_DQ
+    separate = (plan.separate_dq or ws is not None or ws_dq is not None) and ws_dq not in FUSED_DQS
+    # (planned over stand-ins of this call's buffers: only their layout counts)
+    t = _allocate(q, k, v, separate, ordered=ordered)
     launches = plan_backward(do, q, k, v, o, lse, t["delta"], t["dq"], t["dk"], t["dv"], t["dq_acc"], causal=causal,
-                             scale=scale, arch=arch, deterministic=separate, tuned_tiles=tuned_tiles,
+                             scale=scale, arch=arch, deterministic=separate or ordered, tuned_tiles=tuned_tiles,
                              pipelining=pipelining, exp2=exp2, causal_skip=causal_skip, tma=tma, config=config,
-                             dq_config=dq_config, ws=ws, ws_dq=ws_dq, key_starts=key_starts, key_lengths=key_lengths)
-    return KeptLayout(separate, tuple(KeptLaunch(launch, _ROLES) for launch in launches))
+                             dq_config=dq_config, ws=ws, ws_dq=ws_dq, key_starts=key_starts, key_lengths=key_lengths,
+                             dq_sem=t["dq_sem"])
+    return KeptLayout(separate, tuple(KeptLaunch(launch, _ROLES) for launch in launches), ordered=ordered)
 
 
 @compiles_without_interpreter
@@ -1065,10 +1112,12 @@ def compile_backward(problem: Problem, arch: int, **switches) -> list[CompiledKe
     ws = WsConfig.parse(ws) if isinstance(ws, str) else ws
     ws_dq = parse_ws_dq(ws_dq) if ws_dq is not None else None
     deterministic = (switches.pop("deterministic", False) or ws is not None or ws_dq is not None) and ws_dq != FUSED_DQ
-    dq_acc = None if deterministic else meta(B, Hq, Nq, D, dt=torch.float32)
+    ordered = ws_dq == ORDERED_DQ
+    dq_acc = None if deterministic and not ordered else meta(B, Hq, Nq, D, dt=torch.float32)
+    dq_sem = meta(B * Hq * 2 * cdiv(Nq, 32), dt=torch.int32) if ordered else None
     launches = plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, causal=problem.causal,
                              scale=D ** -0.5, arch=arch, deterministic=deterministic, ws=ws, ws_dq=ws_dq,
-                             **switches)
+                             dq_sem=dq_sem, **switches)
     return [launch.compile(arch) for launch in launches]
 
 
@@ -1100,8 +1149,8 @@ def bwd_hbm_bytes(p: Problem, deterministic: bool = False, tuned_tiles: bool = T
     if config is None and plan.ws is not None:
         # The Hopper dK/dV kernel: 64-row K/V tiles per consumer, the same visits as the tl kernel's.
         config = BwdConfig(plan.ws.block_m, plan.ws.block_n, 4, plan.ws.stages)
-        separate = plan.ws_dq != FUSED_DQ  # fused dQ: the atomic plan's bytes
-    if plan.ws_dq not in (None, FUSED_DQ):  # resident Q rows (block_n) and streamed K/V rows, as the tl dQ kernel's
+        separate = plan.ws_dq not in FUSED_DQS  # fused dQ (ordered or not): the atomic plan's bytes
+    if plan.ws_dq not in (None, *FUSED_DQS):  # resident Q rows (block_n) and streamed K/V rows, as the tl dQ kernel's
         dq_config, separate = BwdConfig(plan.ws_dq.block_m, plan.ws_dq.block_n, 4, plan.ws_dq.stages), True
     config = config or plan.dkdv
     e, D = p.element_bytes, p.D
@@ -1153,5 +1202,5 @@ def train_workspace_bytes(p: Problem, deterministic: bool = False) -> int:
     return 2 * rows * 4 + extra
 
 
-__all__ = ["BwdConfig", "BwdPlan", "WsConfig", "BASELINE", "FUSED_DQ", "parse_ws_dq", "choose_ws", "attention_backward", "backward_config", "backward_plan", "bwd_hbm_bytes", "compile_backward",
+__all__ = ["BwdConfig", "BwdPlan", "WsConfig", "BASELINE", "FUSED_DQ", "ORDERED_DQ", "parse_ws_dq", "choose_ws", "attention_backward", "backward_config", "backward_plan", "bwd_hbm_bytes", "compile_backward",
            "plan_backward", "shared_memory_bytes", "train_workspace_bytes"]

@@ -35,6 +35,16 @@ entries 48, 54 and 70). Two switches reorder it, each program's Q tiles from its
 (:data:`FUSED_DQ_STAGGER`) and each tile's dQ slice formed during the next
 (:data:`FUSED_DQ_LAG`); measured beside cuDNN's kernel under Nsight Compute, neither is on (entry 61),
 and a config named with ``-r`` turns both on for its own tiles: a candidate the tuner races (entry 70).
+**Ordered dQ** (``ws_dq_config="ordered"``, ``backward.ORDERED_DQ``) is fused dQ made deterministic, as
+FlashAttention-3 makes its own: every Q tile's adds come in a fixed order. A semaphore per (batch·query
+head, column slice, Q tile) in global memory counts the adds done; before its bulk reduce a consumer
+waits until the count equals its rank (:func:`_ordered_dq_rank`), and it adds one once that reduce is
+complete, at its next turn, by when the reduce has had a Q tile's time to finish (:func:`_ordered_dq_turn`).
+Without a mask the rank is the K/V tile's index, and the grid interleaves the K/V tiles of a few heads
+(:func:`ordered_dq_heads`) so that a head's tiles start far enough apart not to wait for each other;
+causal the rank runs the other way, the diagonal tile first, and the grid with it (a head's last K/V tile
+is launched first). Either way a program waits only for programs launched before it, and causal, for
+ones that met the tile earlier in their own loops.
 A third, for fused dQ or not, keeps the row statistics compact until their use
 (:data:`COMPACT_ROW_STATS`: a quarter fewer instructions per Q tile, and at D 128 with 64-row Q tiles
 fewer spills; on: the 64-row dK/dV kernel at D 128 causal 1.59 → 0.99 ms on the H200, entries 63, 68, 70).
@@ -87,6 +97,8 @@ from __future__ import annotations
 
 import functools
 import os
+
+import torch
 
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -338,6 +350,58 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
+def _bulk_wait_all():
+    """Wait until this thread's bulk reduces are complete, their sums written in global memory, not only
+    their shared-memory source read (``cp.async.bulk.wait_group 0``; ``tma.store_wait`` is the
+    ``.read`` variant): what a program must know before it tells the next one it may add."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _ordered_dq_turn(DQ_SEM, pend, index, rank):
+    """Ordered dQ (:data:`ORDERED_DQ`): before a consumer adds its share of a dQ tile, it tells the next
+    program that its last add (semaphore ``pend``, -1 for none) is complete, then waits until the tile's
+    semaphore ``index`` has counted ``rank`` adds: every program ahead of it in the tile's fixed order
+    has added. Returns ``index``, this add's semaphore, to be released at the consumer's next turn (by
+    then the bulk reduce has had a Q tile's time to finish, so the wait for it rarely waits)."""
+    _bulk_wait_all()
+    gl.thread_barrier()  # (every thread's bulk group is done before one thread releases: the issuer may differ)
+    if pend >= 0:
+        gl.atomic_add(DQ_SEM + pend, 1, sem="release", scope="gpu")
+    seen = gl.atomic_add(DQ_SEM + index, 0, sem="acquire", scope="gpu")
+    while seen != rank:
+        seen = gl.atomic_add(DQ_SEM + index, 0, sem="acquire", scope="gpu")
+    return index
+
+
+@gluon.jit
+def _ordered_dq_release(DQ_SEM, pend):
+    """The end of a consumer's adds: its last bulk reduce complete, its semaphore released."""
+    _bulk_wait_all()
+    gl.thread_barrier()
+    if pend >= 0:
+        gl.atomic_add(DQ_SEM + pend, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _ordered_dq_rank(start_n, row0, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Where the program whose K/V rows start at ``start_n`` adds into the dQ tile from ``row0`` in the
+    tile's fixed order. Without a mask, every program adds to every tile, by K/V tile: program ``j``
+    adds ``j``-th. Causal (bottom-right), the tile's adders are the K/V tiles 0 … J − 1 that some
+    of its rows see, and they add last tile first: the diagonal one, whose first Q tile this is, adds
+    first, then each one before it, which met the tile ``BLOCK_N / BLOCK_M`` tiles earlier in its own
+    loop. So no program waits at its start for the ones before it to get there (the grid then starts
+    the programs of a head last tile first, so a program waits only for programs already started)."""
+    j = start_n // BLOCK_N
+    if CAUSAL:
+        adders = gl.minimum(gl.cdiv(Nk, BLOCK_N), (row0 + BLOCK_M - 1 + Nk - Nq) // BLOCK_N + 1)
+        return adders - 1 - j
+    else:
+        return j
+
+
+@gluon.jit
 def _fused_dq(ds, k_t, dq_acc, dq_stages, first_stage: gl.constexpr, b, h, row0, Nq, sm_scale, HEAD_DIM: gl.constexpr, DQ_COLS: gl.constexpr,
               dq_layout: gl.constexpr, ATOMICS: gl.constexpr):
     """dQ[row0 : row0 + BLOCK_M] += sm_scale · dS·K, ``DQ_COLS`` columns per product, each product's
@@ -417,13 +481,18 @@ def _pair_dq_add(acc, dq_desc, stage, b, h, row0, sm_scale, COL0: gl.constexpr):
 
 @gluon.jit
 def _pair_dq(ds_bufs, x, k_bufs, dq_desc, stage, b, h, row0, sm_scale, COL0: gl.constexpr,
-             dq_layout: gl.constexpr, OUT_COL0: gl.constexpr = -1):
+             dq_layout: gl.constexpr, OUT_COL0: gl.constexpr = -1, DQ_SEM=None, pend=-1, index=0, rank=0):
     """dQ[row0 : row0 + BLOCK_M, COL0 : COL0 + COLS] += sm_scale · (dS₀·K₀ + dS₁·K₁)[:, those columns]:
     :func:`_pair_dq_issue`, waited for, then :func:`_pair_dq_add`. ``OUT_COL0`` (if not -1): the
-    columns of dQ the result goes to, where ``k_bufs`` are a head-dim tail's (columns 0 on in them)."""
+    columns of dQ the result goes to, where ``k_bufs`` are a head-dim tail's (columns 0 on in them).
+    With ``DQ_SEM`` (ordered dQ) the add waits for its turn at semaphore ``index`` (:func:`_ordered_dq_turn`,
+    after the product, so the wait overlaps it); returns the semaphore to release next (``pend``)."""
     acc = _pair_dq_issue(ds_bufs, x, k_bufs, COL0, stage.shape[3], dq_layout)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
+    if DQ_SEM is not None:
+        pend = _ordered_dq_turn(DQ_SEM, pend, index, rank)
     _pair_dq_add(acc, dq_desc, stage, b, h, row0, sm_scale, COL0 if OUT_COL0 == -1 else OUT_COL0)
+    return pend
 
 
 @gluon.jit
@@ -520,7 +589,7 @@ def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP:
     dQ nor a split head dim): ``Sᵀ`` and ``dPᵀ`` each add the tail columns' product, and dK and dV
     have a tail accumulator each, fed by a product of their own."""
     (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, out_bar, ring, LSE, DELTA, DQ_ACC, ds_bufs, dq_stages, kv_free,
-     sched, DK, DV, Hq, Hkv, Nq, Nk, qk_scale, sm_scale) = args
+     sched, DK, DV, Hq, Hkv, Nq, Nk, qk_scale, sm_scale, DQ_SEM) = args
     q_bufs, do_bufs, ready, empty = ring
     dk_tail_desc, dv_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs, do_tail_bufs, dq_tail_desc, dq_tail_stages = tail
     TAIL: gl.constexpr = dk_tail_desc is not None
@@ -564,6 +633,10 @@ def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP:
     LAG_ON: gl.constexpr = LAG and SLICES == 2 and not AHEAD and not TAIL
     pend_h = h_kv * GROUP
     pend_row = start_n * 0
+    # Ordered dQ (DQ_SEM): the semaphore of this consumer's last add, released at its next turn (-1: none
+    # yet); a Q tile's semaphore per batch·query head, dQ column slice and tile.
+    pend = (start_n * 0).to(gl.int64) - 1
+    q_tiles = gl.cdiv(Nq, BLOCK_M)
 
     first, n_tiles, unmasked = _q_range(start_n, Nq, Nk, BLOCK_M, ROWS * KV_TILES, CAUSAL)
     keys = start_n + TILE * ROWS + gl.arange(0, ROWS, layout=key_layout)
@@ -709,12 +782,23 @@ def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP:
                     pend_row = row0
                 elif SLICES == 2:
                     mbarrier.wait(out_bar.index(2 + x), (it // 2) & 1)  # and the other's
-                    _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
-                             sm_scale, WG * DQ_COLS, dq_layout)
+                    if DQ_SEM is not None:
+                        pend = _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
+                                        sm_scale, WG * DQ_COLS, dq_layout, -1, DQ_SEM, pend,
+                                        (bh * 2 + WG) * q_tiles + row0 // BLOCK_M,
+                                        _ordered_dq_rank(start_n, row0, Nq, Nk, BLOCK_M, ROWS * KV_TILES, CAUSAL))
+                    else:
+                        _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
+                                 sm_scale, WG * DQ_COLS, dq_layout)
                 elif x == WG:
                     mbarrier.wait(out_bar.index(2 + x), (it // 2) & 1)
-                    _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
-                             sm_scale, 0, dq_layout)
+                    if DQ_SEM is not None:
+                        pend = _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
+                                        sm_scale, 0, dq_layout, -1, DQ_SEM, pend, bh * q_tiles + row0 // BLOCK_M,
+                                        _ordered_dq_rank(start_n, row0, Nq, Nk, BLOCK_M, ROWS * KV_TILES, CAUSAL))
+                    else:
+                        _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
+                                 sm_scale, 0, dq_layout)
                     if TAIL:  # the tail columns' share, from both consumers' K tails, its own reduce
                         _pair_dq(ds_bufs, x, k_tail_bufs, dq_tail_desc, dq_tail_stages.index(WG), b,
                                  h_kv * GROUP + g, row0, sm_scale, 0, t_dq_layout, D)
@@ -737,6 +821,8 @@ def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP:
                 mbarrier.wait(out_bar.index(2 + xp), ((it - 1) // 2) & 1)
                 _pair_dq(ds_bufs, xp, k_bufs, DQ_ACC, dq_stages.index(WG), b, pend_h, pend_row, sm_scale,
                          WG * DQ_COLS, dq_layout)
+        if DQ_SEM is not None:  # the last add's turn passes on
+            _ordered_dq_release(DQ_SEM, pend)
         # Both consumers' dQ products read both K tiles up to their last Q tile: neither writes its dK
         # over its K tile before the other is done with them (out_bar 0, one arrival per consumer).
         mbarrier.arrive(out_bar.index(0))
@@ -804,7 +890,7 @@ def _consumer_shared_scores_item(args, b, h_kv, start_n, it, t, WG: gl.constexpr
     double-buffered: mbarriers ``xready`` (both halves written) and ``xfree`` (both consumers done
     reading the other's) per buffer, one arrival per warpgroup."""
     (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, bars, ring, LSE, DELTA, DQ_ACC, p_x, s_x, kv_free, sched, DK, DV,
-     Hq, Hkv, Nq, Nk, qk_scale, sm_scale) = args
+     Hq, Hkv, Nq, Nk, qk_scale, sm_scale, DQ_SEM) = args
     q_bufs, do_bufs, ready, empty = ring
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[3]
@@ -919,8 +1005,8 @@ def _item_coords(item, sched, ROWS_TOTAL: gl.constexpr):
 
 @gluon.jit(do_not_specialize=["Hq", "Hkv", "Nq", "Nk", "tiles_per_chunk", "heads_per_group", "heads"])
 def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail_desc, k_tail_desc, v_tail_desc,
-                       do_tail_desc, dk_tail_desc, dv_tail_desc, LSE, DELTA, DQ_ACC, DQ_TAIL_ACC, DK, DV, qk_scale,
-                       sm_scale,
+                       do_tail_desc, dk_tail_desc, dv_tail_desc, LSE, DELTA, DQ_ACC, DQ_TAIL_ACC, DQ_SEM, DK, DV,
+                       qk_scale, sm_scale,
                        Hq, Hkv, Nq, Nk, tiles_per_chunk, heads_per_group, heads,
                        STAGES: gl.constexpr, CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                        HEAD_DIM: gl.constexpr, ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr,
@@ -939,8 +1025,12 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
     if PERSISTENT:  # what a program needs to find its items
         sched = (gl.cdiv(Nk, ROWS * KV_TILES), heads, tiles_per_chunk, heads_per_group, Hkv)
     else:  # its one item, found here as before the persistent grid (fewer values into the partitions)
-        sched = _item_coords(gl.program_id(0), (gl.cdiv(Nk, ROWS * KV_TILES), heads, tiles_per_chunk,
-                                                heads_per_group, Hkv), ROWS * KV_TILES)
+        pid = gl.program_id(0)
+        if DQ_SEM is not None:
+            if CAUSAL:  # ordered dQ: the grid's order backwards, a head's last K/V tile first (_ordered_dq_rank)
+                pid = gl.num_programs(0) - 1 - pid
+        sched = _item_coords(pid, (gl.cdiv(Nk, ROWS * KV_TILES), heads, tiles_per_chunk,
+                                   heads_per_group, Hkv), ROWS * KV_TILES)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [KV_TILES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [KV_TILES] + v_desc.block_type.shape, v_desc.layout)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -991,7 +1081,7 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
         ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, ROWS, BM // 2], x_layout)
         dq_stages = gl.allocate_shared_memory(q_desc.dtype, [4, ROWS, BM // 2], x_layout)
     args = (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, out_bar, ring, LSE, DELTA, DQ_ACC, ds_bufs, dq_stages, kv_free,
-            sched, DK, DV, Hq, Hkv, Nq, Nk, qk_scale, sm_scale)
+            sched, DK, DV, Hq, Hkv, Nq, Nk, qk_scale, sm_scale, DQ_SEM)
     producer_args = (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, kv_free, ring, producer_tail, sched,
                      Nq, Nk, GROUP, CAUSAL, STAGGER)
     if SHARE_SCORES:
@@ -1235,9 +1325,54 @@ def _tail_descriptors(tensors: dict, rows: dict, main: int, tail: int) -> dict:
             for role, t in tensors.items()}
 
 
+def ordered_dq_takes(consumers: int, reorder: bool = False) -> bool:
+    """Whether fused dQ can add in a fixed order (:func:`_ordered_dq_turn`) with these tiles: where the
+    two consumers add once per pair (:data:`FUSED_DQ_ATOMICS` "pair"), each tile in its own turn (none
+    of the switches that move a tile's add into the next tile's turn, nor the staggered tile order)."""
+    return (FUSED_DQ_ATOMICS == "pair" and consumers == 2 and not reorder
+            and not (FUSED_DQ_AHEAD or FUSED_DQ_LAG or FUSED_DQ_STAGGER))
+
+
+def ordered_dq_rank(start_n: int, row0: int, Nq: int, Nk: int, block_m: int, block_n: int, causal: bool) -> int:
+    """:func:`_ordered_dq_rank` on the host (the tests check the order it gives: each tile's adders take
+    the turns 0, 1, ... once each, and each waits only for a program started before it)."""
+    j = start_n // block_n
+    if causal:
+        return min(cdiv(Nk, block_n), (row0 + block_m - 1 + Nk - Nq) // block_n + 1) - 1 - j
+    return j
+
+
+def visited_q_rows(start_n: int, Nq: int, Nk: int, block_m: int, causal: bool) -> range:
+    """The first rows of the Q tiles the program whose K/V rows start at ``start_n`` visits, in its order
+    (:func:`_q_range` on the host, no stagger)."""
+    first = max(start_n - (Nk - Nq), 0) // block_m * block_m if causal else 0
+    return range(first, Nq, block_m)
+
+
+def ordered_dq_heads(q_tiles: int, heads: int, sms: int, turn: int) -> int:
+    """Batch·heads per group of the grid's order for ordered dQ without a mask (``heads_per_group`` of
+    :func:`program_order`, chunks of one K/V tile). K/V tile ``j`` of a head adds to each Q tile after tile
+    ``j − 1`` has, and tile ``j − 1`` hands the turn on ``turn`` Q tiles later (at its consumer's next
+    add: 2 where the consumers take turns by Q tile, 1 where each adds its columns of every tile), so
+    ``j`` should start about ``turn`` Q tiles after ``j − 1``, or it holds its SM waiting. Head by head,
+    the GPU starts a head's K/V tiles a few hundred cycles apart; with the tiles of ``g`` heads
+    interleaved, program ``j`` starts about ``g / sms`` of a program's ``q_tiles`` after ``j − 1``. The
+    smallest power of two that makes that twice ``turn`` (a margin for programs that run unevenly)."""
+    group = 1
+    while group < heads and group * q_tiles < 2 * turn * sms:
+        group *= 2
+    return min(group, heads)
+
+
+def ordered_dq_semaphores(B: int, Hq: int, Nq: int, device) -> torch.Tensor:
+    """Zeroed int32 semaphores for ordered dQ: one per batch·query head, dQ column slice (two at most:
+    D 128's consumers each add 64 columns) and Q tile (32 rows at least), more than any config uses."""
+    return torch.zeros(B * Hq * 2 * cdiv(Nq, 32), dtype=torch.int32, device=device)
+
+
 def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float, sm_scale: float, block_m: int,
               consumers: int, stages: int, dq_acc=None, share_scores: bool = False, pad: bool = False,
-              reorder: bool = False, persistent: bool | None = None) -> Launch:
+              reorder: bool = False, persistent: bool | None = None, dq_sem=None) -> Launch:
     """The launch of ``ws_bwd_dkdv_kernel`` for these tensors: K/V tiles of ``consumers × 64`` rows
     (above 128 columns, one tile of 64 rows whose head dim the two consumers split:
     :func:`split_head_dim`), Q/dO tiles of ``block_m`` rows through ``stages`` slots; with ``dq_acc`` (a
@@ -1248,7 +1383,14 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
     widths: :func:`tile_widths` (``pad``: the whole power of two, for the ablation). ``reorder`` (fused dQ):
     :data:`FUSED_DQ_STAGGER` and :data:`FUSED_DQ_LAG` for this launch, whatever the module's switches say.
     ``persistent``: a grid of one program per SM walking the items (:data:`PERSISTENT_DKDV` where None),
-    where the kernel takes it (contiguous dK and dV, neither ahead nor lagging fused dQ)."""
+    where the kernel takes it (contiguous dK and dV, neither ahead nor lagging fused dQ). ``dq_sem`` (with
+    ``dq_acc``): ordered dQ, each Q tile's adds in a fixed order (:func:`ordered_dq_semaphores`, zeroed):
+    bitwise the same sums every run, on one program per item, the two consumers adding once per pair."""
+    if dq_sem is not None and (dq_acc is None or not ordered_dq_takes(consumers, reorder)):
+        raise ValueError(f"ordered dQ (dq_sem) adds fused dQ in a fixed order: it needs the fp32 accumulator "
+                         f"(dq_acc), two consumers adding once per pair (LAB_FUSED_DQ_ATOMICS=pair), in each "
+                         f"tile's own turn (no '-r', LAB_FUSED_DQ_AHEAD, _LAG or _STAGGER); got "
+                         f"{consumers} consumer(s), adding by {FUSED_DQ_ATOMICS!r}, reorder={reorder}")
     if dq_acc is not None and block_m not in fused_dq_block_ms(consumers):
         raise ValueError(f"fused dQ with {consumers} consumer(s) adding by {FUSED_DQ_ATOMICS!r} takes Q tiles of "
                          f"{' or '.join(map(str, fused_dq_block_ms(consumers)))} rows, got {block_m}")
@@ -1269,7 +1411,7 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
     n_tiles = cdiv(Nk, ROWS_PER_CONSUMER * consumers // split)
     lag = FUSED_DQ_LAG or reorder
     persistent = (PERSISTENT_DKDV if persistent is None else persistent) and dk.is_contiguous() and \
-        dv.is_contiguous() and not (dq_acc is not None and (FUSED_DQ_AHEAD or lag))
+        dv.is_contiguous() and not (dq_acc is not None and (FUSED_DQ_AHEAD or lag)) and dq_sem is None
     items = n_tiles * B * Hkv
     # (a pair of one consumer is the per-consumer bulk reduce)
     atomics = "tma" if FUSED_DQ_ATOMICS == "pair" and consumers == 1 else FUSED_DQ_ATOMICS
@@ -1284,10 +1426,16 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 DQ_ACC=_dq_descriptor(dq_acc, main, block_m) if dq_acc is not None and atomics in ("tma", "pair")
                 else dq_acc,
                 DQ_TAIL_ACC=_dq_descriptor(dq_acc, tail, block_m) if dq_acc is not None and tail else None,
-                qk_scale=qk_scale,
+                DQ_SEM=dq_sem, qk_scale=qk_scale,
                 sm_scale=sm_scale, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, **causal_order(
                     causal_dkdv_work(Nq, Nk, ROWS_PER_CONSUMER * consumers // split, block_m, Hq // Hkv), B * Hkv,
-                    sm_count(q.device)) if causal else dict(tiles_per_chunk=n_tiles, heads_per_group=B * Hkv),
+                    sm_count(q.device)) if causal and dq_sem is None
+                # (ordered dQ, causal: head by head, which the kernel runs backwards, a head's lightest tile
+                # first; not causal: a head's K/V tiles spread apart in the order, ordered_dq_heads)
+                else dict(tiles_per_chunk=1, heads_per_group=ordered_dq_heads(
+                    Hq // Hkv * cdiv(Nq, block_m), B * Hkv, sm_count(q.device), 2 if main <= 64 else 1))
+                if dq_sem is not None and not causal
+                else dict(tiles_per_chunk=n_tiles, heads_per_group=B * Hkv),
                 heads=B * Hkv,
                 STAGES=stages, CONSUMERS=consumers,
                 GROUP=Hq // Hkv, CAUSAL=causal, HEAD_DIM=q.shape[-1], ATOMICS=atomics, SPLIT_D=split,

@@ -32,7 +32,8 @@ own tile candidates, and the dK/dV kernel adding dQ itself, fused) against the t
 tuned, and keeps each where the whole backward measures faster with it (``ws`` and ``ws_dq`` in the
 JSON's entries; ``"ws_dq": "fused"`` for the fused one). Fused dQ adds with atomics, so where it wins
 the entry also keeps the fastest of the other plans, raced in the same rounds, for
-``deterministic=True`` (``"deterministic": {"ws": ..., "ws_dq": ...}``, ``{}`` for the tl kernels):
+``deterministic=True`` (``"deterministic": {"ws": ..., "ws_dq": ...}``, ``{}`` for the tl kernels), fused
+dQ's own tiles adding in a fixed order among them (``"ws_dq": "ordered"``, ``backward.ORDERED_DQ``):
 
     python -m stages.c_optimized.tune_backward --hopper --D 64,128 --dtype bf16
 """
@@ -234,7 +235,7 @@ def tune_hopper_cell(dtype_name: str, D: int, causal: bool, N: int, entry: dict,
     backward measured faster with them (and removed where not)."""
     from ..contract import padded_head_dim
     from . import hopper_ws
-    from .backward import FUSED_DQ, BwdConfig, attention_backward, fused_dq_fits
+    from .backward import FUSED_DQ, ORDERED_DQ, BwdConfig, attention_backward, fused_dq_fits, ordered_dq_fits
 
     tensors = _inputs(dtype_name, D, causal, N)
     q, k, v, o, lse, do = tensors
@@ -290,6 +291,10 @@ def tune_hopper_cell(dtype_name: str, D: int, causal: bool, N: int, entry: dict,
         plans["ws+ws_dq"] = {**plans["ws"], **plans["ws_dq"]}
     if "fused" in best:
         plans["ws+fused"] = {"ws_config": best["fused"][1], "ws_dq_config": FUSED_DQ, "deterministic": False}
+        # its deterministic twin: the same tiles adding in a fixed order (a '-r' config in its plain order)
+        ordered = replace(best["fused"][1], reorder=False)
+        if ordered_dq_fits(ordered):
+            plans["ws+ordered"] = {"ws_config": ordered, "ws_dq_config": ORDERED_DQ}
     samples = {name: [] for name in plans}
     for _ in range(ROUNDS):
         for name, kw in plans.items():

@@ -1,0 +1,139 @@
+"""What a deterministic backward costs, two ways: dQ by a kernel of its own, or fused dQ added in a fixed order.
+
+Stage C's default backward adds dQ inside the Hopper dK/dV kernel (fused dQ: five products per tile
+pair), by bulk reduces whose order between programs is left to the GPU, so dQ's last bits vary from run
+to run. ``deterministic=True`` has so far run the tuner's fastest plan without fused dQ: a dQ kernel of
+its own that recomputes the scores (seven products per pair). Ordered dQ (``backward.ORDERED_DQ``,
+``LAB_ORDERED_DQ=1`` makes it the deterministic plan where fused dQ is the default) keeps fused dQ and
+gives each Q tile's adds a fixed order: each add waits at a semaphore in global memory for the programs
+before it, as FlashAttention-3's deterministic backward does.
+
+For each cell, stage C's whole backward (``bwd.attention_backward`` given a saved forward) three ways,
+the default plan, deterministic as tuned, deterministic with ordered dQ, timed in interleaved rounds
+beside cuDNN's backward (SDPA's CUDNN backend, ``torch.autograd.grad`` of a kept forward). First each
+deterministic way's gradients against the default's, and the ordered one's bits over three runs.
+
+    python experiments/ordered_dq.py --csv results/<gpu>/experiments/<date>_ordered_dq.csv
+    python experiments/ordered_dq.py --cells grid-d64-n4096,grid-d64-n16384-causal
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+#: name -> (B, Hq, Hkv, N, D, dtype, causal): the FA grid's backward cells (B·N = 16384, H·D = 2048) and
+#: model-shaped ones (GPT-2 small, Llama 3 8B's grouped heads, an odd size, a head-dim tail).
+CELLS = {
+    **{f"grid-d{D}-n{N}{'-causal' if c else ''}": (16384 // N, 2048 // D, 2048 // D, N, D, "bf16", c)
+       for D in (64, 128) for N in (1024, 4096, 16384) for c in (False, True)},
+    "gpt2": (32, 12, 12, 1024, 64, "bf16", True),
+    "llama3-8b": (1, 32, 8, 8192, 128, "bf16", True),
+    "odd-n": (3, 20, 20, 1500, 64, "fp16", False),
+    "d80": (4, 25, 25, 4096, 80, "bf16", False),
+}
+ROUNDS = 5
+#: (name, deterministic, ordered dQ as the deterministic plan)
+WAYS = (("default", False, False), ("deterministic", True, False), ("ordered", True, True))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cells", default=",".join(CELLS), help=f"some of {','.join(CELLS)}")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"interleaved rounds (default {ROUNDS})")
+    ap.add_argument("--csv", default=None)
+    args = ap.parse_args(argv)
+    unknown = [c for c in args.cells.split(",") if c not in CELLS]
+    if unknown:
+        ap.error(f"--cells: unknown {', '.join(unknown)}; choose from {', '.join(CELLS)}")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print("ordered_dq.py times the Hopper backward kernels: it needs an sm_90 GPU", file=sys.stderr)
+        return 2
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from stages.c_optimized import backward as bwd
+    from stages.c_optimized.kernels import attention_with_lse
+    from stages.c_optimized.tune_backward import _write_csv
+
+    default = bwd.ORDERED_DQ_DEFAULT
+    rows: list[dict] = []
+    for name in args.cells.split(","):
+        B, Hq, Hkv, N, D, dtype_name, causal = CELLS[name]
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype, generator=gen)
+        k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+        o, lse = attention_with_lse(q, k, v, causal=causal)
+        do = torch.randn_like(o)
+        scale = D ** -0.5
+
+        def switch(ordered):
+            bwd.ORDERED_DQ_DEFAULT = ordered
+            bwd.backward_plan.cache_clear()
+            bwd._KEPT.clear()  # (a layout planned under the other setting)
+
+        def backward(det):
+            return lambda: bwd.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, deterministic=det)
+
+        status, plans, ref = {}, {}, None
+        for way, det, ordered in WAYS:
+            switch(ordered)
+            plans[way] = str(bwd.backward_plan(D, dtype, 90, causal, deterministic=det))
+            try:
+                grads = backward(det)()
+                torch.cuda.synchronize()
+                ref = grads if ref is None else ref
+                diff = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+                           for a, b in zip(grads, ref))
+                status[way] = "ok" if diff < 0.02 else f"wrong: max relative difference {diff:.2e}"
+                if status[way] == "ok" and det:
+                    again = [backward(det)() for _ in range(2)]
+                    if not all(torch.equal(_bits(a), _bits(b)) for run in again for a, b in zip(grads, run)):
+                        status[way] = "not deterministic: the bits differ between runs"
+            except Exception as e:  # noqa: BLE001 - a way that fails is recorded, the others go on
+                status[way] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            oo = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=causal,
+                                                                  enable_gqa=Hq != Hkv)
+        cudnn = lambda: torch.autograd.grad(oo, (qq, kk, vv), do, retain_graph=True)  # noqa: E731
+        timed = [w for w in WAYS if status[w[0]] == "ok"]
+        samples = {w[0]: [] for w in timed} | {"cudnn": []}
+        for _ in range(args.rounds):
+            for way, det, ordered in timed:
+                switch(ordered)
+                backward(det)()  # (plans and binds the layout outside the timing)
+                samples[way].append(triton.testing.do_bench(backward(det), warmup=10, rep=60))
+            samples["cudnn"].append(triton.testing.do_bench(cudnn, warmup=10, rep=60))
+        switch(default)
+        cudnn_ms = statistics.median(samples["cudnn"])
+        ms = {w[0]: statistics.median(samples[w[0]]) for w in timed}
+        for way, det, ordered in WAYS:
+            t = ms.get(way)
+            base = ms.get("default")
+            rows.append(dict(cell=name, B=B, Hq=Hq, Hkv=Hkv, N=N, D=D, dtype=dtype_name, causal=int(causal),
+                             way=way, plan=plans[way], ms=round(t, 4) if t else "", cudnn_ms=round(cudnn_ms, 4),
+                             c_over_cudnn=round(cudnn_ms / t, 3) if t else "",
+                             cost_over_default=round(t / base - 1, 3) if t and base else "", status=status[way]))
+        print(f"{name}: cuDNN {cudnn_ms:.3f} ms; " + ", ".join(
+            f"{r['way']} {r['ms'] or r['status']} (+{r['cost_over_default']})" for r in rows if r["cell"] == name),
+            flush=True)
+        _write_csv(args.csv, rows)  # after every cell: a crash keeps what was measured
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

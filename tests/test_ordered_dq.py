@@ -1,0 +1,209 @@
+"""Ordered dQ: fused dQ added in a fixed order, so the Hopper backward is deterministic with five products.
+
+Each Q tile's adds wait their turn at a semaphore (``hopper_bwd._ordered_dq_turn``). On the CPU: the
+order itself (every adder of a tile takes one turn, waits only for programs started before it, and,
+causal, for ones that reached the tile earlier in their own loops), the compiled code, and the plan.
+On an sm_90 GPU: the gradients against float64 and the bits of repeated runs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from stages.c_optimized import backward as bwd
+from stages.contract import Problem
+
+from .helpers import DTYPES, check_gradients, make_qkv
+from .test_stage_c_backward import WS_SHAPES, _bits, attention, saved_forward
+
+hopper_bwd = pytest.importorskip("stages.c_optimized.hopper_bwd")
+
+
+def _adders(Nq, Nk, block_m, block_n, causal):
+    """{first row of a Q tile: [(K/V program j, step in its own loop, rank)]} of the host-side order."""
+    tiles = {}
+    for j in range(-(-Nk // block_n)):
+        for step, row0 in enumerate(hopper_bwd.visited_q_rows(j * block_n, Nq, Nk, block_m, causal)):
+            rank = hopper_bwd.ordered_dq_rank(j * block_n, row0, Nq, Nk, block_m, block_n, causal)
+            tiles.setdefault(row0, []).append((j, step, rank))
+    return tiles
+
+
+SIZES = [(1, 1), (64, 64), (300, 300), (4096, 4096), (200, 450), (450, 200), (70, 1100), (1100, 70), (129, 257)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("block_m", [32, 64])
+def test_each_adder_of_a_tile_takes_one_turn_and_waits_only_for_programs_started_before_it(block_m, causal):
+    """Per Q tile the ranks of the programs that add to it are 0, 1, ..., n − 1, each once (no turn is
+    skipped: a skipped one would hang the GPU; none is shared: the sum's order would be left to chance).
+    The program a turn waits for (the rank before) starts earlier in the grid: without a mask the grid
+    runs a head's K/V tiles first to last and ranks go up with the tile; causal, the kernel runs the grid
+    backwards and ranks go down with the tile. So a waiting program never holds the SM its predecessor
+    needs. Causal, the one before has also met the tile earlier in its own loop (it starts on an earlier
+    Q tile), so no program waits at its start for a chain of others to get there (but where Nk > Nq, for
+the K/V tiles that all start on the first Q tile)."""
+    for Nq, Nk in SIZES + [(random.Random(n).randrange(1, 3000), random.Random(n + 1).randrange(1, 3000))
+                           for n in range(8)]:
+        for row0, adders in _adders(Nq, Nk, block_m, 128, causal).items():
+            ranks = sorted(rank for _, _, rank in adders)
+            assert ranks == list(range(len(adders))), (Nq, Nk, row0, adders)
+            by_rank = {rank: (j, step) for j, step, rank in adders}
+            for rank in range(1, len(adders)):
+                (j_before, step_before), (j, step) = by_rank[rank - 1], by_rank[rank]
+                launched_before = j_before > j if causal else j_before < j
+                assert launched_before, (Nq, Nk, row0, adders)
+                if causal:  # (where Nk > Nq the first K/V tiles all start on Q tile 0, side by side)
+                    assert step_before < step or step_before == step == row0 // block_m, (Nq, Nk, row0, adders)
+
+
+@pytest.mark.parametrize("q_tiles,heads,turn", [(16, 256, 2), (64, 128, 2), (64, 64, 1), (256, 64, 2),
+                                                 (16, 4, 2), (1, 1, 2)])
+def test_without_a_mask_a_heads_k_v_tiles_start_turns_apart(q_tiles, heads, turn):
+    """The grid order of ordered dQ without a mask (chunks of one K/V tile over groups of heads,
+    ``ordered_dq_heads``): K/V tile j of a head launches at least 2 × ``turn`` Q tiles' worth of programs
+    (``sms`` programs per program length) after tile j − 1, unless every head is in one group already."""
+    sms, n_tiles = 132, 8
+    group = hopper_bwd.ordered_dq_heads(q_tiles, heads, sms, turn)
+    order = hopper_bwd.program_order(n_tiles, heads, 1, group)
+    at = {item: pid for pid, item in enumerate(order)}
+    for h in range(heads):
+        for j in range(1, n_tiles):
+            gap = at[j, h] - at[j - 1, h]
+            assert gap > 0
+            assert gap * q_tiles >= 2 * turn * sms or group == heads, (group, gap)
+
+
+def test_the_semaphores_cover_every_tile_of_every_config():
+    """One int32 per batch·query head, column slice (2 at most) and Q tile (32 rows at least)."""
+    for Nq in (1, 31, 32, 33, 1000):
+        sem = hopper_bwd.ordered_dq_semaphores(2, 3, Nq, "cpu")
+        assert sem.dtype == torch.int32 and (sem == 0).all()
+        assert sem.numel() >= 2 * 3 * 2 * -(-Nq // 32)
+
+
+@pytest.mark.parametrize("D,causal", [(64, False), (64, True), (128, True), (80, False)])
+def test_ordered_dq_compiles_for_sm90_with_a_turn_per_add(D, causal):
+    """The dK/dV kernel with ordered dQ compiles for sm_90a: it waits with acquire loads, releases with
+    a release atomic after waiting for its bulk reduces to complete (not only to have read their
+    source), and runs the grid backwards when causal; D 64 spills nothing."""
+    from harness.inspect_code import run_ptxas
+
+    p = Problem(2, 4, 300, D, "bf16", causal, Hkv=2)
+    kernels = bwd.compile_backward(p, 90, ws_config="ws-M64-c2-s2", ws_dq_config=bwd.ORDERED_DQ)
+    assert [k.name for k in kernels] == ["attention_bwd_delta_kernel", "ws_bwd_dkdv_kernel"]
+    ptx = kernels[1].asm["ptx"]
+    assert "ld.global.gpu.acquire" in ptx and "atom.global.gpu.release.add" in ptx
+    assert "cp.async.bulk.wait_group 0" in ptx
+    assert ("nctaid" in ptx.split("ld.global.gpu.acquire")[0]) == causal  # (the reversed grid asks its size)
+    fused = bwd.compile_backward(p, 90, ws_config="ws-M64-c2-s2", ws_dq_config=bwd.FUSED_DQ)[1].asm["ptx"]
+    assert "ld.global.gpu.acquire" not in fused and "atom.global.gpu.release" not in fused
+    if D == 64:
+        assert run_ptxas(ptx, "sm_90a")["spill_stores"] == 0
+
+
+def test_ordered_dq_is_refused_where_it_cannot_add_in_order(monkeypatch):
+    """One consumer, a way of adding other than once per pair, or a tile's add moved into the next
+    tile's turn: a clear error naming what ordered dQ needs (compiled in a child process where this one
+    interprets: the switches go by environment too)."""
+    p = Problem(1, 2, 128, 64, "bf16", False)
+    with pytest.raises((ValueError, RuntimeError), match="'ordered'.*two consumers"):
+        bwd.compile_backward(p, 90, ws_config="ws-M64-c1-s2", ws_dq_config=bwd.ORDERED_DQ)
+    for env, name, value, text in (("LAB_FUSED_DQ_LAG", "FUSED_DQ_LAG", True, "1"),
+                                   ("LAB_FUSED_DQ_ATOMICS", "FUSED_DQ_ATOMICS", "tma", "tma")):
+        with monkeypatch.context() as m:
+            m.setenv(env, text)
+            m.setattr(hopper_bwd, name, value)
+            with pytest.raises((ValueError, RuntimeError), match="'ordered'.*adding once per pair"):
+                bwd.compile_backward(p, 90, ws_config="ws-M64-c2-s2", ws_dq_config=bwd.ORDERED_DQ)
+
+
+def test_a_deterministic_backward_takes_ordered_dq_where_fused_dq_won_and_the_switch_is_on(monkeypatch):
+    """``ORDERED_DQ_DEFAULT``: where the tuned plan adds dQ inside the Hopper kernel, ``deterministic=True``
+    runs the same tiles in order (a '-r' config in its plain order) instead of the tuner's plan without
+    fused dQ; off, the tuner's. A tuned ``deterministic`` entry may name ordered dQ itself."""
+    entry = {"dkdv": "M64-N64-w4-s2", "dq": "M64-N128-w8-s3", "dq_method": "separate", "ws": "ws-M64-c2-s2-r",
+             "ws_dq": "fused", "deterministic": {"ws": "ws-M64-c2-s3"}}
+    monkeypatch.setattr(bwd, "tuned_backward_table", lambda slug: {"arch": 90, "bf16/D64/causal0": entry})
+    monkeypatch.setattr(bwd.hopper_ws, "supported", lambda *a: True)
+    for on, expect in ((False, "dkdv:ws-M64-c2-s3+dq:M64-N128-w8-s3"), (True, "dkdv:ws-M64-c2-s2+ordered-dq")):
+        monkeypatch.setattr(bwd, "ORDERED_DQ_DEFAULT", on)
+        bwd.backward_plan.cache_clear()
+        plan = bwd.backward_plan(64, torch.bfloat16, 90, False, deterministic=True)
+        assert str(plan) == expect and plan.atomic_dq == on
+        assert str(bwd.backward_plan(64, torch.bfloat16, 90, False)) == "dkdv:ws-M64-c2-s2-r+fused-dq"
+    entry["deterministic"] = {"ws": "ws-M64-c2-s2", "ws_dq": "ordered"}
+    monkeypatch.setattr(bwd, "ORDERED_DQ_DEFAULT", False)
+    bwd.backward_plan.cache_clear()
+    assert str(bwd.backward_plan(64, torch.bfloat16, 90, False, deterministic=True)) == "dkdv:ws-M64-c2-s2+ordered-dq"
+    bwd.backward_plan.cache_clear()
+
+
+def _sm90(device):
+    if device.type != "cuda" or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("ordered dQ runs in the Hopper dK/dV kernel: it needs sm_90")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["ws-M64-c2-s2", "ws-M32-c2-s3"])
+@pytest.mark.parametrize("shape", WS_SHAPES + [(1, 4, 2, 1000, 700, 80), (2, 2, 1, 130, 1100, 96)],
+                         ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}-D{}".format(*s))
+def test_ordered_dq_matches_float64(shape, config, device):
+    """Ordered dQ against float64, causal and not, bf16 and fp16: GQA, Nq ≠ Nk both ways, ragged N, one
+    query row, rows that see no key, a head-dim tail (64-row Q tiles only)."""
+    _sm90(device)
+    B, Hq, Hkv, Nq, Nk, D = shape
+    if D % 64 and not config.startswith("ws-M64"):
+        pytest.skip("fused dQ takes a head-dim tail with 64-row Q tiles only")
+    for causal, dtype_name in ((False, "bf16"), (True, "bf16"), (True, "fp16")):
+        q, k, v = make_qkv(B, Hq, Nq, D, DTYPES[dtype_name], device, Hkv=Hkv, Nk=Nk, seed=31)
+        check_gradients(attention, q, k, v, causal=causal, dtype_name=dtype_name, ws_config=config,
+                        ws_dq_config=bwd.ORDERED_DQ)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_ordered_dq_gives_the_same_bits_every_run(D, causal, device):
+    """A problem with many more programs than SMs (so programs of one head run in different waves and
+    their adds meet in different orders each run with atomics): ordered dQ's bits are the same in five
+    runs, and its dQ is within rounding of fused dQ's."""
+    _sm90(device)
+    B, H, N = 2, 8, 2048 + 37
+    q, k, v = make_qkv(B, H, N, D, torch.bfloat16, device, Hkv=4, seed=32)
+    scale = D ** -0.5
+    o, lse = saved_forward(q, k, v, causal, scale)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(33)).to(q.dtype).to(device)
+    runs = [bwd.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, ws_config="ws-M64-c2-s2",
+                                   ws_dq_config=bwd.ORDERED_DQ) for _ in range(5)]
+    for later in runs[1:]:
+        for a, b in zip(runs[0], later):
+            assert torch.equal(_bits(a), _bits(b))
+    fused = bwd.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, ws_config="ws-M64-c2-s2",
+                                   ws_dq_config=bwd.FUSED_DQ)
+    torch.testing.assert_close(runs[0][0].float(), fused[0].float(), atol=2e-2, rtol=2e-2)
+    for a, b in zip(runs[0][1:], fused[1:]):  # (dK and dV do not depend on how dQ adds)
+        assert torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.gpu
+def test_a_deterministic_backward_with_the_switch_on_is_correct_and_reproducible(monkeypatch, device):
+    """``deterministic=True`` with ``ORDERED_DQ_DEFAULT`` on, the plan as tuned: against float64 and bit
+    for bit twice (on a GPU whose tuned D 64 plan fuses dQ it runs ordered dQ; elsewhere what it did)."""
+    _sm90(device)
+    monkeypatch.setattr(bwd, "ORDERED_DQ_DEFAULT", True)
+    monkeypatch.setattr(bwd, "_KEPT", {})
+    bwd.backward_plan.cache_clear()
+    try:
+        q, k, v = make_qkv(2, 4, 700, 64, torch.bfloat16, device, Hkv=2, Nk=900, seed=34)
+        check_gradients(attention, q, k, v, causal=True, dtype_name="bf16", deterministic=True)
+        o, lse = saved_forward(q, k, v, True, 0.125)
+        do = torch.randn(o.shape, generator=torch.Generator().manual_seed(35)).to(q.dtype).to(device)
+        first, second = (bwd.attention_backward(do, q, k, v, o, lse, causal=True, scale=0.125, deterministic=True)
+                         for _ in range(2))
+        for a, b in zip(first, second):
+            assert torch.equal(_bits(a), _bits(b))
+    finally:
+        bwd.backward_plan.cache_clear()
