@@ -15,6 +15,7 @@ deterministic way's gradients against the default's, and the ordered one's bits 
 
     python experiments/ordered_dq.py --csv results/<gpu>/experiments/<date>_ordered_dq.csv
     python experiments/ordered_dq.py --cells grid-d64-n4096,grid-d64-n16384-causal
+    python experiments/ordered_dq.py --head-by-head   # and ordered dQ on a grid run head by head (no mask)
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ CELLS = {
     "d80": (4, 25, 25, 4096, 80, "bf16", False),
 }
 ROUNDS = 5
-#: (name, deterministic, ordered dQ as the deterministic plan)
-WAYS = (("default", False, False), ("deterministic", True, False), ("ordered", True, True))
+#: (name, deterministic, ordered dQ as the deterministic plan, a head's K/V tiles spread apart in the grid)
+WAYS = (("default", False, False, True), ("deterministic", True, False, True), ("ordered", True, True, True))
+#: ``--head-by-head``: ordered dQ without a mask also on a grid that runs one head after another
+HEAD_BY_HEAD = ("ordered-head-by-head", True, True, False)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -51,6 +54,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cells", default=",".join(CELLS), help=f"some of {','.join(CELLS)}")
     ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"interleaved rounds (default {ROUNDS})")
+    ap.add_argument("--head-by-head", action="store_true",
+                    help="also ordered dQ on a grid that runs one head after another (cells without a mask)")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
     unknown = [c for c in args.cells.split(",") if c not in CELLS]
@@ -68,7 +73,9 @@ def main(argv=None) -> int:
     from stages.c_optimized.kernels import attention_with_lse
     from stages.c_optimized.tune_backward import _write_csv
 
-    default = bwd.ORDERED_DQ_DEFAULT
+    from stages.c_optimized import hopper_bwd
+
+    default, spread_default = bwd.ORDERED_DQ_DEFAULT, hopper_bwd.ORDERED_DQ_SPREAD
     rows: list[dict] = []
     for name in args.cells.split(","):
         B, Hq, Hkv, N, D, dtype_name, causal = CELLS[name]
@@ -79,9 +86,11 @@ def main(argv=None) -> int:
         o, lse = attention_with_lse(q, k, v, causal=causal)
         do = torch.randn_like(o)
         scale = D ** -0.5
+        ways = WAYS + ((HEAD_BY_HEAD, ) if args.head_by_head and not causal else ())
 
-        def switch(ordered):
+        def switch(ordered, spread=True):
             bwd.ORDERED_DQ_DEFAULT = ordered
+            hopper_bwd.ORDERED_DQ_SPREAD = spread
             bwd.backward_plan.cache_clear()
             bwd._KEPT.clear()  # (a layout planned under the other setting)
 
@@ -89,8 +98,8 @@ def main(argv=None) -> int:
             return lambda: bwd.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, deterministic=det)
 
         status, plans, ref = {}, {}, None
-        for way, det, ordered in WAYS:
-            switch(ordered)
+        for way, det, ordered, spread in ways:
+            switch(ordered, spread)
             plans[way] = str(bwd.backward_plan(D, dtype, 90, causal, deterministic=det))
             try:
                 grads = backward(det)()
@@ -110,18 +119,18 @@ def main(argv=None) -> int:
             oo = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=causal,
                                                                   enable_gqa=Hq != Hkv)
         cudnn = lambda: torch.autograd.grad(oo, (qq, kk, vv), do, retain_graph=True)  # noqa: E731
-        timed = [w for w in WAYS if status[w[0]] == "ok"]
+        timed = [w for w in ways if status[w[0]] == "ok"]
         samples = {w[0]: [] for w in timed} | {"cudnn": []}
         for _ in range(args.rounds):
-            for way, det, ordered in timed:
-                switch(ordered)
+            for way, det, ordered, spread in timed:
+                switch(ordered, spread)
                 backward(det)()  # (plans and binds the layout outside the timing)
                 samples[way].append(triton.testing.do_bench(backward(det), warmup=10, rep=60))
             samples["cudnn"].append(triton.testing.do_bench(cudnn, warmup=10, rep=60))
-        switch(default)
+        switch(default, spread_default)
         cudnn_ms = statistics.median(samples["cudnn"])
         ms = {w[0]: statistics.median(samples[w[0]]) for w in timed}
-        for way, det, ordered in WAYS:
+        for way, det, ordered, spread in ways:
             t = ms.get(way)
             base = ms.get("default")
             rows.append(dict(cell=name, B=B, Hq=Hq, Hkv=Hkv, N=N, D=D, dtype=dtype_name, causal=int(causal),

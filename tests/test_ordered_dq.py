@@ -95,11 +95,11 @@ def test_ordered_dq_compiles_for_sm90_with_a_turn_per_add(D, causal):
     kernels = bwd.compile_backward(p, 90, ws_config="ws-M64-c2-s2", ws_dq_config=bwd.ORDERED_DQ)
     assert [k.name for k in kernels] == ["attention_bwd_delta_kernel", "ws_bwd_dkdv_kernel"]
     ptx = kernels[1].asm["ptx"]
-    assert "ld.global.gpu.acquire" in ptx and "atom.global.gpu.release.add" in ptx
+    assert "ld.acquire.gpu.global" in ptx and "atom.global.gpu.release.add" in ptx
     assert "cp.async.bulk.wait_group 0" in ptx
-    assert ("nctaid" in ptx.split("ld.global.gpu.acquire")[0]) == causal  # (the reversed grid asks its size)
+    assert ("nctaid" in ptx.split("ld.acquire.gpu.global")[0]) == causal  # (the reversed grid asks its size)
     fused = bwd.compile_backward(p, 90, ws_config="ws-M64-c2-s2", ws_dq_config=bwd.FUSED_DQ)[1].asm["ptx"]
-    assert "ld.global.gpu.acquire" not in fused and "atom.global.gpu.release" not in fused
+    assert "ld.acquire.gpu.global" not in fused and "atom.global.gpu.release" not in fused
     if D == 64:
         assert run_ptxas(ptx, "sm_90a")["spill_stores"] == 0
 

@@ -359,19 +359,29 @@ def _bulk_wait_all():
 
 
 @gluon.jit
-def _ordered_dq_turn(DQ_SEM, pend, index, rank):
-    """Ordered dQ (:data:`ORDERED_DQ`): before a consumer adds its share of a dQ tile, it tells the next
-    program that its last add (semaphore ``pend``, -1 for none) is complete, then waits until the tile's
-    semaphore ``index`` has counted ``rank`` adds: every program ahead of it in the tile's fixed order
-    has added. Returns ``index``, this add's semaphore, to be released at the consumer's next turn (by
-    then the bulk reduce has had a Q tile's time to finish, so the wait for it rarely waits)."""
+def _load_acquire(ptr):
+    """``*ptr`` (an int32 in global memory) loaded with acquire semantics at GPU scope by every thread, with
+    no broadcast through shared memory: the load is asked for here and waited for where its value is
+    first used, so its trip to L2 can hide behind work issued in between."""
+    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _ordered_dq_turn(DQ_SEM, pend, index, rank, seen):
+    """Ordered dQ (``backward.ORDERED_DQ``): before a consumer adds its share of a dQ tile, it tells the
+    next program that its last add (semaphore ``pend``, -1 for none) is complete, then waits until the
+    tile's semaphore ``index`` has counted ``rank`` adds: every program ahead of it in the tile's fixed
+    order has added. ``seen``: the count as loaded at the start of the tile (:func:`_load_acquire`), so
+    that where the turn has come by then, nothing here waits for L2. Returns ``index``, this add's
+    semaphore, to be released at the consumer's next turn (by then the bulk reduce has had a Q tile's
+    time to finish, so the wait for it rarely waits)."""
     _bulk_wait_all()
     gl.thread_barrier()  # (every thread's bulk group is done before one thread releases: the issuer may differ)
     if pend >= 0:
         gl.atomic_add(DQ_SEM + pend, 1, sem="release", scope="gpu")
-    seen = gl.atomic_add(DQ_SEM + index, 0, sem="acquire", scope="gpu")
     while seen != rank:
-        seen = gl.atomic_add(DQ_SEM + index, 0, sem="acquire", scope="gpu")
+        seen = _load_acquire(DQ_SEM + index)
     return index
 
 
@@ -481,16 +491,18 @@ def _pair_dq_add(acc, dq_desc, stage, b, h, row0, sm_scale, COL0: gl.constexpr):
 
 @gluon.jit
 def _pair_dq(ds_bufs, x, k_bufs, dq_desc, stage, b, h, row0, sm_scale, COL0: gl.constexpr,
-             dq_layout: gl.constexpr, OUT_COL0: gl.constexpr = -1, DQ_SEM=None, pend=-1, index=0, rank=0):
+             dq_layout: gl.constexpr, OUT_COL0: gl.constexpr = -1, DQ_SEM=None, pend=-1, index=0, rank=0,
+             seen=0):
     """dQ[row0 : row0 + BLOCK_M, COL0 : COL0 + COLS] += sm_scale · (dS₀·K₀ + dS₁·K₁)[:, those columns]:
     :func:`_pair_dq_issue`, waited for, then :func:`_pair_dq_add`. ``OUT_COL0`` (if not -1): the
     columns of dQ the result goes to, where ``k_bufs`` are a head-dim tail's (columns 0 on in them).
     With ``DQ_SEM`` (ordered dQ) the add waits for its turn at semaphore ``index`` (:func:`_ordered_dq_turn`,
-    after the product, so the wait overlaps it); returns the semaphore to release next (``pend``)."""
+    after the product, so the wait overlaps it; ``seen`` its count loaded earlier); returns the semaphore
+    to release next (``pend``)."""
     acc = _pair_dq_issue(ds_bufs, x, k_bufs, COL0, stage.shape[3], dq_layout)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     if DQ_SEM is not None:
-        pend = _ordered_dq_turn(DQ_SEM, pend, index, rank)
+        pend = _ordered_dq_turn(DQ_SEM, pend, index, rank, seen)
     _pair_dq_add(acc, dq_desc, stage, b, h, row0, sm_scale, COL0 if OUT_COL0 == -1 else OUT_COL0)
     return pend
 
@@ -661,6 +673,9 @@ def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP:
         for j in range(n_tiles):
             row0 = _q_tile_row(first, j, n_tiles, start_n, ROWS * KV_TILES, BLOCK_M, STAGGER)
             queries = row0 + gl.arange(0, BLOCK_M, layout=query_layout)
+            if DQ_SEM is not None:  # ordered dQ: this tile's semaphore, its count asked for now, used at the add
+                sem_index = (bh * SLICES + WG % SLICES) * q_tiles + row0 // BLOCK_M
+                sem_seen = _load_acquire(DQ_SEM + sem_index)
             if PREFETCH_STATS == 1:  # the first tile's were asked for before the K/V wait
                 if it == it0:
                     lse_c = lse_n
@@ -784,9 +799,9 @@ def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP:
                     mbarrier.wait(out_bar.index(2 + x), (it // 2) & 1)  # and the other's
                     if DQ_SEM is not None:
                         pend = _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
-                                        sm_scale, WG * DQ_COLS, dq_layout, -1, DQ_SEM, pend,
-                                        (bh * 2 + WG) * q_tiles + row0 // BLOCK_M,
-                                        _ordered_dq_rank(start_n, row0, Nq, Nk, BLOCK_M, ROWS * KV_TILES, CAUSAL))
+                                        sm_scale, WG * DQ_COLS, dq_layout, -1, DQ_SEM, pend, sem_index,
+                                        _ordered_dq_rank(start_n, row0, Nq, Nk, BLOCK_M, ROWS * KV_TILES, CAUSAL),
+                                        sem_seen)
                     else:
                         _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
                                  sm_scale, WG * DQ_COLS, dq_layout)
@@ -794,8 +809,9 @@ def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP:
                     mbarrier.wait(out_bar.index(2 + x), (it // 2) & 1)
                     if DQ_SEM is not None:
                         pend = _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
-                                        sm_scale, 0, dq_layout, -1, DQ_SEM, pend, bh * q_tiles + row0 // BLOCK_M,
-                                        _ordered_dq_rank(start_n, row0, Nq, Nk, BLOCK_M, ROWS * KV_TILES, CAUSAL))
+                                        sm_scale, 0, dq_layout, -1, DQ_SEM, pend, sem_index,
+                                        _ordered_dq_rank(start_n, row0, Nq, Nk, BLOCK_M, ROWS * KV_TILES, CAUSAL),
+                                        sem_seen)
                     else:
                         _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
                                  sm_scale, 0, dq_layout)
@@ -1349,6 +1365,11 @@ def visited_q_rows(start_n: int, Nq: int, Nk: int, block_m: int, causal: bool) -
     return range(first, Nq, block_m)
 
 
+#: Ordered dQ without a mask: spread a head's K/V tiles apart in the grid's order (:func:`ordered_dq_heads`);
+#: off (``LAB_ORDERED_DQ_SPREAD=0``), head by head, where they start side by side and wait for each other.
+ORDERED_DQ_SPREAD = os.environ.get("LAB_ORDERED_DQ_SPREAD", "1") == "1"
+
+
 def ordered_dq_heads(q_tiles: int, heads: int, sms: int, turn: int) -> int:
     """Batch·heads per group of the grid's order for ordered dQ without a mask (``heads_per_group`` of
     :func:`program_order`, chunks of one K/V tile). K/V tile ``j`` of a head adds to each Q tile after tile
@@ -1434,7 +1455,7 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 # first; not causal: a head's K/V tiles spread apart in the order, ordered_dq_heads)
                 else dict(tiles_per_chunk=1, heads_per_group=ordered_dq_heads(
                     Hq // Hkv * cdiv(Nq, block_m), B * Hkv, sm_count(q.device), 2 if main <= 64 else 1))
-                if dq_sem is not None and not causal
+                if dq_sem is not None and not causal and ORDERED_DQ_SPREAD
                 else dict(tiles_per_chunk=n_tiles, heads_per_group=B * Hkv),
                 heads=B * Hkv,
                 STAGES=stages, CONSUMERS=consumers,
