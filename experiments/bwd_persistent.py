@@ -40,6 +40,27 @@ CELLS = {
 ROUNDS = 5
 
 
+def cell_inputs(cell: tuple):
+    """A cell's inputs on the GPU, its saved forward (stage C's) and cuDNN's backward of the same problem:
+    (q, k, v, o, lse, do, scale, cudnn), ``cudnn()`` SDPA's CUDNN backend's ``torch.autograd.grad`` of a
+    kept forward."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from stages.c_optimized.kernels import attention_with_lse
+
+    B, Hq, Hkv, N, D, dtype_name, causal = cell
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype, generator=gen)
+    k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    o, lse = attention_with_lse(q, k, v, causal=causal)
+    do = torch.randn_like(o)
+    qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        oo = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, enable_gqa=Hq != Hkv)
+    return q, k, v, o, lse, do, D ** -0.5, lambda: torch.autograd.grad(oo, (qq, kk, vv), do, retain_graph=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cells", default=",".join(CELLS), help=f"some of {','.join(CELLS)}")
@@ -57,11 +78,9 @@ def main(argv=None) -> int:
         print("bwd_persistent.py times the Hopper backward kernels: it needs an sm_90 GPU", file=sys.stderr)
         return 2
     import triton.testing
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from stages.c_optimized import backward as bwd
     from stages.c_optimized import hopper_bwd
-    from stages.c_optimized.kernels import attention_with_lse
     from stages.c_optimized.tune_backward import _write_csv
 
     default = hopper_bwd.PERSISTENT_DKDV
@@ -70,12 +89,7 @@ def main(argv=None) -> int:
     for name in args.cells.split(","):
         B, Hq, Hkv, N, D, dtype_name, causal = CELLS[name]
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype, generator=gen)
-        k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
-        o, lse = attention_with_lse(q, k, v, causal=causal)
-        do = torch.randn_like(o)
-        scale = D ** -0.5
+        q, k, v, o, lse, do, scale, cudnn = cell_inputs(CELLS[name])
         variants = [(det, on) for det in modes for on in (False, True)]
 
         def backward(det):
@@ -97,11 +111,6 @@ def main(argv=None) -> int:
                 status[det, on] = "ok" if diff < 0.02 else f"wrong: max relative difference {diff:.2e}"
             except Exception as e:  # noqa: BLE001 - a variant that fails is recorded, the others go on
                 status[det, on] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-        qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            oo = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=causal,
-                                                                  enable_gqa=Hq != Hkv)
-        cudnn = lambda: torch.autograd.grad(oo, (qq, kk, vv), do, retain_graph=True)  # noqa: E731
         timed = [x for x in variants if status[x] == "ok"]
         samples = {x: [] for x in [*timed, "cudnn"]}
         for _ in range(args.rounds):

@@ -29,17 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-#: name -> (B, Hq, Hkv, N, D, dtype, causal): the FA grid's backward cells (B·N = 16384, H·D = 2048) and
-#: model-shaped ones (GPT-2 small, Llama 3 8B's grouped heads, an odd size, a head-dim tail).
-CELLS = {
-    **{f"grid-d{D}-n{N}{'-causal' if c else ''}": (16384 // N, 2048 // D, 2048 // D, N, D, "bf16", c)
-       for D in (64, 128) for N in (1024, 4096, 16384) for c in (False, True)},
-    "gpt2": (32, 12, 12, 1024, 64, "bf16", True),
-    "llama3-8b": (1, 32, 8, 8192, 128, "bf16", True),
-    "odd-n": (3, 20, 20, 1500, 64, "fp16", False),
-    "d80": (4, 25, 25, 4096, 80, "bf16", False),
-}
-ROUNDS = 5
+from experiments.bwd_persistent import CELLS, ROUNDS, cell_inputs  # noqa: E402  (the same cells and inputs)
 #: (name, deterministic, ordered dQ as the deterministic plan, a head's K/V tiles spread apart in the grid)
 WAYS = (("default", False, False, True), ("deterministic", True, False, True), ("ordered", True, True, True))
 #: ``--head-by-head``: ordered dQ without a mask also on a grid that runs one head after another
@@ -67,10 +57,8 @@ def main(argv=None) -> int:
         print("ordered_dq.py times the Hopper backward kernels: it needs an sm_90 GPU", file=sys.stderr)
         return 2
     import triton.testing
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from stages.c_optimized import backward as bwd
-    from stages.c_optimized.kernels import attention_with_lse
     from stages.c_optimized.tune_backward import _write_csv
 
     from stages.c_optimized import hopper_bwd
@@ -80,12 +68,7 @@ def main(argv=None) -> int:
     for name in args.cells.split(","):
         B, Hq, Hkv, N, D, dtype_name, causal = CELLS[name]
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype, generator=gen)
-        k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
-        o, lse = attention_with_lse(q, k, v, causal=causal)
-        do = torch.randn_like(o)
-        scale = D ** -0.5
+        q, k, v, o, lse, do, scale, cudnn = cell_inputs(CELLS[name])
         ways = WAYS + ((HEAD_BY_HEAD, ) if args.head_by_head and not causal else ())
 
         def switch(ordered, spread=True):
@@ -114,11 +97,6 @@ def main(argv=None) -> int:
                         status[way] = "not deterministic: the bits differ between runs"
             except Exception as e:  # noqa: BLE001 - a way that fails is recorded, the others go on
                 status[way] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-        qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            oo = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=causal,
-                                                                  enable_gqa=Hq != Hkv)
-        cudnn = lambda: torch.autograd.grad(oo, (qq, kk, vv), do, retain_graph=True)  # noqa: E731
         timed = [w for w in ways if status[w[0]] == "ok"]
         samples = {w[0]: [] for w in timed} | {"cudnn": []}
         for _ in range(args.rounds):
