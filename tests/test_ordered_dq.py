@@ -76,6 +76,22 @@ def test_without_a_mask_a_heads_k_v_tiles_start_turns_apart(q_tiles, heads, turn
             assert gap * q_tiles >= 2 * turn * sms or group == heads, (group, gap)
 
 
+@pytest.mark.parametrize("N,turn", [(1024, 2), (4096, 2), (4096, 1), (16384, 2)])
+def test_the_model_says_head_by_head_waits_and_the_spread_order_does_not(N, turn):
+    """``ordered_dq_makespan`` on the FA grid's D 64 cells (B·N = 16384 tokens, 32 heads of 128-key
+    K/V tiles, 64-row Q tiles, 132 SMs): with a head's K/V tiles spread apart (``ordered_dq_heads``)
+    the grid ends within 1 % of where it would with no turns to wait for; head by head, where a head's
+    tiles start side by side, later; at N 1024 and 4096 by over a quarter."""
+    heads, J, q_tiles, sms = 16384 // N * 32, N // 128, N // 64, 132
+    free = hopper_bwd.makespan([q_tiles] * (J * heads), sms)
+    group = hopper_bwd.ordered_dq_heads(q_tiles, heads, sms, turn)
+    spread = hopper_bwd.ordered_dq_makespan(hopper_bwd.program_order(J, heads, 1, group), q_tiles, sms, turn)
+    by_head = hopper_bwd.ordered_dq_makespan(hopper_bwd.program_order(J, heads, J, heads), q_tiles, sms, turn)
+    assert free <= spread <= 1.01 * free < by_head
+    if N <= 4096 and turn == 2:
+        assert by_head > 1.25 * free
+
+
 def test_the_semaphores_cover_every_tile_of_every_config():
     """One int32 per batch·query head, column slice (2 at most) and Q tile (32 rows at least)."""
     for Nq in (1, 31, 32, 33, 1000):

@@ -1274,6 +1274,32 @@ def makespan(work: list[float], sms: int) -> float:
     return max(free)
 
 
+def ordered_dq_makespan(order: list[tuple[int, int]], q_tiles: int, sms: int, turn: int) -> float:
+    """When the last program of a grid with ordered dQ and no mask ends, in Q-tile times, as
+    :func:`makespan` schedules programs (``order``: (K/V tile, batch·head) in launch order, from
+    :func:`program_order`). Each program visits ``q_tiles`` Q tiles, one time unit each, and adds to
+    each at the end of its time, but not before the program of the K/V tile before it has handed that
+    tile's turn on: at its own add ``turn`` tiles later, or at its end. A program holds its SM while it
+    waits. (A model: the add's own cost and a consumer's overlap of one tile's add with the next are
+    left out.)"""
+    import heapq
+
+    free = [0.0] * sms
+    handed: dict = {}  # (K/V tile, head) -> when it handed each Q tile's turn on
+    end = 0.0
+    for j, h in order:
+        start = heapq.heappop(free)
+        before = handed.get((j - 1, h))
+        adds, t = [], start
+        for i in range(q_tiles):
+            t = max(t + 1, before[i] if before else 0.0)
+            adds.append(t)
+        handed[j, h] = [adds[i + turn] if i + turn < q_tiles else adds[-1] for i in range(q_tiles)]
+        heapq.heappush(free, adds[-1])
+        end = max(end, adds[-1])
+    return end
+
+
 def kernel_options(consumers: int) -> tuple[int, int, dict]:
     """(consumer registers, producer registers, launch options): the forward's budget
     (``hopper_ws.register_budget``): with two consumers the producer keeps its minimum and each
