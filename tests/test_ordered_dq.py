@@ -81,15 +81,23 @@ def test_the_model_says_head_by_head_waits_and_the_spread_order_does_not(N, turn
     """``ordered_dq_makespan`` on the FA grid's D 64 cells (B·N = 16384 tokens, 32 heads of 128-key
     K/V tiles, 64-row Q tiles, 132 SMs): with a head's K/V tiles spread apart (``ordered_dq_heads``)
     the grid ends within 1 % of where it would with no turns to wait for; head by head, where a head's
-    tiles start side by side, later; at N 1024 and 4096 by over a quarter."""
+    tiles start side by side, later; at N 1024 and 4096 by over a quarter. Causal, the grid run
+    backwards head by head (the kernel's order) waits for nothing either."""
     heads, J, q_tiles, sms = 16384 // N * 32, N // 128, N // 64, 132
     free = hopper_bwd.makespan([q_tiles] * (J * heads), sms)
     group = hopper_bwd.ordered_dq_heads(q_tiles, heads, sms, turn)
-    spread = hopper_bwd.ordered_dq_makespan(hopper_bwd.program_order(J, heads, 1, group), q_tiles, sms, turn)
-    by_head = hopper_bwd.ordered_dq_makespan(hopper_bwd.program_order(J, heads, J, heads), q_tiles, sms, turn)
+
+    def model(order, causal=False):
+        return hopper_bwd.ordered_dq_makespan(order, N, N, 64, 128, causal, sms, turn)
+
+    spread = model(hopper_bwd.program_order(J, heads, 1, group))
+    by_head = model(hopper_bwd.program_order(J, heads, J, heads))
     assert free <= spread <= 1.01 * free < by_head
     if N <= 4096 and turn == 2:
         assert by_head > 1.25 * free
+    backwards = hopper_bwd.program_order(J, heads, J, heads)[::-1]
+    work = hopper_bwd.causal_dkdv_work(N, N)
+    assert model(backwards, causal=True) <= 1.01 * hopper_bwd.makespan([work[j] for j, _ in backwards], sms)
 
 
 def test_the_semaphores_cover_every_tile_of_every_config():

@@ -1274,29 +1274,35 @@ def makespan(work: list[float], sms: int) -> float:
     return max(free)
 
 
-def ordered_dq_makespan(order: list[tuple[int, int]], q_tiles: int, sms: int, turn: int) -> float:
-    """When the last program of a grid with ordered dQ and no mask ends, in Q-tile times, as
-    :func:`makespan` schedules programs (``order``: (K/V tile, batch·head) in launch order, from
-    :func:`program_order`). Each program visits ``q_tiles`` Q tiles, one time unit each, and adds to
-    each at the end of its time, but not before the program of the K/V tile before it has handed that
-    tile's turn on: at its own add ``turn`` tiles later, or at its end. A program holds its SM while it
-    waits. (A model: the add's own cost and a consumer's overlap of one tile's add with the next are
-    left out.)"""
+def ordered_dq_makespan(order: list[tuple[int, int]], Nq: int, Nk: int, block_m: int, block_n: int, causal: bool,
+                        sms: int, turn: int) -> float:
+    """When the last program of a grid with ordered dQ ends, in Q-tile times, as :func:`makespan`
+    schedules programs (``order``: (K/V tile, batch·head) in launch order, from :func:`program_order`,
+    reversed for causal as the kernel runs it). Each program visits its Q tiles (:func:`visited_q_rows`),
+    one time unit each, and adds to each at the end of its time, but not before the program ahead of it in
+    that tile's order (:func:`ordered_dq_rank`) has handed the turn on: at its own add ``turn`` tiles
+    later, or at its end. A program holds its SM while it waits. (A model: the add's own cost and a
+    consumer's overlap of one tile's add with the next are left out.)"""
     import heapq
 
+    visits = [list(visited_q_rows(j * block_n, Nq, Nk, block_m, causal)) for j in range(cdiv(Nk, block_n))]
+    ahead = {}  # (K/V tile, first row of a Q tile) -> the K/V tile that adds to it just before
+    for j, rows in enumerate(visits):
+        for row0 in rows:
+            ahead[ordered_dq_rank(j * block_n, row0, Nq, Nk, block_m, block_n, causal), row0] = j
     free = [0.0] * sms
-    handed: dict = {}  # (K/V tile, head) -> when it handed each Q tile's turn on
+    handed: dict = {}  # (K/V tile, head) -> {Q tile row: when it handed that tile's turn on}
     end = 0.0
     for j, h in order:
-        start = heapq.heappop(free)
-        before = handed.get((j - 1, h))
-        adds, t = [], start
-        for i in range(q_tiles):
-            t = max(t + 1, before[i] if before else 0.0)
+        t = heapq.heappop(free)
+        adds = []
+        for row0 in visits[j]:
+            rank = ordered_dq_rank(j * block_n, row0, Nq, Nk, block_m, block_n, causal)
+            t = max(t + 1, handed[ahead[rank - 1, row0], h][row0] if rank else 0.0)
             adds.append(t)
-        handed[j, h] = [adds[i + turn] if i + turn < q_tiles else adds[-1] for i in range(q_tiles)]
-        heapq.heappush(free, adds[-1])
-        end = max(end, adds[-1])
+        handed[j, h] = {row0: adds[min(i + turn, len(adds) - 1)] for i, row0 in enumerate(visits[j])}
+        heapq.heappush(free, t)
+        end = max(end, t)
     return end
 
 
