@@ -157,6 +157,7 @@ def test_a_deterministic_backward_takes_ordered_dq_where_fused_dq_won_and_the_sw
         bwd.backward_plan.cache_clear()
         plan = bwd.backward_plan(64, torch.bfloat16, 90, False, deterministic=True)
         assert str(plan) == expect and plan.atomic_dq == on
+        assert plan.separate_dq  # (where the Hopper kernel cannot run, e.g. misaligned rows: the tl dQ kernel)
         assert str(bwd.backward_plan(64, torch.bfloat16, 90, False)) == "dkdv:ws-M64-c2-s2-r+fused-dq"
     entry["deterministic"] = {"ws": "ws-M64-c2-s2", "ws_dq": "ordered"}
     monkeypatch.setattr(bwd, "ORDERED_DQ_DEFAULT", False)

@@ -373,14 +373,14 @@ def backward_plan(D: int, dtype: torch.dtype, arch: int, causal: bool = False, *
                 elif ws is not None or ws_dq not in (None, FUSED_DQ):
                     plan = BwdPlan(dkdv, True, dq, ws, ws_dq if ws_dq != FUSED_DQ else None)
     if deterministic and plan.ws_dq == FUSED_DQ and ORDERED_DQ_DEFAULT and ordered_dq_fits(plan.ws):
-        plan = replace(plan, ws=replace(plan.ws, reorder=False), ws_dq=ORDERED_DQ)  # (the same tiles, in order)
+        # (the same tiles, in order; separate_dq: what runs where the Hopper kernel cannot, deterministic too)
+        plan = replace(plan, separate_dq=True, ws=replace(plan.ws, reorder=False), ws_dq=ORDERED_DQ)
     elif deterministic and hopper and "deterministic" in entry:
         # Where fused dQ (atomics) won, the tuner also kept the fastest plan without atomics: its Hopper
         # kernels by name, {} for the tl kernels alone (tune_backward.tune_hopper_cell).
         det = entry["deterministic"]
         ws_dq = parse_ws_dq(det["ws_dq"]) if "ws_dq" in det else None
-        plan = replace(plan, separate_dq=ws_dq != ORDERED_DQ, ws=WsConfig.parse(det["ws"]) if "ws" in det else None,
-                       ws_dq=ws_dq)
+        plan = replace(plan, separate_dq=True, ws=WsConfig.parse(det["ws"]) if "ws" in det else None, ws_dq=ws_dq)
     elif deterministic:
         # (fused dQ is atomics: a deterministic backward takes the separate tl dQ kernel instead)
         plan = replace(plan, separate_dq=True, ws_dq=None if plan.ws_dq == FUSED_DQ else plan.ws_dq)
