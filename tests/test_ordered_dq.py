@@ -167,7 +167,7 @@ def test_a_deterministic_backward_takes_ordered_dq_where_fused_dq_won_and_the_sw
 
 
 def _sm90(device):
-    if device.type != "cuda" or torch.cuda.get_device_capability()[0] != 9:
+    if torch.device(device).type != "cuda" or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("ordered dQ runs in the Hopper dK/dV kernel: it needs sm_90")
 
 
