@@ -40,6 +40,20 @@ CELLS = {
 ROUNDS = 5
 
 
+def check_arguments(ap, args, script: str) -> bool:
+    """``--cells`` and ``--rounds`` checked (an argparse error names the allowed values); False, with a line
+    saying why, where there is no sm_90 GPU to time the Hopper kernels on."""
+    unknown = [c for c in args.cells.split(",") if c not in CELLS]
+    if unknown:
+        ap.error(f"--cells: unknown {', '.join(unknown)}; choose from {', '.join(CELLS)}")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print(f"{script} times the Hopper backward kernels: it needs an sm_90 GPU", file=sys.stderr)
+        return False
+    return True
+
+
 def cell_inputs(cell: tuple):
     """A cell's inputs on the GPU, its saved forward (stage C's) and cuDNN's backward of the same problem:
     (q, k, v, o, lse, do, scale, cudnn), ``cudnn()`` SDPA's CUDNN backend's ``torch.autograd.grad`` of a
@@ -69,13 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"interleaved rounds (default {ROUNDS})")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
-    unknown = [c for c in args.cells.split(",") if c not in CELLS]
-    if unknown:
-        ap.error(f"--cells: unknown {', '.join(unknown)}; choose from {', '.join(CELLS)}")
-    if args.rounds < 1:
-        ap.error(f"--rounds must be at least 1, got {args.rounds}")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        print("bwd_persistent.py times the Hopper backward kernels: it needs an sm_90 GPU", file=sys.stderr)
+    if not check_arguments(ap, args, "bwd_persistent.py"):
         return 2
     import triton.testing
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from experiments.bwd_persistent import CELLS, ROUNDS, cell_inputs  # noqa: E402  (the same cells and inputs)
+from experiments.bwd_persistent import CELLS, ROUNDS, cell_inputs, check_arguments  # noqa: E402  (the same cells)
 #: (name, deterministic, ordered dQ as the deterministic plan, a head's K/V tiles spread apart in the grid)
 WAYS = (("default", False, False, True), ("deterministic", True, False, True), ("ordered", True, True, True))
 #: ``--head-by-head``: ordered dQ without a mask also on a grid that runs one head after another
@@ -48,13 +48,7 @@ def main(argv=None) -> int:
                     help="also ordered dQ on a grid that runs one head after another (cells without a mask)")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
-    unknown = [c for c in args.cells.split(",") if c not in CELLS]
-    if unknown:
-        ap.error(f"--cells: unknown {', '.join(unknown)}; choose from {', '.join(CELLS)}")
-    if args.rounds < 1:
-        ap.error(f"--rounds must be at least 1, got {args.rounds}")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        print("ordered_dq.py times the Hopper backward kernels: it needs an sm_90 GPU", file=sys.stderr)
+    if not check_arguments(ap, args, "ordered_dq.py"):
         return 2
     import triton.testing
 
