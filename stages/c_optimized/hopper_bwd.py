@@ -1286,7 +1286,7 @@ def ordered_dq_makespan(order: list[tuple[int, int]], Nq: int, Nk: int, block_m:
     import heapq
 
     visits = [list(visited_q_rows(j * block_n, Nq, Nk, block_m, causal)) for j in range(cdiv(Nk, block_n))]
-    ahead = {}  # (K/V tile, first row of a Q tile) -> the K/V tile that adds to it just before
+    ahead = {}  # (rank, first row of a Q tile) -> the K/V tile that takes that turn at that tile
     for j, rows in enumerate(visits):
         for row0 in rows:
             ahead[ordered_dq_rank(j * block_n, row0, Nq, Nk, block_m, block_n, causal), row0] = j
@@ -1298,7 +1298,7 @@ def ordered_dq_makespan(order: list[tuple[int, int]], Nq: int, Nk: int, block_m:
         adds = []
         for row0 in visits[j]:
             rank = ordered_dq_rank(j * block_n, row0, Nq, Nk, block_m, block_n, causal)
-            t = max(t + 1, handed[ahead[rank - 1, row0], h][row0] if rank else 0.0)
+            t = max(t + 1, handed[ahead[rank - 1, row0], h][row0] if rank else 0.0)  # (the turn before ours)
             adds.append(t)
         handed[j, h] = {row0: adds[min(i + turn, len(adds) - 1)] for i, row0 in enumerate(visits[j])}
         heapq.heappush(free, t)
