@@ -6,12 +6,13 @@ to run. ``deterministic=True`` has so far run the tuner's fastest plan without f
 its own that recomputes the scores (seven products per pair). Ordered dQ (``backward.ORDERED_DQ``,
 ``LAB_ORDERED_DQ=1`` makes it the deterministic plan where fused dQ is the default) keeps fused dQ and
 gives each Q tile's adds a fixed order: each add waits at a semaphore in global memory for the programs
-before it, as FlashAttention-3's deterministic backward does.
+before it, as FlashAttention-3's deterministic backward does; the consumers take those turns themselves
+("ordered"), or a dQ-writer warp takes them ("ordered-writer", ``hopper_bwd.ORDERED_DQ_WRITER``).
 
-For each cell, stage C's whole backward (``bwd.attention_backward`` given a saved forward) three ways,
-the default plan, deterministic as tuned, deterministic with ordered dQ, timed in interleaved rounds
-beside cuDNN's backward (SDPA's CUDNN backend, ``torch.autograd.grad`` of a kept forward). First each
-deterministic way's gradients against the default's, and the ordered one's bits over three runs.
+For each cell, stage C's whole backward (``bwd.attention_backward`` given a saved forward) four ways,
+the default plan, deterministic as tuned, deterministic with ordered dQ with and without the writer, timed
+in interleaved rounds beside cuDNN's backward (SDPA's CUDNN backend, ``torch.autograd.grad`` of a kept
+forward). First each deterministic way's gradients against the default's, and its bits over three runs.
 
     python experiments/ordered_dq.py --csv results/<gpu>/experiments/<date>_ordered_dq.csv
     python experiments/ordered_dq.py --cells grid-d64-n4096,grid-d64-n16384-causal
@@ -30,10 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from experiments.bwd_persistent import CELLS, ROUNDS, cell_inputs, check_arguments  # noqa: E402  (the same cells)
-#: (name, deterministic, ordered dQ as the deterministic plan, a head's K/V tiles spread apart in the grid)
-WAYS = (("default", False, False, True), ("deterministic", True, False, True), ("ordered", True, True, True))
+#: (name, deterministic, ordered dQ as the deterministic plan, a head's K/V tiles spread apart in the grid,
+#: the turns taken by a dQ-writer warp rather than by the consumers)
+WAYS = (("default", False, False, True, False), ("deterministic", True, False, True, False),
+        ("ordered", True, True, True, False), ("ordered-writer", True, True, True, True))
 #: ``--head-by-head``: ordered dQ without a mask also on a grid that runs one head after another
-HEAD_BY_HEAD = ("ordered-head-by-head", True, True, False)
+HEAD_BY_HEAD = ("ordered-head-by-head", True, True, False, False)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -57,7 +60,8 @@ def main(argv=None) -> int:
 
     from stages.c_optimized import hopper_bwd
 
-    default, spread_default = bwd.ORDERED_DQ_DEFAULT, hopper_bwd.ORDERED_DQ_SPREAD
+    default, spread_default, writer_default = (bwd.ORDERED_DQ_DEFAULT, hopper_bwd.ORDERED_DQ_SPREAD,
+                                               hopper_bwd.ORDERED_DQ_WRITER)
     rows: list[dict] = []
     for name in args.cells.split(","):
         B, Hq, Hkv, N, D, dtype_name, causal = CELLS[name]
@@ -65,9 +69,10 @@ def main(argv=None) -> int:
         q, k, v, o, lse, do, scale, cudnn = cell_inputs(CELLS[name])
         ways = WAYS + ((HEAD_BY_HEAD, ) if args.head_by_head and not causal else ())
 
-        def switch(ordered, spread=True):
+        def switch(ordered, spread=True, writer=False):
             bwd.ORDERED_DQ_DEFAULT = ordered
             hopper_bwd.ORDERED_DQ_SPREAD = spread
+            hopper_bwd.ORDERED_DQ_WRITER = writer
             bwd.backward_plan.cache_clear()
             bwd._KEPT.clear()  # (a layout planned under the other setting)
 
@@ -75,8 +80,8 @@ def main(argv=None) -> int:
             return lambda: bwd.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, deterministic=det)
 
         status, plans, ref = {}, {}, None
-        for way, det, ordered, spread in ways:
-            switch(ordered, spread)
+        for way, det, ordered, spread, writer in ways:
+            switch(ordered, spread, writer)
             plans[way] = str(bwd.backward_plan(D, dtype, 90, causal, deterministic=det))
             try:
                 grads = backward(det)()
@@ -94,15 +99,15 @@ def main(argv=None) -> int:
         timed = [w for w in ways if status[w[0]] == "ok"]
         samples = {w[0]: [] for w in timed} | {"cudnn": []}
         for _ in range(args.rounds):
-            for way, det, ordered, spread in timed:
-                switch(ordered, spread)
+            for way, det, ordered, spread, writer in timed:
+                switch(ordered, spread, writer)
                 backward(det)()  # (plans and binds the layout outside the timing)
                 samples[way].append(triton.testing.do_bench(backward(det), warmup=10, rep=60))
             samples["cudnn"].append(triton.testing.do_bench(cudnn, warmup=10, rep=60))
-        switch(default, spread_default)
+        switch(default, spread_default, writer_default)
         cudnn_ms = statistics.median(samples["cudnn"])
         ms = {w[0]: statistics.median(samples[w[0]]) for w in timed}
-        for way, det, ordered, spread in ways:
+        for way, det, ordered, spread, writer in ways:
             t = ms.get(way)
             base = ms.get("default")
             rows.append(dict(cell=name, B=B, Hq=Hq, Hkv=Hkv, N=N, D=D, dtype=dtype_name, causal=int(causal),

@@ -128,6 +128,26 @@ def test_ordered_dq_compiles_for_sm90_with_a_turn_per_add(D, causal):
         assert run_ptxas(ptx, "sm_90a")["spill_stores"] == 0
 
 
+@pytest.mark.parametrize("D,causal", [(64, False), (128, True), (80, False)])
+def test_a_dq_writer_warp_takes_the_turns_where_its_switch_is_on(D, causal, monkeypatch):
+    """``ORDERED_DQ_WRITER``: the same kernel with a third partition of one warp, which waits for the turns
+    (acquire loads), adds by bulk reduce and releases; the consumers keep no semaphore of their own. D 64
+    spills nothing, and the kernel still fits the register pool of three warpgroups."""
+    from harness.inspect_code import run_ptxas
+
+    monkeypatch.setenv("LAB_ORDERED_DQ_WRITER", "1")  # (the child process that compiles under the interpreter)
+    monkeypatch.setattr(hopper_bwd, "ORDERED_DQ_WRITER", True)
+    p = Problem(2, 4, 300, D, "bf16", causal, Hkv=2)
+    ptx = bwd.compile_backward(p, 90, ws_config="ws-M64-c2-s2", ws_dq_config=bwd.ORDERED_DQ)[1].asm["ptx"]
+    assert ".reqntid 384" in ptx  # (consumers 4 + 4 warps, producer and writer one each: three warpgroups)
+    assert "ld.acquire.gpu.global" in ptx and "atom.global.gpu.release.add" in ptx
+    # One warp waits for the reduces before it releases: a warp's barrier, not a warpgroup's.
+    assert "bar.warp.sync" in ptx.split("cp.async.bulk.wait_group 0;")[1].split("atom.global.gpu.release")[0]
+    assert ("cp.async.bulk.wait_group 1;" in ptx) == (D == 128)  # (at D 128 the other slice's add may fly on)
+    if D == 64:
+        assert run_ptxas(ptx, "sm_90a")["spill_stores"] == 0
+
+
 def test_ordered_dq_is_refused_where_it_cannot_add_in_order(monkeypatch):
     """One consumer, a way of adding other than once per pair, or a tile's add moved into the next
     tile's turn: a clear error naming what ordered dQ needs (compiled in a child process where this one
@@ -171,11 +191,19 @@ def _sm90(device):
         pytest.skip("ordered dQ runs in the Hopper dK/dV kernel: it needs sm_90")
 
 
+@pytest.fixture(params=[False, True], ids=["own-turns", "writer"])
+def writer(request, monkeypatch):
+    """Ordered dQ's turns taken by the consumers, or by a dQ-writer warp (``ORDERED_DQ_WRITER``)."""
+    monkeypatch.setattr(hopper_bwd, "ORDERED_DQ_WRITER", request.param)
+    monkeypatch.setattr(bwd, "_KEPT", {})  # (launches bound under the other setting)
+    return request.param
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["ws-M64-c2-s2", "ws-M32-c2-s3"])
 @pytest.mark.parametrize("shape", WS_SHAPES + [(1, 4, 2, 1000, 700, 80), (2, 2, 1, 130, 1100, 96)],
                          ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}-D{}".format(*s))
-def test_ordered_dq_matches_float64(shape, config, device):
+def test_ordered_dq_matches_float64(shape, config, device, writer):
     """Ordered dQ against float64, causal and not, bf16 and fp16: GQA, Nq ≠ Nk both ways, ragged N, one
     query row, rows that see no key, a head-dim tail (64-row Q tiles only)."""
     _sm90(device)
@@ -191,7 +219,7 @@ def test_ordered_dq_matches_float64(shape, config, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("D", [64, 128])
-def test_ordered_dq_gives_the_same_bits_every_run(D, causal, device):
+def test_ordered_dq_gives_the_same_bits_every_run(D, causal, device, writer):
     """A problem with many more programs than SMs (so programs of one head run in different waves and
     their adds meet in different orders each run with atomics): ordered dQ's bits are the same in five
     runs, and its dQ is within rounding of fused dQ's."""

@@ -44,7 +44,11 @@ Without a mask the rank is the K/V tile's index, and the grid interleaves the K/
 (:func:`ordered_dq_heads`) so that a head's tiles start far enough apart not to wait for each other;
 causal the rank runs the other way, the diagonal tile first, and the grid with it (a head's last K/V tile
 is launched first). Either way a program waits only for programs launched before it, and causal, for
-ones that met the tile earlier in their own loops.
+ones that met the tile earlier in their own loops. Taking its turns costs a consumer a wait for its reduce
+to complete, a barrier and a release between one tile's products and the next's; with a **dQ writer**
+(:data:`ORDERED_DQ_WRITER`, a rung) a partition of one warp takes the turns instead (:func:`_dq_writer`, as
+FlashAttention-3 does): a consumer stores its share to shared memory and goes on, and waits only where the
+writer has not yet sent its last share on.
 A third, for fused dQ or not, keeps the row statistics compact until their use
 (:data:`COMPACT_ROW_STATS`: a quarter fewer instructions per Q tile, and at D 128 with 64-row Q tiles
 fewer spills; on: the 64-row dK/dV kernel at D 128 causal 1.59 → 0.99 ms on the H200, entries 63, 68, 70).
@@ -232,6 +236,10 @@ def fused_dq_block_ms(consumers: int) -> tuple[int, ...]:
     return (32, 64) if FUSED_DQ_ATOMICS == "pair" and consumers == 2 else (64, )
 
 
+#: None where a kernel's tuple of values holds no object (a local variable cannot hold None in a kernel)
+_NONE = gl.constexpr(None)
+
+
 @gluon.jit
 def _q_range(start_n, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """The Q tiles a K/V tile starting at key ``start_n`` meets: (first row, tiles, first row of the
@@ -359,6 +367,14 @@ def _bulk_wait_all():
 
 
 @gluon.jit
+def _bulk_wait_all_but_one():
+    """Wait until at most the last bulk group this thread issued is still in flight, its sums not yet
+    written (``cp.async.bulk.wait_group 1``): the dQ writer's wait for the add before its last."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 1; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def _load_acquire(ptr):
     """``*ptr`` (an int32 in global memory) loaded with acquire semantics at GPU scope by every thread, with
     no broadcast through shared memory: the load is asked for here and waited for where its value is
@@ -392,6 +408,94 @@ def _ordered_dq_release(DQ_SEM, pend):
     gl.thread_barrier()
     if pend >= 0:
         gl.atomic_add(DQ_SEM + pend, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _dq_writer(wargs, tail, GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+               SLICES: gl.constexpr):
+    """Ordered dQ's writer (:data:`ORDERED_DQ_WRITER`), one warp: it walks the consumers' Q tiles in their
+    order and, for each share of dQ they leave in their fp32 stage buffers (``full``: one per consumer),
+    waits for the tile's turn, adds it by bulk reduce, gives the buffer back once the copy engine has
+    read it (``empty``), and hands the turn on at the same column slice's next add, by when the reduce
+    has had a tile's time to complete. ``SLICES``: 2 where each consumer adds 64 of a tile's 128 columns
+    (every tile, both buffers), 1 where the consumers take turns by Q tile (buffer ``it % 2``)."""
+    DQ_ACC, dq_stages, bars, DQ_SEM, sched, Hq, Nq, Nk = wargs
+    dq_tail_desc = tail[6]
+    dq_tail_stages = tail[7]
+    b, h_kv, start_n = sched
+    BLOCK_M: gl.constexpr = dq_stages.shape[3]
+    COLS: gl.constexpr = dq_stages.shape[4]
+    q_tiles = gl.cdiv(Nq, BLOCK_M)
+    first, n_tiles, unmasked = _q_range(start_n, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+    # The semaphore of each slice's last add, released at its next (-1: none yet). int32 indices: one
+    # semaphore per batch·query head, slice and Q tile, far fewer than 2^31 (and registers are few here).
+    pend0 = start_n * 0 - 1
+    pend1 = pend0
+    it = 0
+    for g in range(GROUP):
+        h = h_kv * GROUP + g
+        bh = b * Hq + h
+        for j in range(n_tiles):
+            row0 = _q_tile_row(first, j, n_tiles, start_n, BLOCK_N, BLOCK_M, False)
+            rank = _ordered_dq_rank(start_n, row0, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+            tile = row0 // BLOCK_M
+            if SLICES == 2:  # (the other slice's add is the one still in flight at each release)
+                pend0 = _dq_writer_add(DQ_SEM, pend0, (bh * 2) * q_tiles + tile, rank, bars, 0, it, DQ_ACC,
+                                       dq_stages, dq_tail_desc, dq_tail_stages, b, h, row0, 0, True)
+                pend1 = _dq_writer_add(DQ_SEM, pend1, (bh * 2 + 1) * q_tiles + tile, rank, bars, 1, it, DQ_ACC,
+                                       dq_stages, dq_tail_desc, dq_tail_stages, b, h, row0, COLS, True)
+            else:
+                pend0 = _dq_writer_add(DQ_SEM, pend0, bh * q_tiles + tile, rank, bars, it % 2, it // 2, DQ_ACC,
+                                       dq_stages, dq_tail_desc, dq_tail_stages, b, h, row0, 0, False)
+            it += 1
+    _bulk_wait_all()
+    gl.thread_barrier()
+    if pend0 >= 0:
+        gl.atomic_add(DQ_SEM + pend0, 1, sem="release", scope="gpu")
+    if pend1 >= 0:
+        gl.atomic_add(DQ_SEM + pend1, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _dq_writer_add(DQ_SEM, pend, index, rank, bars, w, n, dq_desc, dq_stages, dq_tail_desc, dq_tail_stages, b, h,
+                   row0, COL0: gl.constexpr, ANOTHER_IN_FLIGHT: gl.constexpr):
+    """One add of :func:`_dq_writer`: consumer ``w``'s ``n``-th share, columns ``COL0`` on of the Q tile
+    from ``row0``, at its turn ``rank`` of semaphore ``index``; first the add before it at semaphore
+    ``pend`` is released (complete, but for ``ANOTHER_IN_FLIGHT``: the other slice's last add, issued
+    after it). Returns ``index``, to release at the next add."""
+    COLS: gl.constexpr = dq_stages.shape[4]
+    seen = _load_acquire(DQ_SEM + index)  # (asked for before the wait on the consumer: its trip to L2 hides)
+    mbarrier.wait(bars.index(w), n & 1)  # the consumer's share is in its buffer
+    if ANOTHER_IN_FLIGHT:
+        _bulk_wait_all_but_one()
+    else:
+        _bulk_wait_all()
+    gl.thread_barrier()  # (every thread's bulk groups: the one that issued them may not be the one that releases)
+    if pend >= 0:
+        gl.atomic_add(DQ_SEM + pend, 1, sem="release", scope="gpu")
+    while seen != rank:
+        seen = _load_acquire(DQ_SEM + index)
+    _tma_reduce_add(dq_desc, [b, h, row0, COL0], dq_stages.index(w))
+    if dq_tail_desc is not None:  # the head-dim tail's columns, in the same turn (a tail: one 64-column slice)
+        _tma_reduce_add(dq_tail_desc, [b, h, row0, COLS], dq_tail_stages.index(w))
+    tma.store_wait(0)  # the copy engine has read the buffers: the consumer may fill them again
+    mbarrier.arrive(bars.index(2 + w))
+    return index
+
+
+@gluon.jit
+def _pair_dq_stage(ds_bufs, x, k_bufs, stage, free, phase, sm_scale, COL0: gl.constexpr, dq_layout: gl.constexpr):
+    """Ordered dQ with a writer: :func:`_pair_dq_issue`'s product, waited for, scaled into this consumer's
+    fp32 ``stage`` buffer once the writer has sent its last share on (mbarrier ``free`` at ``phase``);
+    the caller fences and tells the writer."""
+    BLOCK_M: gl.constexpr = stage.shape[2]
+    COLS: gl.constexpr = stage.shape[3]
+    acc = _pair_dq_issue(ds_bufs, x, k_bufs, COL0, COLS, dq_layout)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    if BLOCK_M < 64:
+        acc = gl.permute(acc, [1, 0])
+    mbarrier.wait(free, phase)
+    stage.reshape([BLOCK_M, COLS]).store(acc * sm_scale)
 
 
 @gluon.jit
@@ -601,7 +705,7 @@ def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP:
     dQ nor a split head dim): ``Sᵀ`` and ``dPᵀ`` each add the tail columns' product, and dK and dV
     have a tail accumulator each, fed by a product of their own."""
     (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, out_bar, ring, LSE, DELTA, DQ_ACC, ds_bufs, dq_stages, kv_free,
-     sched, DK, DV, Hq, Hkv, Nq, Nk, qk_scale, sm_scale, DQ_SEM) = args
+     sched, DK, DV, Hq, Hkv, Nq, Nk, qk_scale, sm_scale, DQ_SEM, DQ_BARS) = args
     q_bufs, do_bufs, ready, empty = ring
     dk_tail_desc, dv_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs, do_tail_bufs, dq_tail_desc, dq_tail_stages = tail
     TAIL: gl.constexpr = dk_tail_desc is not None
@@ -649,6 +753,10 @@ def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP:
     # yet); a Q tile's semaphore per batch·query head, dQ column slice and tile.
     pend = (start_n * 0).to(gl.int64) - 1
     q_tiles = gl.cdiv(Nq, BLOCK_M)
+    # With a dQ writer (DQ_BARS: "full" per consumer, then "empty") the turns are the writer's: a consumer
+    # only stores its share in its stage buffer.
+    WRITER: gl.constexpr = DQ_BARS is not None
+    OWN_TURNS: gl.constexpr = (DQ_SEM is not None) and not WRITER
 
     first, n_tiles, unmasked = _q_range(start_n, Nq, Nk, BLOCK_M, ROWS * KV_TILES, CAUSAL)
     keys = start_n + TILE * ROWS + gl.arange(0, ROWS, layout=key_layout)
@@ -673,7 +781,7 @@ def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP:
         for j in range(n_tiles):
             row0 = _q_tile_row(first, j, n_tiles, start_n, ROWS * KV_TILES, BLOCK_M, STAGGER)
             queries = row0 + gl.arange(0, BLOCK_M, layout=query_layout)
-            if DQ_SEM is not None:  # ordered dQ: this tile's semaphore, its count asked for now, used at the add
+            if OWN_TURNS:  # ordered dQ: this tile's semaphore, its count asked for now, used at the add
                 sem_index = (bh * SLICES + WG % SLICES) * q_tiles + row0 // BLOCK_M
                 sem_seen = _load_acquire(DQ_SEM + sem_index)
             if PREFETCH_STATS == 1:  # the first tile's were asked for before the K/V wait
@@ -797,7 +905,12 @@ def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP:
                     pend_row = row0
                 elif SLICES == 2:
                     mbarrier.wait(out_bar.index(2 + x), (it // 2) & 1)  # and the other's
-                    if DQ_SEM is not None:
+                    if WRITER:  # (this consumer's slice of every tile: its (it - it0)-th share)
+                        _pair_dq_stage(ds_bufs, x, k_bufs, dq_stages.index(WG), DQ_BARS.index(2 + WG),
+                                       ((it - it0) & 1) ^ 1, sm_scale, WG * DQ_COLS, dq_layout)
+                        fence_async_shared()
+                        mbarrier.arrive(DQ_BARS.index(WG))
+                    elif DQ_SEM is not None:
                         pend = _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
                                         sm_scale, WG * DQ_COLS, dq_layout, -1, DQ_SEM, pend, sem_index,
                                         _ordered_dq_rank(start_n, row0, Nq, Nk, BLOCK_M, ROWS * KV_TILES, CAUSAL),
@@ -807,17 +920,28 @@ def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP:
                                  sm_scale, WG * DQ_COLS, dq_layout)
                 elif x == WG:
                     mbarrier.wait(out_bar.index(2 + x), (it // 2) & 1)
-                    if DQ_SEM is not None:
-                        pend = _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
-                                        sm_scale, 0, dq_layout, -1, DQ_SEM, pend, sem_index,
-                                        _ordered_dq_rank(start_n, row0, Nq, Nk, BLOCK_M, ROWS * KV_TILES, CAUSAL),
-                                        sem_seen)
+                    if WRITER:
+                        # (every other tile: this consumer's ((it - it0) // 2)-th share; a tail's in the same turn)
+                        n_add = (it - it0) // 2
+                        _pair_dq_stage(ds_bufs, x, k_bufs, dq_stages.index(WG), DQ_BARS.index(2 + WG),
+                                       (n_add & 1) ^ 1, sm_scale, 0, dq_layout)
+                        if TAIL:
+                            _pair_dq_stage(ds_bufs, x, k_tail_bufs, dq_tail_stages.index(WG), DQ_BARS.index(2 + WG),
+                                           (n_add & 1) ^ 1, sm_scale, 0, t_dq_layout)
+                        fence_async_shared()
+                        mbarrier.arrive(DQ_BARS.index(WG))
                     else:
-                        _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
-                                 sm_scale, 0, dq_layout)
-                    if TAIL:  # the tail columns' share, from both consumers' K tails, its own reduce
-                        _pair_dq(ds_bufs, x, k_tail_bufs, dq_tail_desc, dq_tail_stages.index(WG), b,
-                                 h_kv * GROUP + g, row0, sm_scale, 0, t_dq_layout, D)
+                        if DQ_SEM is not None:
+                            pend = _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g,
+                                            row0, sm_scale, 0, dq_layout, -1, DQ_SEM, pend, sem_index,
+                                            _ordered_dq_rank(start_n, row0, Nq, Nk, BLOCK_M, ROWS * KV_TILES, CAUSAL),
+                                            sem_seen)
+                        else:
+                            _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
+                                     sm_scale, 0, dq_layout)
+                        if TAIL:  # the tail columns' share, from both consumers' K tails, its own reduce
+                            _pair_dq(ds_bufs, x, k_tail_bufs, dq_tail_desc, dq_tail_stages.index(WG), b,
+                                     h_kv * GROUP + g, row0, sm_scale, 0, t_dq_layout, D)
                 if not (AHEAD_ON or LAG_ON):
                     mbarrier.arrive(out_bar.index(4 + x))  # done reading buffer x
             elif DQ_ACC is not None:
@@ -837,7 +961,7 @@ def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP:
                 mbarrier.wait(out_bar.index(2 + xp), ((it - 1) // 2) & 1)
                 _pair_dq(ds_bufs, xp, k_bufs, DQ_ACC, dq_stages.index(WG), b, pend_h, pend_row, sm_scale,
                          WG * DQ_COLS, dq_layout)
-        if DQ_SEM is not None:  # the last add's turn passes on
+        if OWN_TURNS:  # the last add's turn passes on
             _ordered_dq_release(DQ_SEM, pend)
         # Both consumers' dQ products read both K tiles up to their last Q tile: neither writes its dK
         # over its K tile before the other is done with them (out_bar 0, one arrival per consumer).
@@ -906,7 +1030,7 @@ def _consumer_shared_scores_item(args, b, h_kv, start_n, it, t, WG: gl.constexpr
     double-buffered: mbarriers ``xready`` (both halves written) and ``xfree`` (both consumers done
     reading the other's) per buffer, one arrival per warpgroup."""
     (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, bars, ring, LSE, DELTA, DQ_ACC, p_x, s_x, kv_free, sched, DK, DV,
-     Hq, Hkv, Nq, Nk, qk_scale, sm_scale, DQ_SEM) = args
+     Hq, Hkv, Nq, Nk, qk_scale, sm_scale, DQ_SEM, DQ_BARS) = args
     q_bufs, do_bufs, ready, empty = ring
     STAGES: gl.constexpr = q_bufs.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.shape[3]
@@ -1028,7 +1152,8 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
                        HEAD_DIM: gl.constexpr, ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr,
                        SHARE_SCORES: gl.constexpr, AHEAD: gl.constexpr, STAGGER: gl.constexpr, LAG: gl.constexpr,
                        COMPACT_STATS: gl.constexpr, EARLY_RELEASE: gl.constexpr, PREFETCH_STATS: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PERSISTENT: gl.constexpr):
+                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
+                       DQ_WRITER: gl.constexpr = False):
     """Work items (K/V tile of ``CONSUMERS / SPLIT_D × 64`` rows, batch·K/V head) over ``heads``
     batch·K/V heads, in the order ``tiles_per_chunk`` and ``heads_per_group`` give (:func:`program_order`):
     one program per item, or (``PERSISTENT``, a grid of one program per SM) each program walking every
@@ -1096,8 +1221,12 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BM // 2], q_desc.dtype)
         ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, ROWS, BM // 2], x_layout)
         dq_stages = gl.allocate_shared_memory(q_desc.dtype, [4, ROWS, BM // 2], x_layout)
+    if DQ_WRITER:  # ordered dQ's writer warp: per consumer's stage buffer, "full" (0, 1) and "empty" (2, 3)
+        dq_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(4):
+            mbarrier.init(dq_bars.index(i), count=1)
     args = (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, out_bar, ring, LSE, DELTA, DQ_ACC, ds_bufs, dq_stages, kv_free,
-            sched, DK, DV, Hq, Hkv, Nq, Nk, qk_scale, sm_scale, DQ_SEM)
+            sched, DK, DV, Hq, Hkv, Nq, Nk, qk_scale, sm_scale, DQ_SEM, dq_bars if DQ_WRITER else _NONE)
     producer_args = (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, kv_free, ring, producer_tail, sched,
                      Nq, Nk, GROUP, CAUSAL, STAGGER)
     if SHARE_SCORES:
@@ -1106,6 +1235,16 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
             (_consumer_shared_scores, (args, 1, GROUP, CAUSAL)),
             (_producer, producer_args),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif DQ_WRITER:
+        gl.warp_specialize([
+            (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG,
+                         COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS)),
+            (_consumer, (args, tail, 1, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG,
+                         COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS)),
+            (_producer, producer_args),
+            (_dq_writer, ((DQ_ACC, dq_stages, dq_bars, DQ_SEM, sched, Hq, Nq, Nk), tail, GROUP, CAUSAL,
+                          ROWS * KV_TILES, k_desc.block_type.shape[3] // DQ_ACC.block_type.shape[3])),
+        ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     elif CONSUMERS == 1:
         gl.warp_specialize([
             (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG,
@@ -1401,6 +1540,10 @@ def visited_q_rows(start_n: int, Nq: int, Nk: int, block_m: int, causal: bool) -
 #: off (``LAB_ORDERED_DQ_SPREAD=0``), head by head, where they start side by side and wait for each other.
 ORDERED_DQ_SPREAD = os.environ.get("LAB_ORDERED_DQ_SPREAD", "1") == "1"
 
+#: Ordered dQ's turns taken by a dQ-writer warp (:func:`_dq_writer`, ``LAB_ORDERED_DQ_WRITER=1``) rather than
+#: by the consumers themselves (:func:`_ordered_dq_turn` in :func:`_pair_dq`).
+ORDERED_DQ_WRITER = os.environ.get("LAB_ORDERED_DQ_WRITER", "0") == "1"
+
 
 def ordered_dq_heads(q_tiles: int, heads: int, sms: int, turn: int) -> int:
     """Batch·heads per group of the grid's order for ordered dQ without a mask (``heads_per_group`` of
@@ -1438,7 +1581,8 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
     ``persistent``: a grid of one program per SM walking the items (:data:`PERSISTENT_DKDV` where None),
     where the kernel takes it (contiguous dK and dV, neither ahead nor lagging fused dQ). ``dq_sem`` (with
     ``dq_acc``): ordered dQ, each Q tile's adds in a fixed order (:func:`ordered_dq_semaphores`, zeroed):
-    bitwise the same sums every run, on one program per item, the two consumers adding once per pair."""
+    bitwise the same sums every run, on one program per item, the two consumers adding once per pair (their
+    turns taken by a writer warp where :data:`ORDERED_DQ_WRITER` is on)."""
     if dq_sem is not None and (dq_acc is None or not ordered_dq_takes(consumers, reorder)):
         raise ValueError(f"ordered dQ (dq_sem) adds fused dQ in a fixed order: it needs the fp32 accumulator "
                          f"(dq_acc), two consumers adding once per pair (LAB_FUSED_DQ_ATOMICS=pair), in each "
@@ -1486,7 +1630,8 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 # (ordered dQ, causal: head by head, which the kernel runs backwards, a head's lightest tile
                 # first; not causal: a head's K/V tiles spread apart in the order, ordered_dq_heads)
                 else dict(tiles_per_chunk=1, heads_per_group=ordered_dq_heads(
-                    Hq // Hkv * cdiv(Nq, block_m), B * Hkv, sm_count(q.device), 2 if main <= 64 else 1))
+                    Hq // Hkv * cdiv(Nq, block_m), B * Hkv, sm_count(q.device),
+                    2 if main <= 64 and not ORDERED_DQ_WRITER else 1))
                 if dq_sem is not None and not causal and ORDERED_DQ_SPREAD
                 else dict(tiles_per_chunk=n_tiles, heads_per_group=B * Hkv),
                 heads=B * Hkv,
@@ -1499,7 +1644,8 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 EARLY_RELEASE=EARLY_SLOT_RELEASE,
                 PREFETCH_STATS=(2 if PREFETCH_ROW_STATS else 1 if first_row_stats_early((main + tail) // split, causal)
                                 else 0) if COMPACT_ROW_STATS else 0,
-                CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, PERSISTENT=persistent)
+                CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, PERSISTENT=persistent,
+                DQ_WRITER=dq_sem is not None and ORDERED_DQ_WRITER)
     grid = (min(items, sm_count(q.device)) if persistent else items,)
     return Launch(ws_bwd_dkdv_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)
 
