@@ -109,12 +109,15 @@ def test_the_semaphores_cover_every_tile_of_every_config():
 
 
 @pytest.mark.parametrize("D,causal", [(64, False), (64, True), (128, True), (80, False)])
-def test_ordered_dq_compiles_for_sm90_with_a_turn_per_add(D, causal):
-    """The dK/dV kernel with ordered dQ compiles for sm_90a: it waits with acquire loads, releases with
-    a release atomic after waiting for its bulk reduces to complete (not only to have read their
-    source), and runs the grid backwards when causal; D 64 spills nothing."""
+def test_ordered_dq_compiles_for_sm90_with_a_turn_per_add(D, causal, monkeypatch):
+    """The dK/dV kernel with ordered dQ, the consumers taking their own turns (the rung below the writer),
+    compiles for sm_90a: it waits with acquire loads, releases with a release atomic after waiting for its
+    bulk reduces to complete (not only to have read their source), and runs the grid backwards when causal;
+    D 64 spills nothing."""
     from harness.inspect_code import run_ptxas
 
+    monkeypatch.setenv("LAB_ORDERED_DQ_WRITER", "0")  # (the child process that compiles under the interpreter)
+    monkeypatch.setattr(hopper_bwd, "ORDERED_DQ_WRITER", False)
     p = Problem(2, 4, 300, D, "bf16", causal, Hkv=2)
     kernels = bwd.compile_backward(p, 90, ws_config="ws-M64-c2-s2", ws_dq_config=bwd.ORDERED_DQ)
     assert [k.name for k in kernels] == ["attention_bwd_delta_kernel", "ws_bwd_dkdv_kernel"]
@@ -122,6 +125,8 @@ def test_ordered_dq_compiles_for_sm90_with_a_turn_per_add(D, causal):
     assert "ld.acquire.gpu.global" in ptx and "atom.global.gpu.release.add" in ptx
     assert "cp.async.bulk.wait_group 0" in ptx
     assert ("nctaid" in ptx.split("ld.acquire.gpu.global")[0]) == causal  # (the reversed grid asks its size)
+    # (no writer warp: a warpgroup meets at a barrier of 128 threads before one of them releases)
+    assert "bar.sync" in ptx.split("cp.async.bulk.wait_group 0;")[1].split("atom.global.gpu.release")[0]
     fused = bwd.compile_backward(p, 90, ws_config="ws-M64-c2-s2", ws_dq_config=bwd.FUSED_DQ)[1].asm["ptx"]
     assert "ld.acquire.gpu.global" not in fused and "atom.global.gpu.release" not in fused
     if D == 64:

@@ -1540,9 +1540,10 @@ def visited_q_rows(start_n: int, Nq: int, Nk: int, block_m: int, causal: bool) -
 #: off (``LAB_ORDERED_DQ_SPREAD=0``), head by head, where they start side by side and wait for each other.
 ORDERED_DQ_SPREAD = os.environ.get("LAB_ORDERED_DQ_SPREAD", "1") == "1"
 
-#: Ordered dQ's turns taken by a dQ-writer warp (:func:`_dq_writer`, ``LAB_ORDERED_DQ_WRITER=1``) rather than
-#: by the consumers themselves (:func:`_ordered_dq_turn` in :func:`_pair_dq`).
-ORDERED_DQ_WRITER = os.environ.get("LAB_ORDERED_DQ_WRITER", "0") == "1"
+#: Ordered dQ's turns taken by a dQ-writer warp (:func:`_dq_writer`); off (``LAB_ORDERED_DQ_WRITER=0``), by the
+#: consumers themselves (:func:`_ordered_dq_turn` in :func:`_pair_dq`), the rung below, 1.3-1.4x slower at D 64
+#: on an H100 (performance-log entry 95).
+ORDERED_DQ_WRITER = os.environ.get("LAB_ORDERED_DQ_WRITER", "1") == "1"
 
 
 def ordered_dq_heads(q_tiles: int, heads: int, sms: int, turn: int) -> int:
