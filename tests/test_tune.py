@@ -61,14 +61,17 @@ def test_an_untuned_gpu_reads_the_tuning_of_a_gpu_of_its_architecture():
     from stages.c_optimized import configs
 
     h200 = configs.TUNED_DIR / "h200.json"
-    h200_bwd = configs.TUNED_DIR / "h200-backward.json"
+    h100_bwd = configs.TUNED_DIR / "h100-80gb-hbm3-backward.json"
     assert configs.tuning_file("h200", "", 90) == h200  # its own, whatever the arch asked
-    # An H100 (sm_90) has no file: it reads the H200's, forward and backward apart.
+    assert configs.tuning_file("h100-80gb-hbm3", "-backward", 90) == h100_bwd
+    # An H100 has no forward file: it reads the H200's. An H800 (sm_90) has neither: it reads the first
+    # Hopper file by name of each, forward and backward apart.
     assert configs.tuning_file("h100-80gb-hbm3", "", 90) == h200
-    assert configs.tuning_file("h100-80gb-hbm3", "-backward", 90) == h200_bwd
+    assert configs.tuning_file("h800-pcie", "", 90) == h200
+    assert configs.tuning_file("h800-pcie", "-backward", 90) == h100_bwd
     # An A100 (sm_80) has nothing of its architecture; no GPU (arch None) borrows nothing.
     assert configs.tuning_file("a100-sxm4-80gb", "", 80) is None
-    assert configs.tuning_file("h100-80gb-hbm3", "-backward", None) is None
+    assert configs.tuning_file("h800-pcie", "-backward", None) is None
     assert configs.tuning_file(None, "", 90) is None
 
 
@@ -81,13 +84,13 @@ def test_an_untuned_sm90_gpu_runs_the_hopper_backward(monkeypatch):
 
     monkeypatch.setattr(configs, "this_arch", lambda: 90)
     monkeypatch.setattr(bwd, "this_arch", lambda: 90)
-    monkeypatch.setattr(bwd, "gpu_slug", lambda: "h100-80gb-hbm3")
+    monkeypatch.setattr(bwd, "gpu_slug", lambda: "h800-pcie")
     bwd.tuned_backward_table.cache_clear()
     bwd.backward_plan.cache_clear()
     try:
         plan = bwd.backward_plan(128, torch.bfloat16, 90, False)
         assert plan.ws is not None
-        assert bwd.tuned_backward_table("h100-80gb-hbm3") == bwd.tuned_backward_table("h200")
+        assert bwd.tuned_backward_table("h800-pcie") == bwd.tuned_backward_table("h100-80gb-hbm3")
     finally:
         bwd.tuned_backward_table.cache_clear()
         bwd.backward_plan.cache_clear()
@@ -99,8 +102,8 @@ def test_a_gpus_first_tuning_starts_from_the_borrowed_winners(monkeypatch, tmp_p
     from stages.c_optimized import configs
 
     monkeypatch.setattr(configs, "this_arch", lambda: 90)
-    seed = configs.seed_tuning(tmp_path / "h100-80gb-hbm3-backward.json", "-backward")
-    h200 = json.loads((configs.TUNED_DIR / "h200-backward.json").read_text())
-    assert seed["best"] == h200["best"] and seed["seeded_from"] == "h200-backward" and "gpu" not in seed
+    seed = configs.seed_tuning(tmp_path / "h800-pcie-backward.json", "-backward")
+    h100 = json.loads((configs.TUNED_DIR / "h100-80gb-hbm3-backward.json").read_text())
+    assert seed["best"] == h100["best"] and seed["seeded_from"] == "h100-80gb-hbm3-backward" and "gpu" not in seed
     monkeypatch.setattr(configs, "this_arch", lambda: 80)
     assert configs.seed_tuning(tmp_path / "a100-backward.json", "-backward") == {}

@@ -43,7 +43,9 @@ The kernels
      2.5×, +40 %), and reads K and V once more per Q tile; no fp32 workspace, no atomics.
    On Hopper the dK/dV kernel can add dQ itself in a fixed order instead (``ORDERED_DQ``, see
    ``hopper_bwd.py``): five products and bitwise reproducible, each Q tile's adds taking turns at a
-   semaphore; ``LAB_ORDERED_DQ=1`` makes it what ``deterministic=True`` runs where fused dQ is the plan.
+   semaphore, taken by a dQ-writer warp; the backward tuner races it among the deterministic plans (on an
+   H100 it wins at D 64), and ``LAB_ORDERED_DQ=1`` makes it what ``deterministic=True`` runs wherever fused
+   dQ is the plan.
 4. A decoding-shaped problem (the group's query rows fit one tile after a cache, the forward's decode
    class) runs none of these: the split backward of ``decode_backward.py`` holds every query row in each
    program and shares out the keys, as the forward's split-KV path does (``split_backward``).
@@ -281,13 +283,14 @@ class BwdPlan:
 FUSED_DQ = "fused"
 #: ``ws_dq_config`` / a tuned ``deterministic`` entry's ``ws_dq``: fused dQ added in a fixed order, so
 #: deterministic with five products per pair: each Q tile's adds wait their turn at a semaphore in global
-#: memory (``hopper_bwd._ordered_dq_turn``), as FlashAttention-3's deterministic backward does.
+#: memory (``hopper_bwd._dq_writer``), as FlashAttention-3's deterministic backward does.
 ORDERED_DQ = "ordered"
 #: The ``ws_dq`` values that form dQ inside the Hopper dK/dV kernel.
 FUSED_DQS = (FUSED_DQ, ORDERED_DQ)
 #: Where the tuned plan adds dQ inside the Hopper dK/dV kernel (:data:`FUSED_DQ`) and a deterministic
 #: backward is asked for, run the same tiles with :data:`ORDERED_DQ` instead of the tuner's plan without
-#: fused dQ (``LAB_ORDERED_DQ=1``; off until a GPU has timed it beside that plan).
+#: fused dQ (``LAB_ORDERED_DQ=1``; off: timed on an H100 it lost at D 128 and in grouped causal cells, so the
+#: tuner's ``deterministic`` entry decides per head dim and mask, performance-log entry 95).
 ORDERED_DQ_DEFAULT = os.environ.get("LAB_ORDERED_DQ", "0") == "1"
 
 

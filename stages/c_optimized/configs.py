@@ -300,10 +300,11 @@ def tuning_file(slug: str | None, suffix: str = "", arch: int | None = None) -> 
     """The tuning file a GPU named ``slug`` reads: ``tuned/<slug><suffix>.json`` (``suffix`` "" for the
     forward's, "-backward" for the backward's) when it was tuned itself, else, given its compute
     capability ``arch``, one tuned on another GPU of the same architecture (first by name). An H100
-    has no file of its own and reads the H200's: the two share the SM (its tensor cores, 228 KB of
-    shared memory, 64 K registers), so the tiles and kernels that won on one are the best guess for
-    the other, far better than the untuned first candidate (whose backward never runs the Hopper
-    kernels). Its own ``tune``/``tune_backward`` run replaces the guess. None where neither exists."""
+    has a backward file of its own and reads the H200's forward one: the Hopper GPUs share the SM (its
+    tensor cores, 228 KB of shared memory, 64 K registers), so the tiles and kernels that won on one
+    are the best guess for another, far better than the untuned first candidate (whose backward never
+    runs the Hopper kernels). Its own ``tune``/``tune_backward`` run replaces the guess. None where
+    neither exists."""
     if slug is None:
         return None
     own = TUNED_DIR / f"{slug}{suffix}.json"
