@@ -393,6 +393,19 @@ def deterministic_costs(d: Data) -> dict:
     return report.deterministic_costs(views.grid_rows(load_rows(d.dir / "runs.csv"), "bwd"))
 
 
+def ordered_dq_costs(way: str, cells: str, files=("ordered_dq_writer", "ordered_dq_writer_more_cells")) -> list[float]:
+    """Percent over the default plan of one way of ``experiments/ordered_dq.py`` at the cells whose names
+    start with ``cells``, over its committed H100 runs (entries 94-95)."""
+    return [100 * float(r["cost_over_default"]) for f in files for r in h100_experiment_rows(f"2026-12-07_{f}.csv")
+            if r["way"] == way and r["cell"].startswith(cells) and r["status"] == "ok"]
+
+
+def h100_deterministic_costs() -> list[float]:
+    """The H100 results page's deterministic costs of the bf16 backward grid, percent."""
+    return [100 * v for k, v in deterministic_costs(Data(ROOT / "results" / "h100-80gb-hbm3")).items()
+            if k[0] == "bf16"]
+
+
 def bwd_ratios(d: Data, dtype: str, head_dims) -> list[float]:
     """Stage C's backward TFLOPS over cuDNN's per grid cell of ``dtype`` at these head dims."""
     from harness import views
@@ -707,6 +720,23 @@ CLAIMS = [
           lambda d: (fused_dq_ms(d, 1, False), fused_dq_ms(d, 1, True))),
     Claim(C_DETAILS, "Bitwise reproducible gradients cost {}–{} % more time than the default backward on the bf16 grid",
           lambda d: tuple(100 * f(v for k, v in deterministic_costs(d).items() if k[0] == "bf16") for f in (min, max))),
+    Claim(C_DETAILS, "Taken by the consumers themselves, the turns cost {}–{} % on an H100",
+          lambda d: (min(ordered_dq_costs("ordered", "", ("ordered_dq",))),
+                     max(ordered_dq_costs("ordered", "", ("ordered_dq",))))),
+    Claim(C_DETAILS, "go on: +{} % to +{} % over fused dQ on\nthe D 64 grid cells (an odd-sized fp16 cell +{} %, "
+                     "GPT-2's short causal one +{}–{} %), where the dQ kernel of its\nown costs up to {} %",
+          lambda d: (min(ordered_dq_costs("ordered-writer", "grid-d64")),
+                     max(ordered_dq_costs("ordered-writer", "grid-d64")),
+                     *ordered_dq_costs("ordered-writer", "odd-n"),
+                     min(ordered_dq_costs("ordered-writer", "gpt2")), max(ordered_dq_costs("ordered-writer", "gpt2")),
+                     max(ordered_dq_costs("deterministic", "grid-d64")))),
+    Claim(C_DETAILS, "At D 128 (+{}–{} %)\nand in the grouped Llama 3 8B cell (+{}–{} %)",
+          lambda d: (min(ordered_dq_costs("ordered-writer", "grid-d128")),
+                     max(ordered_dq_costs("ordered-writer", "grid-d128")),
+                     min(ordered_dq_costs("ordered-writer", "llama3-8b")),
+                     max(ordered_dq_costs("ordered-writer", "llama3-8b")))),
+    Claim(C_DETAILS, "the bf16\ngrid's deterministic cost on the H100 is −{} % to +{} %",
+          lambda d: (-min(h100_deterministic_costs()), max(h100_deterministic_costs()))),
     Claim(C_DETAILS, "took the grouped Llama 3\n8B cell from {} to {} ms",
           lambda d: (program_order_ms(d, "llama3-8b", "0"), program_order_ms(d, "llama3-8b", "8"))),
     Claim(C_DETAILS, "twice cuDNN's DRAM bytes at the grid's causal D 128\ncell",

@@ -1549,8 +1549,9 @@ ORDERED_DQ_WRITER = os.environ.get("LAB_ORDERED_DQ_WRITER", "1") == "1"
 def ordered_dq_heads(q_tiles: int, heads: int, sms: int, turn: int) -> int:
     """Batch·heads per group of the grid's order for ordered dQ without a mask (``heads_per_group`` of
     :func:`program_order`, chunks of one K/V tile). K/V tile ``j`` of a head adds to each Q tile after tile
-    ``j − 1`` has, and tile ``j − 1`` hands the turn on ``turn`` Q tiles later (at its consumer's next
-    add: 2 where the consumers take turns by Q tile, 1 where each adds its columns of every tile), so
+    ``j − 1`` has, and tile ``j − 1`` hands the turn on ``turn`` Q tiles later (at the next add of the one
+    taking the turns: 2 where the consumers take them and take turns by Q tile, 1 where each adds its
+    columns of every tile or a dQ writer takes them all), so
     ``j`` should start about ``turn`` Q tiles after ``j − 1``, or it holds its SM waiting. Head by head,
     the GPU starts a head's K/V tiles a few hundred cycles apart; with the tiles of ``g`` heads
     interleaved, program ``j`` starts about ``g / sms`` of a program's ``q_tiles`` after ``j − 1``. The
