@@ -384,15 +384,19 @@ def _load_acquire(ptr):
 
 
 @gluon.jit
-def _ordered_dq_turn(DQ_SEM, pend, index, rank, seen):
-    """Ordered dQ (``backward.ORDERED_DQ``): before a consumer adds its share of a dQ tile, it tells the
-    next program that its last add (semaphore ``pend``, -1 for none) is complete, then waits until the
+def _ordered_dq_turn(DQ_SEM, pend, index, rank, seen, ANOTHER_IN_FLIGHT: gl.constexpr = False):
+    """Ordered dQ (``backward.ORDERED_DQ``): before a consumer (or the dQ writer) adds its share of a dQ
+    tile, it tells the next program that its last add (semaphore ``pend``, -1 for none) is complete
+    (``ANOTHER_IN_FLIGHT``: all but the bulk group issued after it, which may fly on), then waits until the
     tile's semaphore ``index`` has counted ``rank`` adds: every program ahead of it in the tile's fixed
     order has added. ``seen``: the count as loaded at the start of the tile (:func:`_load_acquire`), so
     that where the turn has come by then, nothing here waits for L2. Returns ``index``, this add's
     semaphore, to be released at the consumer's next turn (by then the bulk reduce has had a Q tile's
     time to finish, so the wait for it rarely waits)."""
-    _bulk_wait_all()
+    if ANOTHER_IN_FLIGHT:
+        _bulk_wait_all_but_one()
+    else:
+        _bulk_wait_all()
     gl.thread_barrier()  # (every thread's bulk group is done before one thread releases: the issuer may differ)
     if pend >= 0:
         gl.atomic_add(DQ_SEM + pend, 1, sem="release", scope="gpu")
@@ -403,7 +407,7 @@ def _ordered_dq_turn(DQ_SEM, pend, index, rank, seen):
 
 @gluon.jit
 def _ordered_dq_release(DQ_SEM, pend):
-    """The end of a consumer's adds: its last bulk reduce complete, its semaphore released."""
+    """The end of a consumer's (or the dQ writer's) adds: its last bulk reduce complete, its semaphore released."""
     _bulk_wait_all()
     gl.thread_barrier()
     if pend >= 0:
@@ -448,12 +452,8 @@ def _dq_writer(wargs, tail, GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: 
                 pend0 = _dq_writer_add(DQ_SEM, pend0, bh * q_tiles + tile, rank, bars, it % 2, it // 2, DQ_ACC,
                                        dq_stages, dq_tail_desc, dq_tail_stages, b, h, row0, 0, False)
             it += 1
-    _bulk_wait_all()
-    gl.thread_barrier()
-    if pend0 >= 0:
-        gl.atomic_add(DQ_SEM + pend0, 1, sem="release", scope="gpu")
-    if pend1 >= 0:
-        gl.atomic_add(DQ_SEM + pend1, 1, sem="release", scope="gpu")
+    _ordered_dq_release(DQ_SEM, pend0)
+    _ordered_dq_release(DQ_SEM, pend1)  # (its wait finds nothing left in flight)
 
 
 @gluon.jit
@@ -466,15 +466,7 @@ def _dq_writer_add(DQ_SEM, pend, index, rank, bars, w, n, dq_desc, dq_stages, dq
     COLS: gl.constexpr = dq_stages.shape[4]
     seen = _load_acquire(DQ_SEM + index)  # (asked for before the wait on the consumer: its trip to L2 hides)
     mbarrier.wait(bars.index(w), n & 1)  # the consumer's share is in its buffer
-    if ANOTHER_IN_FLIGHT:
-        _bulk_wait_all_but_one()
-    else:
-        _bulk_wait_all()
-    gl.thread_barrier()  # (every thread's bulk groups: the one that issued them may not be the one that releases)
-    if pend >= 0:
-        gl.atomic_add(DQ_SEM + pend, 1, sem="release", scope="gpu")
-    while seen != rank:
-        seen = _load_acquire(DQ_SEM + index)
+    _ordered_dq_turn(DQ_SEM, pend, index, rank, seen, ANOTHER_IN_FLIGHT)
     _tma_reduce_add(dq_desc, [b, h, row0, COL0], dq_stages.index(w))
     if dq_tail_desc is not None:  # the head-dim tail's columns, in the same turn (a tail: one 64-column slice)
         _tma_reduce_add(dq_tail_desc, [b, h, row0, COLS], dq_tail_stages.index(w))
