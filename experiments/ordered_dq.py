@@ -7,9 +7,10 @@ its own that recomputes the scores (seven products per pair). Ordered dQ (``back
 ``LAB_ORDERED_DQ=1`` makes it the deterministic plan where fused dQ is the default) keeps fused dQ and
 gives each Q tile's adds a fixed order: each add waits at a semaphore in global memory for the programs
 before it, as FlashAttention-3's deterministic backward does; the consumers take those turns themselves
-("ordered"), or a dQ-writer warp takes them ("ordered-writer", ``hopper_bwd.ORDERED_DQ_WRITER``).
+("ordered"), or a dQ-writer warp takes them (``hopper_bwd.ORDERED_DQ_WRITER``) with one stage buffer per
+consumer ("ordered-writer") or two where they fit ("ordered-writer-2", ``hopper_bwd.DQ_WRITER_BUFFERS``).
 
-For each cell, stage C's whole backward (``bwd.attention_backward`` given a saved forward) four ways,
+For each cell, stage C's whole backward (``bwd.attention_backward`` given a saved forward) five ways,
 the default plan, deterministic as tuned, deterministic with ordered dQ with and without the writer, timed
 in interleaved rounds beside cuDNN's backward (SDPA's CUDNN backend, ``torch.autograd.grad`` of a kept
 forward). First each deterministic way's gradients against the default's, and its bits over three runs.
@@ -32,11 +33,14 @@ import torch  # noqa: E402
 
 from experiments.bwd_persistent import CELLS, ROUNDS, cell_inputs, check_arguments  # noqa: E402  (the same cells)
 #: (name, deterministic, ordered dQ as the deterministic plan, a head's K/V tiles spread apart in the grid,
-#: the turns taken by a dQ-writer warp rather than by the consumers)
-WAYS = (("default", False, False, True, False), ("deterministic", True, False, True, False),
-        ("ordered", True, True, True, False), ("ordered-writer", True, True, True, True))
+#: the turns taken by a dQ-writer warp rather than by the consumers: 0 no, else its stage buffers per consumer,
+#: ``hopper_bwd.DQ_WRITER_BUFFERS``, taken where they fit; None: as the modules say, so "deterministic" is the
+#: plan a deterministic backward runs, ordered dQ with the writer where the tuned table names ordered dQ)
+WAYS = (("default", False, False, True, None), ("deterministic", True, False, True, None),
+        ("ordered", True, True, True, 0), ("ordered-writer", True, True, True, 1),
+        ("ordered-writer-2", True, True, True, 2))
 #: ``--head-by-head``: ordered dQ without a mask also on a grid that runs one head after another
-HEAD_BY_HEAD = ("ordered-head-by-head", True, True, False, False)
+HEAD_BY_HEAD = ("ordered-head-by-head", True, True, False, 0)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -60,8 +64,8 @@ def main(argv=None) -> int:
 
     from stages.c_optimized import hopper_bwd
 
-    default, spread_default, writer_default = (bwd.ORDERED_DQ_DEFAULT, hopper_bwd.ORDERED_DQ_SPREAD,
-                                               hopper_bwd.ORDERED_DQ_WRITER)
+    default, spread_default, writer_default, buffers_default = (
+        bwd.ORDERED_DQ_DEFAULT, hopper_bwd.ORDERED_DQ_SPREAD, hopper_bwd.ORDERED_DQ_WRITER, hopper_bwd.DQ_WRITER_BUFFERS)
     rows: list[dict] = []
     for name in args.cells.split(","):
         B, Hq, Hkv, N, D, dtype_name, causal = CELLS[name]
@@ -69,10 +73,11 @@ def main(argv=None) -> int:
         q, k, v, o, lse, do, scale, cudnn = cell_inputs(CELLS[name])
         ways = WAYS + ((HEAD_BY_HEAD, ) if args.head_by_head and not causal else ())
 
-        def switch(ordered, spread=True, writer=False):
+        def switch(ordered, spread=True, writer=None, buffers=None):
             bwd.ORDERED_DQ_DEFAULT = ordered
             hopper_bwd.ORDERED_DQ_SPREAD = spread
-            hopper_bwd.ORDERED_DQ_WRITER = writer
+            hopper_bwd.ORDERED_DQ_WRITER = writer_default if writer is None else bool(writer)
+            hopper_bwd.DQ_WRITER_BUFFERS = buffers or writer or buffers_default
             bwd.backward_plan.cache_clear()
             bwd._KEPT.clear()  # (a layout planned under the other setting)
 
@@ -104,7 +109,7 @@ def main(argv=None) -> int:
                 backward(det)()  # (plans and binds the layout outside the timing)
                 samples[way].append(triton.testing.do_bench(backward(det), warmup=10, rep=60))
             samples["cudnn"].append(triton.testing.do_bench(cudnn, warmup=10, rep=60))
-        switch(default, spread_default, writer_default)
+        switch(default, spread_default, writer_default, buffers_default)
         cudnn_ms = statistics.median(samples["cudnn"])
         ms = {w[0]: statistics.median(samples[w[0]]) for w in timed}
         for way, det, ordered, spread, writer in ways:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from stages.c_optimized import backward as bwd
+from stages.c_optimized.configs import SHARED_MEMORY_LIMIT
 from stages.contract import Problem
 
 from .helpers import DTYPES, check_gradients, make_qkv
@@ -133,24 +134,52 @@ def test_ordered_dq_compiles_for_sm90_with_a_turn_per_add(D, causal, monkeypatch
         assert run_ptxas(ptx, "sm_90a")["spill_stores"] == 0
 
 
-@pytest.mark.parametrize("D,causal", [(64, False), (128, True), (80, False)])
-def test_a_dq_writer_warp_takes_the_turns_where_its_switch_is_on(D, causal, monkeypatch):
+@pytest.mark.parametrize("D,causal,buffers", [(64, False, 2), (128, True, 2), (128, False, 1), (80, False, 2)])
+def test_a_dq_writer_warp_takes_the_turns_where_its_switch_is_on(D, causal, buffers, monkeypatch):
     """``ORDERED_DQ_WRITER``: the same kernel with a third partition of one warp, which waits for the turns
     (acquire loads), adds by bulk reduce and releases; the consumers keep no semaphore of their own. D 64
-    spills nothing, and the kernel still fits the register pool of three warpgroups."""
+    spills nothing, and the kernel still fits the register pool of three warpgroups. With
+    ``DQ_WRITER_BUFFERS`` stage buffers per consumer (and a "full" and an "empty" barrier each), its shared
+    memory is what ``dkdv_shared_bytes`` counts, within the limit."""
     from harness.inspect_code import run_ptxas
 
-    monkeypatch.setenv("LAB_ORDERED_DQ_WRITER", "1")  # (the child process that compiles under the interpreter)
-    monkeypatch.setattr(hopper_bwd, "ORDERED_DQ_WRITER", True)
+    for name, value in (("ORDERED_DQ_WRITER", True), ("DQ_WRITER_BUFFERS", buffers)):
+        monkeypatch.setattr(hopper_bwd, name, value)
+    # (the child process that compiles under the interpreter reads the switches from the environment)
+    monkeypatch.setenv("LAB_ORDERED_DQ_WRITER", "1")
+    monkeypatch.setenv("LAB_DQ_WRITER_BUFFERS", str(buffers))
     p = Problem(2, 4, 300, D, "bf16", causal, Hkv=2)
-    ptx = bwd.compile_backward(p, 90, ws_config="ws-M64-c2-s2", ws_dq_config=bwd.ORDERED_DQ)[1].asm["ptx"]
+    kernel = bwd.compile_backward(p, 90, ws_config="ws-M64-c2-s2", ws_dq_config=bwd.ORDERED_DQ)[1]
+    ptx = kernel.asm["ptx"]
     assert ".reqntid 384" in ptx  # (consumers 4 + 4 warps, producer and writer one each: three warpgroups)
+    main, tail = hopper_bwd.tile_widths(D, False)
+    assert hopper_bwd.dq_writer_buffers(64, main, tail, 2, 2, 2) == buffers
+    modelled = hopper_bwd.dkdv_shared_bytes(64, main, tail, 2, 2, 2, fused_dq=True, dq_buffers=buffers)
+    assert modelled <= kernel.shared_bytes <= min(modelled + 1024, SHARED_MEMORY_LIMIT[90])
     assert "ld.acquire.gpu.global" in ptx and "atom.global.gpu.release.add" in ptx
     # One warp waits for the reduces before it releases: a warp's barrier, not a warpgroup's.
     assert "bar.warp.sync" in ptx.split("cp.async.bulk.wait_group 0;")[1].split("atom.global.gpu.release")[0]
     assert ("cp.async.bulk.wait_group 1;" in ptx) == (D == 128)  # (at D 128 the other slice's add may fly on)
     if D == 64:
         assert run_ptxas(ptx, "sm_90a")["spill_stores"] == 0
+
+
+def test_the_writer_takes_a_second_buffer_only_where_it_fits(monkeypatch):
+    """Two stage buffers per consumer where the program's shared memory still fits an sm_90 block (D 128 with
+    64-row Q tiles in two ring slots: 224 KB), one where it would not (three slots: 256 KB) or where the
+    switch asks for one."""
+    monkeypatch.setattr(hopper_bwd, "DQ_WRITER_BUFFERS", 2)
+    limit = SHARED_MEMORY_LIMIT[90]
+    for block_m, main, tail, stages in ((64, 128, 0, 2), (64, 128, 0, 3), (32, 128, 0, 3), (64, 64, 16, 3),
+                                        (64, 64, 0, 4), (64, 64, 32, 3)):
+        two = hopper_bwd.dkdv_shared_bytes(block_m, main, tail, stages, 2, 2, fused_dq=True, dq_buffers=2)
+        one = hopper_bwd.dkdv_shared_bytes(block_m, main, tail, stages, 2, 2, fused_dq=True, dq_buffers=1)
+        assert two - one == 2 * block_m * (min(main, 64) + tail) * 4  # (a 64-column fp32 slice and the tail's, each)
+        assert hopper_bwd.dq_writer_buffers(block_m, main, tail, stages, 2, 2) == (2 if two + 1024 <= limit else 1)
+    assert hopper_bwd.dq_writer_buffers(64, 128, 0, 2, 2, 2) == 2
+    assert hopper_bwd.dq_writer_buffers(64, 128, 0, 3, 2, 2) == 1
+    monkeypatch.setattr(hopper_bwd, "DQ_WRITER_BUFFERS", 1)
+    assert hopper_bwd.dq_writer_buffers(64, 64, 0, 2, 2, 2) == 1
 
 
 def test_ordered_dq_is_refused_where_it_cannot_add_in_order(monkeypatch):
@@ -196,10 +225,12 @@ def _sm90(device):
         pytest.skip("ordered dQ runs in the Hopper dK/dV kernel: it needs sm_90")
 
 
-@pytest.fixture(params=[False, True], ids=["own-turns", "writer"])
+@pytest.fixture(params=[0, 1, 2], ids=["own-turns", "writer-1-buffer", "writer-2-buffers"])
 def writer(request, monkeypatch):
-    """Ordered dQ's turns taken by the consumers, or by a dQ-writer warp (``ORDERED_DQ_WRITER``)."""
-    monkeypatch.setattr(hopper_bwd, "ORDERED_DQ_WRITER", request.param)
+    """Ordered dQ's turns taken by the consumers, or by a dQ-writer warp (``ORDERED_DQ_WRITER``) with one or
+    two stage buffers per consumer (``DQ_WRITER_BUFFERS``; two where they fit)."""
+    monkeypatch.setattr(hopper_bwd, "ORDERED_DQ_WRITER", request.param > 0)
+    monkeypatch.setattr(hopper_bwd, "DQ_WRITER_BUFFERS", max(request.param, 1))
     monkeypatch.setattr(bwd, "_KEPT", {})  # (launches bound under the other setting)
     return request.param
 

@@ -48,7 +48,8 @@ ones that met the tile earlier in their own loops. Taking its turns costs a cons
 to complete, a barrier and a release between one tile's products and the next's; with a **dQ writer**
 (:data:`ORDERED_DQ_WRITER`, a rung) a partition of one warp takes the turns instead (:func:`_dq_writer`, as
 FlashAttention-3 does): a consumer stores its share to shared memory and goes on, and waits only where the
-writer has not yet sent its last share on.
+writer has not yet sent its last share on (a second stage buffer per consumer, :data:`DQ_WRITER_BUFFERS`, so
+that it never waits for that, bought nothing: entry 96).
 A third, for fused dQ or not, keeps the row statistics compact until their use
 (:data:`COMPACT_ROW_STATS`: a quarter fewer instructions per Q tile, and at D 128 with 64-row Q tiles
 fewer spills; on: the 64-row dK/dV kernel at D 128 causal 1.59 → 0.99 ms on the H200, entries 63, 68, 70).
@@ -114,6 +115,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ..contract import cdiv, padded_head_dim
 from ..launch import Launch
 from . import hopper_ws
+from .configs import SHARED_MEMORY_LIMIT
 from .hopper_ws import (SPLIT_ABOVE, GluonTensorDescriptor, _signal, _tiles_like, descriptor, register_budget,
                         split_head_dim)
 
@@ -418,8 +420,8 @@ def _ordered_dq_release(DQ_SEM, pend):
 def _dq_writer(wargs, tail, GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
                SLICES: gl.constexpr):
     """Ordered dQ's writer (:data:`ORDERED_DQ_WRITER`), one warp: it walks the consumers' Q tiles in their
-    order and, for each share of dQ they leave in their fp32 stage buffers (``full``: one per consumer),
-    waits for the tile's turn, adds it by bulk reduce, gives the buffer back once the copy engine has
+    order and, for each share of dQ they leave in their fp32 stage buffers (``full``: one per consumer,
+    or :data:`DQ_WRITER_BUFFERS` taken in turn), waits for the tile's turn, adds it by bulk reduce, gives the buffer back once the copy engine has
     read it (``empty``), and hands the turn on at the same column slice's next add, by when the reduce
     has had a tile's time to complete. ``SLICES``: 2 where each consumer adds 64 of a tile's 128 columns
     (every tile, both buffers), 1 where the consumers take turns by Q tile (buffer ``it % 2``)."""
@@ -427,6 +429,7 @@ def _dq_writer(wargs, tail, GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: 
     dq_tail_desc = tail[6]
     dq_tail_stages = tail[7]
     b, h_kv, start_n = sched
+    BUFFERS: gl.constexpr = bars.shape[0] // 4  # stage buffers per consumer (:data:`DQ_WRITER_BUFFERS`)
     BLOCK_M: gl.constexpr = dq_stages.shape[3]
     COLS: gl.constexpr = dq_stages.shape[4]
     q_tiles = gl.cdiv(Nq, BLOCK_M)
@@ -444,34 +447,35 @@ def _dq_writer(wargs, tail, GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: 
             rank = _ordered_dq_rank(start_n, row0, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
             tile = row0 // BLOCK_M
             if SLICES == 2:  # (the other slice's add is the one still in flight at each release)
-                pend0 = _dq_writer_add(DQ_SEM, pend0, (bh * 2) * q_tiles + tile, rank, bars, 0, it, DQ_ACC,
-                                       dq_stages, dq_tail_desc, dq_tail_stages, b, h, row0, 0, True)
-                pend1 = _dq_writer_add(DQ_SEM, pend1, (bh * 2 + 1) * q_tiles + tile, rank, bars, 1, it, DQ_ACC,
-                                       dq_stages, dq_tail_desc, dq_tail_stages, b, h, row0, COLS, True)
+                pend0 = _dq_writer_add(DQ_SEM, pend0, (bh * 2) * q_tiles + tile, rank, bars, 0, it, BUFFERS,
+                                       DQ_ACC, dq_stages, dq_tail_desc, dq_tail_stages, b, h, row0, 0, True)
+                pend1 = _dq_writer_add(DQ_SEM, pend1, (bh * 2 + 1) * q_tiles + tile, rank, bars, 1, it, BUFFERS,
+                                       DQ_ACC, dq_stages, dq_tail_desc, dq_tail_stages, b, h, row0, COLS, True)
             else:
-                pend0 = _dq_writer_add(DQ_SEM, pend0, bh * q_tiles + tile, rank, bars, it % 2, it // 2, DQ_ACC,
-                                       dq_stages, dq_tail_desc, dq_tail_stages, b, h, row0, 0, False)
+                pend0 = _dq_writer_add(DQ_SEM, pend0, bh * q_tiles + tile, rank, bars, it % 2, it // 2, BUFFERS,
+                                       DQ_ACC, dq_stages, dq_tail_desc, dq_tail_stages, b, h, row0, 0, False)
             it += 1
     _ordered_dq_release(DQ_SEM, pend0)
     _ordered_dq_release(DQ_SEM, pend1)  # (its wait finds nothing left in flight)
 
 
 @gluon.jit
-def _dq_writer_add(DQ_SEM, pend, index, rank, bars, w, n, dq_desc, dq_stages, dq_tail_desc, dq_tail_stages, b, h,
-                   row0, COL0: gl.constexpr, ANOTHER_IN_FLIGHT: gl.constexpr):
-    """One add of :func:`_dq_writer`: consumer ``w``'s ``n``-th share, columns ``COL0`` on of the Q tile
-    from ``row0``, at its turn ``rank`` of semaphore ``index``; first the add before it at semaphore
-    ``pend`` is released (complete, but for ``ANOTHER_IN_FLIGHT``: the other slice's last add, issued
-    after it). Returns ``index``, to release at the next add."""
+def _dq_writer_add(DQ_SEM, pend, index, rank, bars, w, n, BUFFERS: gl.constexpr, dq_desc, dq_stages, dq_tail_desc,
+                   dq_tail_stages, b, h, row0, COL0: gl.constexpr, ANOTHER_IN_FLIGHT: gl.constexpr):
+    """One add of :func:`_dq_writer`: consumer ``w``'s ``n``-th share (in its buffer ``n % BUFFERS``),
+    columns ``COL0`` on of the Q tile from ``row0``, at its turn ``rank`` of semaphore ``index``; first the
+    add before it at semaphore ``pend`` is released (complete, but for ``ANOTHER_IN_FLIGHT``: the other
+    slice's last add, issued after it). Returns ``index``, to release at the next add."""
     COLS: gl.constexpr = dq_stages.shape[4]
+    slot = w * BUFFERS + n % BUFFERS
     seen = _load_acquire(DQ_SEM + index)  # (asked for before the wait on the consumer: its trip to L2 hides)
-    mbarrier.wait(bars.index(w), n & 1)  # the consumer's share is in its buffer
+    mbarrier.wait(bars.index(slot), (n // BUFFERS) & 1)  # the consumer's share is in its buffer
     _ordered_dq_turn(DQ_SEM, pend, index, rank, seen, ANOTHER_IN_FLIGHT)
-    _tma_reduce_add(dq_desc, [b, h, row0, COL0], dq_stages.index(w))
+    _tma_reduce_add(dq_desc, [b, h, row0, COL0], dq_stages.index(slot))
     if dq_tail_desc is not None:  # the head-dim tail's columns, in the same turn (a tail: one 64-column slice)
-        _tma_reduce_add(dq_tail_desc, [b, h, row0, COLS], dq_tail_stages.index(w))
+        _tma_reduce_add(dq_tail_desc, [b, h, row0, COLS], dq_tail_stages.index(slot))
     tma.store_wait(0)  # the copy engine has read the buffers: the consumer may fill them again
-    mbarrier.arrive(bars.index(2 + w))
+    mbarrier.arrive(bars.index(2 * BUFFERS + slot))
     return index
 
 
@@ -748,6 +752,7 @@ def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP:
     # With a dQ writer (DQ_BARS: "full" per consumer, then "empty") the turns are the writer's: a consumer
     # only stores its share in its stage buffer.
     WRITER: gl.constexpr = DQ_BARS is not None
+    BUFFERS: gl.constexpr = DQ_BARS.shape[0] // 4 if WRITER else 1  # its stage buffers (DQ_WRITER_BUFFERS)
     OWN_TURNS: gl.constexpr = (DQ_SEM is not None) and not WRITER
 
     first, n_tiles, unmasked = _q_range(start_n, Nq, Nk, BLOCK_M, ROWS * KV_TILES, CAUSAL)
@@ -898,10 +903,11 @@ def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP:
                 elif SLICES == 2:
                     mbarrier.wait(out_bar.index(2 + x), (it // 2) & 1)  # and the other's
                     if WRITER:  # (this consumer's slice of every tile: its (it - it0)-th share)
-                        _pair_dq_stage(ds_bufs, x, k_bufs, dq_stages.index(WG), DQ_BARS.index(2 + WG),
-                                       ((it - it0) & 1) ^ 1, sm_scale, WG * DQ_COLS, dq_layout)
+                        slot = WG * BUFFERS + (it - it0) % BUFFERS
+                        _pair_dq_stage(ds_bufs, x, k_bufs, dq_stages.index(slot), DQ_BARS.index(2 * BUFFERS + slot),
+                                       (((it - it0) // BUFFERS) & 1) ^ 1, sm_scale, WG * DQ_COLS, dq_layout)
                         fence_async_shared()
-                        mbarrier.arrive(DQ_BARS.index(WG))
+                        mbarrier.arrive(DQ_BARS.index(slot))
                     elif DQ_SEM is not None:
                         pend = _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g, row0,
                                         sm_scale, WG * DQ_COLS, dq_layout, -1, DQ_SEM, pend, sem_index,
@@ -915,13 +921,15 @@ def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP:
                     if WRITER:
                         # (every other tile: this consumer's ((it - it0) // 2)-th share; a tail's in the same turn)
                         n_add = (it - it0) // 2
-                        _pair_dq_stage(ds_bufs, x, k_bufs, dq_stages.index(WG), DQ_BARS.index(2 + WG),
-                                       (n_add & 1) ^ 1, sm_scale, 0, dq_layout)
+                        slot = WG * BUFFERS + n_add % BUFFERS
+                        _pair_dq_stage(ds_bufs, x, k_bufs, dq_stages.index(slot), DQ_BARS.index(2 * BUFFERS + slot),
+                                       ((n_add // BUFFERS) & 1) ^ 1, sm_scale, 0, dq_layout)
                         if TAIL:
-                            _pair_dq_stage(ds_bufs, x, k_tail_bufs, dq_tail_stages.index(WG), DQ_BARS.index(2 + WG),
-                                           (n_add & 1) ^ 1, sm_scale, 0, t_dq_layout)
+                            _pair_dq_stage(ds_bufs, x, k_tail_bufs, dq_tail_stages.index(slot),
+                                           DQ_BARS.index(2 * BUFFERS + slot), ((n_add // BUFFERS) & 1) ^ 1, sm_scale, 0,
+                                           t_dq_layout)
                         fence_async_shared()
-                        mbarrier.arrive(DQ_BARS.index(WG))
+                        mbarrier.arrive(DQ_BARS.index(slot))
                     else:
                         if DQ_SEM is not None:
                             pend = _pair_dq(ds_bufs, x, k_bufs, DQ_ACC, dq_stages.index(WG), b, h_kv * GROUP + g,
@@ -1145,7 +1153,7 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
                        SHARE_SCORES: gl.constexpr, AHEAD: gl.constexpr, STAGGER: gl.constexpr, LAG: gl.constexpr,
                        COMPACT_STATS: gl.constexpr, EARLY_RELEASE: gl.constexpr, PREFETCH_STATS: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
-                       DQ_WRITER: gl.constexpr = False):
+                       DQ_WRITER: gl.constexpr = False, DQ_BUFFERS: gl.constexpr = 1):
     """Work items (K/V tile of ``CONSUMERS / SPLIT_D × 64`` rows, batch·K/V head) over ``heads``
     batch·K/V heads, in the order ``tiles_per_chunk`` and ``heads_per_group`` give (:func:`program_order`):
     one program per item, or (``PERSISTENT``, a grid of one program per SM) each program walking every
@@ -1189,7 +1197,7 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
     do_tail_bufs = _tiles_like(do_tail_desc, STAGES, do_bufs)
     k_tail_bufs = _tiles_like(k_tail_desc, KV_TILES, k_bufs)
     v_tail_bufs = _tiles_like(v_tail_desc, KV_TILES, v_bufs)
-    dq_tail_stages = _tiles_like(DQ_TAIL_ACC, CONSUMERS, k_tail_bufs)
+    dq_tail_stages = _tiles_like(DQ_TAIL_ACC, CONSUMERS * DQ_BUFFERS, k_tail_bufs)
     tail = (dk_tail_desc, dv_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs, do_tail_bufs, DQ_TAIL_ACC,
             dq_tail_stages)
     producer_tail = (q_tail_desc, k_tail_desc, v_tail_desc, do_tail_desc, q_tail_bufs, k_tail_bufs, v_tail_bufs,
@@ -1205,17 +1213,18 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
         dq_block: gl.constexpr = DQ_ACC.block_type.shape
         dq_stages = gl.allocate_shared_memory(gl.float32, [CONSUMERS * (k_desc.block_type.shape[3] // dq_block[3])]
                                               + dq_block, DQ_ACC.layout)
-    if DQ_ACC is not None and ATOMICS == "pair":  # per consumer, one fp32 buffer for its slice
+    if DQ_ACC is not None and ATOMICS == "pair":  # per consumer, one fp32 buffer for its slice (a writer's: DQ_BUFFERS)
         pair_block: gl.constexpr = DQ_ACC.block_type.shape
-        dq_stages = gl.allocate_shared_memory(gl.float32, [CONSUMERS] + pair_block, DQ_ACC.layout)
+        dq_stages = gl.allocate_shared_memory(gl.float32, [CONSUMERS * DQ_BUFFERS] + pair_block, DQ_ACC.layout)
     if SHARE_SCORES:  # Pᵀ and dSᵀ halves, [2 · buffer + consumer]: what _consumer_shared_scores exchanges
         BM: gl.constexpr = q_desc.block_type.shape[2]
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BM // 2], q_desc.dtype)
         ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, ROWS, BM // 2], x_layout)
         dq_stages = gl.allocate_shared_memory(q_desc.dtype, [4, ROWS, BM // 2], x_layout)
-    if DQ_WRITER:  # ordered dQ's writer warp: per consumer's stage buffer, "full" (0, 1) and "empty" (2, 3)
-        dq_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(4):
+    if DQ_WRITER:
+        # ordered dQ's writer warp: per stage buffer (consumer · DQ_BUFFERS + buffer), "full", then "empty"
+        dq_bars = gl.allocate_shared_memory(gl.int64, [4 * DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(4 * DQ_BUFFERS):
             mbarrier.init(dq_bars.index(i), count=1)
     args = (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, out_bar, ring, LSE, DELTA, DQ_ACC, ds_bufs, dq_stages, kv_free,
             sched, DK, DV, Hq, Hkv, Nq, Nk, qk_scale, sm_scale, DQ_SEM, dq_bars if DQ_WRITER else _NONE)
@@ -1536,6 +1545,40 @@ ORDERED_DQ_SPREAD = os.environ.get("LAB_ORDERED_DQ_SPREAD", "1") == "1"
 #: consumers themselves (:func:`_ordered_dq_turn` in :func:`_pair_dq`), the rung below, 1.3-1.4x slower at D 64
 #: on an H100 (performance-log entry 95).
 ORDERED_DQ_WRITER = os.environ.get("LAB_ORDERED_DQ_WRITER", "1") == "1"
+#: Stage buffers per consumer for the dQ writer (``LAB_DQ_WRITER_BUFFERS``, 1 or 2). With two (where they fit
+#: the shared memory, :func:`dq_writer_buffers`) a consumer may store its share of the next Q tile while the
+#: writer still waits for the last one's turn, a tile ahead of the writer. Timed on an H100 (performance-log
+#: entry 96) that bought nothing at D 64 and cost 1-5 points at D 128, where the kernel spills more: one it is.
+DQ_WRITER_BUFFERS = int(os.environ.get("LAB_DQ_WRITER_BUFFERS", "1"))
+if DQ_WRITER_BUFFERS not in (1, 2):
+    raise ValueError(f"LAB_DQ_WRITER_BUFFERS must be 1 or 2, got {DQ_WRITER_BUFFERS}")
+
+
+def dkdv_shared_bytes(block_m: int, main: int, tail: int, stages: int, consumers: int, element_bytes: int, *,
+                      fused_dq: bool = False, dq_buffers: int = 0) -> int:
+    """Shared memory of one dK/dV program (one tile per K/V tile and ring slot, the head-dim tail's beside
+    each), bytes: the resident K and V tiles, ``stages`` slots of Q and dO; with fused dQ added once per pair
+    of consumers (``fused_dq``), the two sets of dSᵀ exchange tiles and ``dq_buffers`` fp32 stage buffers
+    per consumer (one, or a writer's :data:`DQ_WRITER_BUFFERS`) of the Q tile by 64 columns (and the tail's)."""
+    width = main + tail
+    total = (2 * consumers * ROWS_PER_CONSUMER + 2 * stages * block_m) * width * element_bytes
+    if fused_dq:
+        total += 2 * consumers * ROWS_PER_CONSUMER * block_m * element_bytes
+        total += consumers * dq_buffers * block_m * (min(main, 64) + tail) * 4
+    return total
+
+
+def dq_writer_buffers(block_m: int, main: int, tail: int, stages: int, consumers: int, element_bytes: int,
+                      arch: int = 90) -> int:
+    """The dQ writer's stage buffers per consumer: :data:`DQ_WRITER_BUFFERS` where they fit the shared
+    memory of an sm_``arch`` block (the kernel's: sm_90; a kilobyte left for the barriers and alignment),
+    else one."""
+    limit = SHARED_MEMORY_LIMIT.get(arch, 99 * 1024) - 1024
+    for buffers in range(DQ_WRITER_BUFFERS, 1, -1):
+        if dkdv_shared_bytes(block_m, main, tail, stages, consumers, element_bytes, fused_dq=True,
+                             dq_buffers=buffers) <= limit:
+            return buffers
+    return 1
 
 
 def ordered_dq_heads(q_tiles: int, heads: int, sms: int, turn: int) -> int:
@@ -1639,7 +1682,9 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 PREFETCH_STATS=(2 if PREFETCH_ROW_STATS else 1 if first_row_stats_early((main + tail) // split, causal)
                                 else 0) if COMPACT_ROW_STATS else 0,
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, PERSISTENT=persistent,
-                DQ_WRITER=dq_sem is not None and ORDERED_DQ_WRITER)
+                DQ_WRITER=dq_sem is not None and ORDERED_DQ_WRITER,
+                DQ_BUFFERS=dq_writer_buffers(block_m, main, tail, stages, consumers, q.element_size())
+                if dq_sem is not None and ORDERED_DQ_WRITER else 1)
     grid = (min(items, sm_count(q.device)) if persistent else items,)
     return Launch(ws_bwd_dkdv_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)
 
