@@ -11,7 +11,8 @@ So the loss curves of A, B, C and SDPA must agree, within a tolerance that only 
 
 The implementations train in lockstep (:func:`train_lockstep`): every model, optimizer and the
 batches are set up first, then at each step every implementation takes its step in turn, the first
-of the turn rotating from step to step, and each step is timed on its own. Trained one after the
+of the turn rotating from step to step, and each step is timed on its own (``--block k``: turns of k
+steps each, a block's first step, right after another model's, left out of the median). Trained one after the
 other, the stages' step times measured *when* each ran (on the H200 they drifted by half during a
 run); timed in turns, a drift of the clocks, the temperature or the host's load hits every stage
 alike. Peak memory is still each stage's own (how, with every model resident: :func:`train_lockstep`).
@@ -78,13 +79,13 @@ LOSS_TOLERANCE: dict[str, float] = {"fp32": 1e-3, "bf16": 0.25}
 #: is what ``torch.compile`` is given as ``mode``, None for eager.
 COMPILE_MODES: dict[str, str | None] = {"off": None, "inductor": "default", "cudagraphs": "reduce-overhead"}
 #: Columns added to summary.csv after files were written without them, and what an older row meant.
-SUMMARY_DEFAULTS = {"compile": "off"}
+SUMMARY_DEFAULTS = {"compile": "off", "block": "1"}
 
 LOSSES_CSV = "losses.csv"
 SUMMARY_CSV = "summary.csv"
 LOSS_FIELDS = ("run_id", "stage", "dtype", "step", "loss", "step_ms")
 SUMMARY_FIELDS = ("run_id", "stage", "device", "dtype", "steps", "seed", "n_layer", "n_head", "n_kv_head",
-                  "head_dim", "context", "batch", "lr", "compile", "step_ms_median", "tokens_per_s",
+                  "head_dim", "context", "batch", "lr", "compile", "block", "step_ms_median", "tokens_per_s",
                   "peak_memory_bytes", "first_loss", "final_loss", "reference", "max_loss_gap", "tolerance", "status")
 
 
@@ -307,13 +308,14 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     compile: str = "off"    # COMPILE_MODES: eager, or the forward and backward compiled
+    block: int = 1          # steps each stage takes in a row in lockstep (train_lockstep; 1: step by step)
 
     def __post_init__(self) -> None:
         if self.dtype not in LOSS_TOLERANCE:
             raise ValueError(f"dtype must be one of {', '.join(LOSS_TOLERANCE)}, got {self.dtype!r}")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
-        for name in ("steps", "batch"):
+        for name in ("steps", "batch", "block"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -326,6 +328,10 @@ GPU_MODEL = ModelConfig()
 GPU_TRAIN = TrainConfig()
 TINY_MODEL = ModelConfig(n_layer=2, n_head=2, n_kv_head=1, head_dim=16, context=32)
 TINY_TRAIN = TrainConfig(steps=15, batch=4, lr=1e-2, dtype="fp32", warmup=2)
+#: ``harness train``'s steps per stage in a row (``--block``): 1, step by step. By blocks of 5, on an H100, the
+#: step right after another model's cost both stages 4-9 % more than their later ones, and stage C's later
+#: steps still trailed SDPA's (0.92-0.95x, performance-log entry 97): taking turns was not the gap.
+DEFAULT_BLOCK = 1
 
 
 @dataclass
@@ -338,11 +344,16 @@ class TrainRun:
     tokens_per_step: int = 0
     peak_memory_bytes: int | None = None
     status: str = "ok"
+    after_switch: list[int] = field(default_factory=list)  # steps right after another stage's block
 
     @property
     def step_ms_median(self) -> float | None:
-        """Median step time, leaving out the first steps (kernel compilation and autotuning)."""
-        times = self.step_ms[max(1, len(self.step_ms) // 10):] or self.step_ms
+        """Median step time, leaving out the first steps (kernel compilation and autotuning) and, with
+        blocks of steps, each block's first step, right after another model's (:func:`train_lockstep`)."""
+        switches = set(self.after_switch)
+        first = max(1, len(self.step_ms) // 10)
+        times = [t for i, t in enumerate(self.step_ms) if i >= first and i not in switches] \
+            or self.step_ms[first:] or self.step_ms
         return statistics.median(times) if times else None
 
     @property
@@ -493,6 +504,12 @@ def train_lockstep(attentions: dict[str, AttentionFn], model_cfg: ModelConfig, c
     the host's load over the run hits every stage alike, and none is always first (or always after
     the same neighbour) in a step.
 
+    With ``cfg.block`` > 1 the turns go by blocks of that many steps (block ``b`` starts with stage
+    ``b mod n``), and the first step of each block, the one right after another model's steps, is
+    recorded (``TrainRun.after_switch``) and left out of the median step time. A real training run
+    steps one model after the other, and a host-bound step right after another model's pays for the
+    host's caches and predictors warmed on other code (4-9 % on an H100, performance-log entry 97).
+
     Peak memory (GPU only): with every model resident at once, ``max_memory_allocated`` is shared,
     so each stage's is measured around its own steps: ``reset_peak_memory_stats`` just before the
     step, and the step's peak is ``max_memory_allocated`` during it minus ``memory_allocated`` before
@@ -541,34 +558,40 @@ def train_lockstep(attentions: dict[str, AttentionFn], model_cfg: ModelConfig, c
         gc.collect()
         torch.cuda.synchronize(device)
     n = len(names)
-    for step in range(cfg.steps):
-        for turn in range(n):  # step i starts with stage i mod n: the order rotates
-            name = names[(step + turn) % n]
+    for start in range(0, cfg.steps, cfg.block):
+        end = min(start + cfg.block, cfg.steps)
+        for turn in range(n):  # block b starts with stage b mod n: the order rotates
+            name = names[(start // cfg.block + turn) % n]
             trainer = trainers.get(name)
             if trainer is None:  # failed or stopped
                 continue
-            error = None
-            try:
-                loss_value = trainer.step(step)
-            except Exception as e:  # no backward, an OOM, a kernel error: record it, the others go on
-                if raise_errors:
-                    raise
-                error = _error_status(e)
-            if error is None and math.isfinite(loss_value):
-                continue
-            if error is None:  # the losses until the stage diverged are kept
-                result = trainer.run
-                result.status = f"error: loss is {loss_value} at step {step}"
-            else:
-                result = TrainRun(stage=name, status=error)
-            del trainers[name], trainer
-            stop(name, result)
-        if log and log_every and ((step + 1) % log_every == 0 or step == 0 or step + 1 == cfg.steps):
+            for step in range(start, end):
+                error = None
+                try:
+                    loss_value = trainer.step(step)
+                except Exception as e:  # no backward, an OOM, a kernel error: record it, the others go on
+                    if raise_errors:
+                        raise
+                    error = _error_status(e)
+                if error is None and math.isfinite(loss_value):
+                    if step == start and cfg.block > 1 and n > 1:
+                        trainer.run.after_switch.append(len(trainer.run.step_ms) - 1)
+                    continue
+                if error is None:  # the losses until the stage diverged are kept
+                    result = trainer.run
+                    result.status = f"error: loss is {loss_value} at step {step}"
+                else:
+                    result = TrainRun(stage=name, status=error)
+                del trainers[name], trainer
+                stop(name, result)
+                break
+        if log and log_every and any((step + 1) % log_every == 0 or step == 0 or step + 1 == cfg.steps
+                                     for step in range(start, end)):
             for name in names:
                 if name in trainers:
                     record = trainers[name].run
                     tps = record.tokens_per_step / (record.step_ms[-1] / 1e3)
-                    log(f"  step {step + 1:>4}/{cfg.steps}  {name:>6}  loss {record.losses[-1]:.4f}  "
+                    log(f"  step {end:>4}/{cfg.steps}  {name:>6}  loss {record.losses[-1]:.4f}  "
                         f"{record.step_ms[-1]:8.1f} ms  {tps:>10,.0f} tok/s")
     for name, trainer in trainers.items():
         runs[name] = trainer.run
@@ -698,7 +721,9 @@ def summary_tables(rows: list[dict]) -> str:
         run_id = max(r["run_id"] for r in runs)
         at = sorted((r for r in runs if r["run_id"] == run_id), key=lambda r: (r["stage"] != REFERENCE, r["stage"]))
         r0 = at[0]
-        parts.append(f"#### {title[0].upper() + title[1:]}: run {run_id}, {r0['steps']} steps")
+        block = int(r0.get("block") or 1)
+        turns = ", in turns step by step" if block == 1 else f", in turns by blocks of {block} steps"
+        parts.append(f"#### {title[0].upper() + title[1:]}: run {run_id}, {r0['steps']} steps{turns}")
         parts.append(f"{r0['n_layer']} layers, {r0['n_head']} query heads sharing {r0['n_kv_head']} K/V heads of "
                      f"{r0['head_dim']}, context {r0['context']}, batch {r0['batch']}, {r0['dtype']} attention.")
         ref = next((r for r in at if r["stage"] == REFERENCE and r["status"] == "ok"), None)
@@ -735,9 +760,11 @@ def render_block(results_dir, readme_dir=".") -> str:
         env = {}
     where = env.get("gpu_name") or "an unknown device"
     text = (f"Measured on **{where}**. Each stage trains its own copy of the same model from the same "
-            "weights on the same batches, the stages taking their steps in turns, each step timed alone "
-            "(forward, loss, backward, gradient clipping, AdamW). ms per step: the median after the first "
-            "tenth of the steps (compilation, autotuning, CUDA-graph recording). × SDPA: SDPA's step time over "
+            "weights on the same batches, the stages taking turns (step by step, or by blocks of steps), each "
+            "step timed alone (forward, loss, backward, gradient clipping, AdamW). ms per step: the median after "
+            "the first tenth of the steps (compilation, autotuning, CUDA-graph recording), by blocks without "
+            "each block's first step, the one right after another model's (a cost of taking turns that a real "
+            "run, one model step after step, never pays). × SDPA: SDPA's step time over "
             "the stage's, in the same run (above 1: the stage is faster). Eager, a step of this small model is "
             "paid partly on the host, where a stage's autograd node is Python and SDPA's is C++; compiled, the "
             "forward and backward are one graph each, and with CUDA graphs no Python runs per layer. Loss gap: "
@@ -834,8 +861,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     which.add_argument("--stage", default=None, metavar="NAME",
                        help="one attention to train with: a, b, c, sdpa or another registered stage with a backward")
     which.add_argument("--stages", type=_names, default=None, metavar="a,b,c,sdpa",
-                       help="several, from the same init and batches, trained in lockstep: every step, each stage takes "
-                            "its turn (default: a,b,c,sdpa)")
+                       help="several, from the same init and batches, trained in lockstep: every step (or block of "
+                            "--block steps), each stage takes its turn (default: a,b,c,sdpa)")
+    p.add_argument("--block", type=_positive_int, default=DEFAULT_BLOCK,
+                   help=f"steps each stage takes in a row in lockstep; a block's first step, right after another "
+                        f"model's, is left out of the median step time (default {DEFAULT_BLOCK}: step by step)")
     p.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (GPU 200, CPU tiny 15)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, the text and the batches (default 0)")
     p.add_argument("--out", type=Path, default=None,
@@ -885,7 +915,7 @@ def _configs(args, on_gpu: bool) -> tuple[ModelConfig, TrainConfig]:
                      "use off or inductor here")
     cfg = TrainConfig(steps=args.steps or train0.steps, batch=args.batch or train0.batch, lr=lr, seed=args.seed,
                       dtype=args.dtype or ("bf16" if on_gpu else "fp32"), warmup=train0.warmup,
-                      compile=args.compile)
+                      compile=args.compile, block=args.block)
     return model, cfg
 
 
@@ -921,8 +951,9 @@ def run(args: argparse.Namespace) -> int:
     # Rows are written with the reference first, then the stages in the order asked for (each once).
     order = list(dict.fromkeys(([REFERENCE] if REFERENCE in names else []) + names))
     if len(order) > 1:
-        console.print(f"  in lockstep: each step, {', '.join(order)} take their turn (the first of the turn "
-                      f"rotates), each step timed alone", markup=False)
+        console.print(f"  in lockstep: {', '.join(order)} take their turns "
+                      + ("step by step" if cfg.block == 1 else f"by blocks of {cfg.block} steps")
+                      + " (the first of the turn rotates), each step timed alone", markup=False)
     results = train_lockstep({name: attention_for(name) for name in order}, model_cfg, cfg, device=device,
                              log=lambda line: console.print(line, markup=False), log_every=log_every)
     ref = results.get(REFERENCE)
@@ -956,8 +987,10 @@ def _report(console, rows: list[dict], cfg: TrainConfig, out) -> int:
     console.print(table)
     console.print(f"Agreement: every step's loss within {tol:g} nats of {REFERENCE}'s ({cfg.dtype}: only rounding "
                   f"separates correct kernels; see harness/train.py LOSS_TOLERANCE). Step time: median after the "
-                  f"first steps (compilation); the stages took their steps in turns, each timed alone. Peak "
-                  f"memory: a stage's own training step (its model, optimizer state, data, activations).")
+                  f"first steps (compilation)" + (" and each block's first (after another model's)"
+                                                  if cfg.block > 1 else "")
+                  + "; the stages took their steps in turns, each timed alone. Peak "
+                  "memory: a stage's own training step (its model, optimizer state, data, activations).")
     path = plot_train_losses(out)
     console.print(f"rows written to {Path(out) / 'train'}" + (f"; figure {path}" if path else ""))
     return 1 if failed else 0

@@ -365,3 +365,21 @@ def test_results_tables_show_each_compile_modes_latest_run_against_sdpa(tmp_path
     assert compiled.startswith("Compiled steps (Inductor): run 2026-03-01") and "| 2.00× |" in compiled
     assert "2026-02-01" not in block  # (no cudagraphs run: no table for it)
     assert T.render_block(tmp_path / "nothing", tmp_path).count("No training runs yet") == 1
+
+
+def test_lockstep_by_blocks_leaves_each_blocks_first_step_out_of_the_median(sdpa_run):
+    """With ``block`` > 1 the stages take turns a block of steps at a time (block b starts with stage
+    b mod n); each block's first step is recorded as right after a switch and left out of the median
+    step time; the models still see the same batches as alone."""
+    names, calls = ["x", "y", "z"], []
+    cfg = T.TrainConfig(**{**CONFIG.__dict__, "block": 4})  # 6 steps: blocks of 4 and 2
+    runs = T.train_lockstep({n: _recording(n, calls) for n in names}, MODEL, cfg, device=DEVICE)
+    assert calls == [names[(b + turn) % 3] for b, size in enumerate((4, 2)) for turn in range(3) for _ in range(size)]
+    for run in runs.values():
+        assert run.status == "ok" and run.losses == sdpa_run.losses and run.after_switch == [0, 4]
+    run = T.TrainRun(stage="x", step_ms=[100.0, 1.0, 2.0, 3.0, 50.0, 4.0], after_switch=[0, 4])
+    assert run.step_ms_median == 2.5  # (the first tenth, at least the first step, and step 4 left out)
+    run.after_switch = []
+    assert run.step_ms_median == 3.0
+    with pytest.raises(ValueError, match="block must be a positive integer"):
+        T.TrainConfig(block=0)
