@@ -8,7 +8,9 @@ its own that recomputes the scores (seven products per pair). Ordered dQ (``back
 gives each Q tile's adds a fixed order: each add waits at a semaphore in global memory for the programs
 before it, as FlashAttention-3's deterministic backward does; the consumers take those turns themselves
 ("ordered"), or a dQ-writer warp takes them (``hopper_bwd.ORDERED_DQ_WRITER``) with one stage buffer per
-consumer ("ordered-writer") or two where they fit ("ordered-writer-2", ``hopper_bwd.DQ_WRITER_BUFFERS``).
+consumer ("ordered-writer") or two where they fit ("ordered-writer-2", ``hopper_bwd.DQ_WRITER_BUFFERS``), or
+one writer warp per column slice where each consumer adds its own columns ("ordered-writer-per-slice",
+``hopper_bwd.DQ_WRITER_PER_SLICE``: at D 64 the same kernel as "ordered-writer").
 
 For each cell, stage C's whole backward (``bwd.attention_backward`` given a saved forward) five ways,
 the default plan, deterministic as tuned, deterministic with ordered dQ with and without the writer, timed
@@ -35,10 +37,11 @@ from experiments.bwd_persistent import CELLS, ROUNDS, cell_inputs, check_argumen
 #: (name, deterministic, ordered dQ as the deterministic plan, a head's K/V tiles spread apart in the grid,
 #: the turns taken by a dQ-writer warp rather than by the consumers: 0 no, else its stage buffers per consumer,
 #: ``hopper_bwd.DQ_WRITER_BUFFERS``, taken where they fit; None: as the modules say, so "deterministic" is the
-#: plan a deterministic backward runs, ordered dQ with the writer where the tuned table names ordered dQ)
+#: plan a deterministic backward runs, ordered dQ with the writer where the tuned table names ordered dQ;
+#: -1: one buffer and a writer warp per column slice, ``hopper_bwd.DQ_WRITER_PER_SLICE``, where D is above 64)
 WAYS = (("default", False, False, True, None), ("deterministic", True, False, True, None),
         ("ordered", True, True, True, 0), ("ordered-writer", True, True, True, 1),
-        ("ordered-writer-2", True, True, True, 2))
+        ("ordered-writer-2", True, True, True, 2), ("ordered-writer-per-slice", True, True, True, -1))
 #: ``--head-by-head``: ordered dQ without a mask also on a grid that runs one head after another
 HEAD_BY_HEAD = ("ordered-head-by-head", True, True, False, 0)
 
@@ -64,8 +67,9 @@ def main(argv=None) -> int:
 
     from stages.c_optimized import hopper_bwd
 
-    default, spread_default, writer_default, buffers_default = (
-        bwd.ORDERED_DQ_DEFAULT, hopper_bwd.ORDERED_DQ_SPREAD, hopper_bwd.ORDERED_DQ_WRITER, hopper_bwd.DQ_WRITER_BUFFERS)
+    default, spread_default, writer_default, buffers_default, per_slice_default = (
+        bwd.ORDERED_DQ_DEFAULT, hopper_bwd.ORDERED_DQ_SPREAD, hopper_bwd.ORDERED_DQ_WRITER, hopper_bwd.DQ_WRITER_BUFFERS,
+        hopper_bwd.DQ_WRITER_PER_SLICE)
     rows: list[dict] = []
     for name in args.cells.split(","):
         B, Hq, Hkv, N, D, dtype_name, causal = CELLS[name]
@@ -77,7 +81,8 @@ def main(argv=None) -> int:
             bwd.ORDERED_DQ_DEFAULT = ordered
             hopper_bwd.ORDERED_DQ_SPREAD = spread
             hopper_bwd.ORDERED_DQ_WRITER = writer_default if writer is None else bool(writer)
-            hopper_bwd.DQ_WRITER_BUFFERS = buffers or writer or buffers_default
+            hopper_bwd.DQ_WRITER_PER_SLICE = per_slice_default if writer is None else writer == -1
+            hopper_bwd.DQ_WRITER_BUFFERS = buffers or (writer if writer and writer > 0 else buffers_default)
             bwd.backward_plan.cache_clear()
             bwd._KEPT.clear()  # (a layout planned under the other setting)
 
@@ -109,7 +114,7 @@ def main(argv=None) -> int:
                 backward(det)()  # (plans and binds the layout outside the timing)
                 samples[way].append(triton.testing.do_bench(backward(det), warmup=10, rep=60))
             samples["cudnn"].append(triton.testing.do_bench(cudnn, warmup=10, rep=60))
-        switch(default, spread_default, writer_default, buffers_default)
+        switch(default, spread_default, None, buffers_default)
         cudnn_ms = statistics.median(samples["cudnn"])
         ms = {w[0]: statistics.median(samples[w[0]]) for w in timed}
         for way, det, ordered, spread, writer in ways:

@@ -134,20 +134,24 @@ def test_ordered_dq_compiles_for_sm90_with_a_turn_per_add(D, causal, monkeypatch
         assert run_ptxas(ptx, "sm_90a")["spill_stores"] == 0
 
 
-@pytest.mark.parametrize("D,causal,buffers", [(64, False, 2), (128, True, 2), (128, False, 1), (80, False, 2)])
-def test_a_dq_writer_warp_takes_the_turns_where_its_switch_is_on(D, causal, buffers, monkeypatch):
+@pytest.mark.parametrize("D,causal,buffers,per_slice", [(64, False, 2, False), (128, True, 2, False),
+                                                       (128, False, 1, False), (80, False, 2, False),
+                                                       (128, False, 1, True)])
+def test_a_dq_writer_warp_takes_the_turns_where_its_switch_is_on(D, causal, buffers, per_slice, monkeypatch):
     """``ORDERED_DQ_WRITER``: the same kernel with a third partition of one warp, which waits for the turns
     (acquire loads), adds by bulk reduce and releases; the consumers keep no semaphore of their own. D 64
     spills nothing, and the kernel still fits the register pool of three warpgroups. With
     ``DQ_WRITER_BUFFERS`` stage buffers per consumer (and a "full" and an "empty" barrier each), its shared
-    memory is what ``dkdv_shared_bytes`` counts, within the limit."""
+    memory is what ``dkdv_shared_bytes`` counts, within the limit. With a writer warp per column slice
+    (``DQ_WRITER_PER_SLICE``, D 128) each writer has only its own add in flight when it hands a turn on."""
     from harness.inspect_code import run_ptxas
 
-    for name, value in (("ORDERED_DQ_WRITER", True), ("DQ_WRITER_BUFFERS", buffers)):
+    for name, value in (("ORDERED_DQ_WRITER", True), ("DQ_WRITER_BUFFERS", buffers), ("DQ_WRITER_PER_SLICE", per_slice)):
         monkeypatch.setattr(hopper_bwd, name, value)
     # (the child process that compiles under the interpreter reads the switches from the environment)
     monkeypatch.setenv("LAB_ORDERED_DQ_WRITER", "1")
     monkeypatch.setenv("LAB_DQ_WRITER_BUFFERS", str(buffers))
+    monkeypatch.setenv("LAB_DQ_WRITER_PER_SLICE", "1" if per_slice else "0")
     p = Problem(2, 4, 300, D, "bf16", causal, Hkv=2)
     kernel = bwd.compile_backward(p, 90, ws_config="ws-M64-c2-s2", ws_dq_config=bwd.ORDERED_DQ)[1]
     ptx = kernel.asm["ptx"]
@@ -159,7 +163,8 @@ def test_a_dq_writer_warp_takes_the_turns_where_its_switch_is_on(D, causal, buff
     assert "ld.acquire.gpu.global" in ptx and "atom.global.gpu.release.add" in ptx
     # One warp waits for the reduces before it releases: a warp's barrier, not a warpgroup's.
     assert "bar.warp.sync" in ptx.split("cp.async.bulk.wait_group 0;")[1].split("atom.global.gpu.release")[0]
-    assert ("cp.async.bulk.wait_group 1;" in ptx) == (D == 128)  # (at D 128 the other slice's add may fly on)
+    # (at D 128 with one writer, the other slice's add may fly on; a writer per slice has only its own)
+    assert ("cp.async.bulk.wait_group 1;" in ptx) == (D == 128 and not per_slice)
     if D == 64:
         assert run_ptxas(ptx, "sm_90a")["spill_stores"] == 0
 
@@ -225,14 +230,17 @@ def _sm90(device):
         pytest.skip("ordered dQ runs in the Hopper dK/dV kernel: it needs sm_90")
 
 
-@pytest.fixture(params=[0, 1, 2], ids=["own-turns", "writer-1-buffer", "writer-2-buffers"])
+@pytest.fixture(params=["own-turns", "writer-1-buffer", "writer-2-buffers", "writer-per-slice"])
 def writer(request, monkeypatch):
     """Ordered dQ's turns taken by the consumers, or by a dQ-writer warp (``ORDERED_DQ_WRITER``) with one or
-    two stage buffers per consumer (``DQ_WRITER_BUFFERS``; two where they fit)."""
-    monkeypatch.setattr(hopper_bwd, "ORDERED_DQ_WRITER", request.param > 0)
-    monkeypatch.setattr(hopper_bwd, "DQ_WRITER_BUFFERS", max(request.param, 1))
+    two stage buffers per consumer (``DQ_WRITER_BUFFERS``; two where they fit), or by a writer warp per
+    column slice (``DQ_WRITER_PER_SLICE``, above 64 columns)."""
+    way = request.param
+    monkeypatch.setattr(hopper_bwd, "ORDERED_DQ_WRITER", way != "own-turns")
+    monkeypatch.setattr(hopper_bwd, "DQ_WRITER_BUFFERS", 2 if way == "writer-2-buffers" else 1)
+    monkeypatch.setattr(hopper_bwd, "DQ_WRITER_PER_SLICE", way == "writer-per-slice")
     monkeypatch.setattr(bwd, "_KEPT", {})  # (launches bound under the other setting)
-    return request.param
+    return way
 
 
 @pytest.mark.gpu

@@ -43,9 +43,9 @@ The kernels
      2.5×, +40 %), and reads K and V once more per Q tile; no fp32 workspace, no atomics.
    On Hopper the dK/dV kernel can add dQ itself in a fixed order instead (``ORDERED_DQ``, see
    ``hopper_bwd.py``): five products and bitwise reproducible, each Q tile's adds taking turns at a
-   semaphore, taken by a dQ-writer warp; the backward tuner races it among the deterministic plans (on an
-   H100 it wins at D 64), and ``LAB_ORDERED_DQ=1`` makes it what ``deterministic=True`` runs wherever fused
-   dQ is the plan.
+   semaphore, taken by a dQ-writer warp (one per column slice at D 128); the backward tuner races it among
+   the deterministic plans (on an H100 it wins at D 64, and at D 128 without a mask), and ``LAB_ORDERED_DQ=1``
+   makes it what ``deterministic=True`` runs wherever fused dQ is the plan.
 4. A decoding-shaped problem (the group's query rows fit one tile after a cache, the forward's decode
    class) runs none of these: the split backward of ``decode_backward.py`` holds every query row in each
    program and shares out the keys, as the forward's split-KV path does (``split_backward``).
