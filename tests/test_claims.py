@@ -764,7 +764,7 @@ CLAIMS = [
     Claim(C_DETAILS, "causal and grouped it stays the plan (+{}–{} %)",
           lambda d: (min(ordered_dq_costs("deterministic", "", PER_SLICE_RUNS, causal="1")),
                      max(ordered_dq_costs("deterministic", "", PER_SLICE_RUNS, causal="1")))),
-    Claim(C_DETAILS, "the bf16\ngrid's deterministic cost on the H100 read −{} % to +{} %",
+    Claim(C_DETAILS, "the bf16\ngrid's deterministic cost on the H100 is −{} % to +{} %",
           lambda d: (-min(h100_deterministic_costs()), max(h100_deterministic_costs()))),
     Claim(C_DETAILS, "took the grouped Llama 3\n8B cell from {} to {} ms",
           lambda d: (program_order_ms(d, "llama3-8b", "0"), program_order_ms(d, "llama3-8b", "8"))),
