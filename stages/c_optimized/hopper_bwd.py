@@ -49,7 +49,8 @@ to complete, a barrier and a release between one tile's products and the next's;
 (:data:`ORDERED_DQ_WRITER`, a rung) a partition of one warp takes the turns instead (:func:`_dq_writer`, as
 FlashAttention-3 does): a consumer stores its share to shared memory and goes on, and waits only where the
 writer has not yet sent its last share on (a second stage buffer per consumer, :data:`DQ_WRITER_BUFFERS`, so
-that it never waits for that, bought nothing: entry 96).
+that it never waits for that, bought nothing: entry 96). Where each consumer adds its own column slice (D 128)
+a writer warp per slice takes the two slices' turns side by side (:data:`DQ_WRITER_PER_SLICE`, entry 98).
 A third, for fused dQ or not, keeps the row statistics compact until their use
 (:data:`COMPACT_ROW_STATS`: a quarter fewer instructions per Q tile, and at D 128 with 64-row Q tiles
 fewer spills; on: the 64-row dK/dV kernel at D 128 causal 1.59 → 0.99 ms on the H200, entries 63, 68, 70).
