@@ -422,10 +422,11 @@ def _dq_writer(wargs, tail, GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: 
                SLICES: gl.constexpr, SLICE: gl.constexpr = -1):
     """Ordered dQ's writer (:data:`ORDERED_DQ_WRITER`), one warp: it walks the consumers' Q tiles in their
     order and, for each share of dQ they leave in their fp32 stage buffers (``full``: one per consumer,
-    or :data:`DQ_WRITER_BUFFERS` taken in turn), waits for the tile's turn, adds it by bulk reduce, gives the buffer back once the copy engine has
-    read it (``empty``), and hands the turn on at the same column slice's next add, by when the reduce
-    has had a tile's time to complete. ``SLICES``: 2 where each consumer adds 64 of a tile's 128 columns
-    (every tile, both buffers), 1 where the consumers take turns by Q tile (buffer ``it % 2``). ``SLICE``
+    or :data:`DQ_WRITER_BUFFERS` taken in turn), waits for the tile's turn, adds it by bulk reduce, gives
+    the buffer back once the copy engine has read it (``empty``), and hands the turn on at the same column
+    slice's next add, by when the reduce has had a tile's time to complete. ``SLICES``: 2 where each
+    consumer adds 64 of a tile's 128 columns (every tile, both buffers), 1 where the consumers take turns
+    by Q tile (buffer ``it % 2``). ``SLICE``
     (0 or 1, with two slices: :data:`DQ_WRITER_PER_SLICE`): this warp takes that slice's adds only, and a
     second writer warp the other's, so a late turn of one slice holds up no add of the other."""
     DQ_ACC, dq_stages, bars, DQ_SEM, sched, Hq, Nq, Nk = wargs
@@ -1221,7 +1222,7 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
         dq_block: gl.constexpr = DQ_ACC.block_type.shape
         dq_stages = gl.allocate_shared_memory(gl.float32, [CONSUMERS * (k_desc.block_type.shape[3] // dq_block[3])]
                                               + dq_block, DQ_ACC.layout)
-    if DQ_ACC is not None and ATOMICS == "pair":  # per consumer, one fp32 buffer for its slice (a writer's: DQ_BUFFERS)
+    if DQ_ACC is not None and ATOMICS == "pair":  # per consumer, an fp32 buffer for its slice (a writer's: DQ_BUFFERS)
         pair_block: gl.constexpr = DQ_ACC.block_type.shape
         dq_stages = gl.allocate_shared_memory(gl.float32, [CONSUMERS * DQ_BUFFERS] + pair_block, DQ_ACC.layout)
     if SHARE_SCORES:  # Pᵀ and dSᵀ halves, [2 · buffer + consumer]: what _consumer_shared_scores exchanges
