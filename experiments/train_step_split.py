@@ -77,29 +77,15 @@ def _alloc_counts() -> tuple[int, int, int]:
     return s.get("num_device_alloc", 0), s.get("num_device_free", 0), s.get("num_alloc_retries", 0)
 
 
-def split_step(trainer, clock: AttentionClock | None, batches, step: int) -> dict:
-    """One optimizer step of ``trainer`` (as ``harness.train._StageTrainer.step`` takes it), cut on the host."""
-    x, y = batches.get(step)
-    torch.cuda.synchronize()
+def split_step(trainer, clock: AttentionClock | None, step: int) -> dict:
+    """One optimizer step of ``trainer`` (``harness.train._StageTrainer.step``, as ``harness train`` takes it),
+    cut where its marks fall."""
     if clock is not None:
         clock.reset()
     a0, f0, r0 = _alloc_counts()
-    t0 = time.perf_counter()
-    trainer.opt.zero_grad(set_to_none=True)
-    if trainer.cuda_graphs:
-        torch.compiler.cudagraph_mark_step_begin()
-    loss = trainer.forward_loss(x, y)
-    t1 = time.perf_counter()
-    loss.backward()
-    t2 = time.perf_counter()
-    torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), trainer.cfg.grad_clip)
-    trainer.opt.step()
-    t3 = time.perf_counter()
-    loss.item()
-    torch.cuda.synchronize()
-    t4 = time.perf_counter()
-    if trainer.cuda_graphs:
-        trainer.opt.zero_grad(set_to_none=True)
+    marks: list[float] = []
+    trainer.step(step, marks)
+    t0, t1, t2, t3, t4 = marks
     a1, f1, r1 = _alloc_counts()
     ms = lambda s: s * 1e3  # noqa: E731
     return dict(step=ms(t4 - t0), forward=ms(t1 - t0), backward=ms(t2 - t1), optimizer=ms(t3 - t2), tail=ms(t4 - t3),
@@ -144,22 +130,22 @@ def main(argv=None) -> int:
     step = 0
     for _ in range(args.warmup):
         for n in names:
-            split_step(trainers[n], clocks[n], batches, step)
+            split_step(trainers[n], clocks[n], step)
         step += 1
     phases = {phase: {n: [] for n in names} for phase in ("in turns", "block, 1st", "block, rest", "alone")}
     for i in range(args.steps):
         for n in names[i % len(names):] + names[:i % len(names)]:
-            phases["in turns"][n].append(split_step(trainers[n], clocks[n], batches, step))
+            phases["in turns"][n].append(split_step(trainers[n], clocks[n], step))
         step += 1
     for b in range(blocks):
         for n in names[b % len(names):] + names[:b % len(names)]:
             for j in range(args.block):
                 phases["block, 1st" if j == 0 else "block, rest"][n].append(
-                    split_step(trainers[n], clocks[n], batches, step + j))
+                    split_step(trainers[n], clocks[n], step + j))
         step += args.block
     for n in names:
         for _ in range(args.steps):
-            phases["alone"][n].append(split_step(trainers[n], clocks[n], batches, step))
+            phases["alone"][n].append(split_step(trainers[n], clocks[n], step))
             step += 1
     layers = T.GPU_MODEL.n_layer
     print(f"medians over each phase's steps ({args.steps} a stage; blocks of {args.block}), ms (attention: the {layers} "

@@ -438,8 +438,11 @@ class _StageTrainer:
         state = [t for s in self.opt.state.values() for t in s.values()]
         return _device_bytes(params + [p.grad for p in params] + state, self.device)
 
-    def step(self, step: int) -> float:
-        """Take optimizer step ``step`` (0-based), timed on its own; record its loss, time and memory."""
+    def step(self, step: int, marks: list[float] | None = None) -> float:
+        """Take optimizer step ``step`` (0-based), timed on its own; record its loss, time and memory.
+        ``marks``: a list that gets the host's clock (``time.perf_counter``) where the timed step starts,
+        where its forward, its backward and its optimizer step have been issued, and where it ends
+        (``experiments/train_step_split.py`` cuts the step there)."""
         cfg, run = self.cfg, self.run
         for group in self.opt.param_groups:
             group["lr"] = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup))
@@ -458,9 +461,15 @@ class _StageTrainer:
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         loss = self.forward_loss(x, y)
+        if marks is not None:
+            marks += (t0, time.perf_counter())
         loss.backward()
+        if marks is not None:
+            marks.append(time.perf_counter())
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.opt.step()
+        if marks is not None:
+            marks.append(time.perf_counter())
         loss_value = loss.item()  # waits for the GPU: the step is done when its loss is known
         if self.cuda_graphs:
             # The gradients are outputs of the backward's graph, in the pool every stage's graphs share
@@ -469,7 +478,10 @@ class _StageTrainer:
             self.opt.zero_grad(set_to_none=True)
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
-        run.step_ms.append((time.perf_counter() - t0) * 1e3)
+        end = time.perf_counter()
+        if marks is not None:
+            marks.append(end)
+        run.step_ms.append((end - t0) * 1e3)
         run.losses.append(loss_value)
         if self.on_gpu:
             peak = resident + torch.cuda.max_memory_allocated(self.device) - before

@@ -383,3 +383,16 @@ def test_lockstep_by_blocks_leaves_each_blocks_first_step_out_of_the_median(sdpa
     assert run.step_ms_median == 3.0
     with pytest.raises(ValueError, match="block must be a positive integer"):
         T.TrainConfig(block=0)
+
+
+def test_a_step_hands_out_its_marks_on_the_hosts_clock():
+    """``_StageTrainer.step(step, marks)``: the host's clock where the timed step starts, after its forward,
+    backward and optimizer step are issued, and where it ends, in order; its recorded time is end - start."""
+    batches = T._Batches(MODEL, CONFIG, torch.device(DEVICE))
+    trainer = T._StageTrainer("sdpa", T.sdpa_attention, MODEL, CONFIG, torch.device(DEVICE), batches)
+    marks: list[float] = []
+    trainer.step(0, marks)
+    assert len(marks) == 5 and marks == sorted(marks)
+    assert trainer.run.step_ms[-1] == pytest.approx((marks[-1] - marks[0]) * 1e3)
+    trainer.step(1)  # (no marks: the step as harness train takes it)
+    assert len(trainer.run.step_ms) == 2
