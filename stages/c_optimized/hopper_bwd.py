@@ -1676,6 +1676,7 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
     items = n_tiles * B * Hkv
     # (a pair of one consumer is the per-consumer bulk reduce)
     atomics = "tma" if FUSED_DQ_ATOMICS == "pair" and consumers == 1 else FUSED_DQ_ATOMICS
+    writer = dq_sem is not None and ORDERED_DQ_WRITER  # ordered dQ's turns taken by writer warps
     consumer_regs, producer_regs, extra = kernel_options(consumers)
     args = dict(q_desc=descriptor(q, (1, 1, block_m, main)), k_desc=descriptor(k, rows), v_desc=descriptor(v, rows),
                 do_desc=descriptor(do, (1, 1, block_m, main)), dk_desc=descriptor(dk, rows),
@@ -1709,10 +1710,9 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 PREFETCH_STATS=(2 if PREFETCH_ROW_STATS else 1 if first_row_stats_early((main + tail) // split, causal)
                                 else 0) if COMPACT_ROW_STATS else 0,
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, PERSISTENT=persistent,
-                DQ_WRITER=dq_sem is not None and ORDERED_DQ_WRITER,
-                DQ_BUFFERS=dq_writer_buffers(block_m, main, tail, stages, consumers, q.element_size())
-                if dq_sem is not None and ORDERED_DQ_WRITER else 1,
-                DQ_WRITERS=2 if dq_sem is not None and ORDERED_DQ_WRITER and DQ_WRITER_PER_SLICE and main > 64 else 1)
+                DQ_WRITER=writer,
+                DQ_BUFFERS=dq_writer_buffers(block_m, main, tail, stages, consumers, q.element_size()) if writer else 1,
+                DQ_WRITERS=2 if writer and DQ_WRITER_PER_SLICE and main > 64 else 1)
     grid = (min(items, sm_count(q.device)) if persistent else items,)
     return Launch(ws_bwd_dkdv_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)
 
