@@ -169,6 +169,64 @@ def test_a_dq_writer_warp_takes_the_turns_where_its_switch_is_on(D, causal, buff
         assert run_ptxas(ptx, "sm_90a")["spill_stores"] == 0
 
 
+@pytest.mark.parametrize("D,causal", [(64, False), (128, True)])
+def test_with_first_stores_the_writer_stores_turn_0_and_the_pre_pass_zeroes_the_semaphores(D, causal, monkeypatch):
+    """``ORDERED_DQ_FIRST_STORES``: the writer issues TMA stores beside its bulk reduces (a tile's first add
+    stores), with no more spills than without; the Δ pre-pass takes the semaphores and, where every row has
+    an add (Nq = Nk), no accumulator to zero; the semaphores it zeroes cover every one the dK/dV kernel uses."""
+    from harness.inspect_code import run_ptxas
+
+    def compiled(on: bool):
+        with monkeypatch.context() as m:
+            m.setenv("LAB_ORDERED_DQ_FIRST_STORES", "1" if on else "0")
+            m.setattr(hopper_bwd, "ORDERED_DQ_FIRST_STORES", on)
+            return bwd.compile_backward(Problem(2, 4, 300, D, "bf16", causal, Hkv=2), 90, ws_config="ws-M64-c2-s2",
+                                        ws_dq_config=bwd.ORDERED_DQ)
+
+    def stores_and_reduces(ptx: str) -> tuple[int, int]:
+        body = ptx.split(".section")[0]
+        return body.count("cp.async.bulk.tensor.4d.global.shared::cta"), body.count("cp.reduce.async.bulk.tensor")
+
+    (delta_off, dkdv_off), (delta_on, dkdv_on) = compiled(False), compiled(True)
+    stores_off, reduces_off = stores_and_reduces(dkdv_off.asm["ptx"])
+    stores_on, reduces_on = stores_and_reduces(dkdv_on.asm["ptx"])
+    assert reduces_on == reduces_off and stores_on > stores_off
+    spills = [run_ptxas(k.asm["ptx"], "sm_90a")["spill_stores"] for k in (dkdv_off, dkdv_on)]
+    assert spills[1] <= spills[0]
+    # Off, the pre-pass zeroes the accumulator (stores of a D-wide row); on, it stores Δ and the semaphores only.
+    assert delta_on.asm["ptx"].count("st.global") < delta_off.asm["ptx"].count("st.global")
+    for Nq in (1, 31, 64, 65, 1000, 4097):
+        assert bwd.ordered_dq_semaphore_count(2, 3, Nq) >= 2 * 3 * 2 * -(-Nq // 32)
+
+
+@pytest.mark.parametrize("causal,N,Nk", [(False, 4096, 4096), (True, 1000, 300), (True, 300, 1000)])
+def test_the_traffic_model_drops_the_zeroing_and_the_first_reads_where_the_first_adds_store(causal, N, Nk,
+                                                                                          monkeypatch):
+    """``bwd_hbm_bytes`` of a deterministic backward on ordered dQ: with the first adds storing, the pre-pass
+    writes zeros only for the rows no K/V tile sees (causal, N > Nk) and each visited row's first add reads
+    nothing, so the model's reads and writes each fall by about a zeroed accumulator's bytes."""
+    entry = {"dkdv": "M64-N64-w4-s2", "dq_method": "atomic", "ws": "ws-M64-c2-s2", "ws_dq": "fused",
+             "deterministic": {"ws": "ws-M64-c2-s2", "ws_dq": "ordered"}}
+    monkeypatch.setattr(bwd, "tuned_backward_table", lambda slug: {"arch": 90, f"bf16/D64/causal{int(causal)}": entry})
+    monkeypatch.setattr(bwd.hopper_ws, "supported", lambda *a: True)
+    monkeypatch.setattr(bwd, "device_arch", lambda *a: 90)
+    bwd.backward_plan.cache_clear()
+    try:
+        p = Problem(2, 8, N, 64, "bf16", causal, Nk=Nk)
+        assert bwd.backward_plan(64, torch.bfloat16, 90, causal, deterministic=True).ws_dq == bwd.ORDERED_DQ
+        bytes_ = {}
+        for on in (False, True):
+            monkeypatch.setattr(hopper_bwd, "ORDERED_DQ_FIRST_STORES", on)
+            bytes_[on] = bwd.bwd_hbm_bytes(p, deterministic=True)
+        zeroed = p.heads * N * 64 * 4
+        unseen = p.heads * max(N - Nk, 0) * 64 * 4 if causal else 0
+        assert bytes_[False].write - bytes_[True].write == zeroed - unseen
+        visited = N - (max(N - Nk, 0) // 64 * 64 if causal else 0)
+        assert bytes_[False].read - bytes_[True].read == p.heads * visited * 64 * 4
+    finally:
+        bwd.backward_plan.cache_clear()
+
+
 def test_the_writer_takes_a_second_buffer_only_where_it_fits(monkeypatch):
     """Two stage buffers per consumer where the program's shared memory still fits an sm_90 block (D 128 with
     64-row Q tiles in two ring slots: 224 KB), one where it would not (three slots: 256 KB) or where the
@@ -230,15 +288,18 @@ def _sm90(device):
         pytest.skip("ordered dQ runs in the Hopper dK/dV kernel: it needs sm_90")
 
 
-@pytest.fixture(params=["own-turns", "writer-1-buffer", "writer-2-buffers", "writer-per-slice"])
+@pytest.fixture(params=["own-turns", "writer-1-buffer", "writer-2-buffers", "writer-per-slice",
+                        "writer-first-stores"])
 def writer(request, monkeypatch):
     """Ordered dQ's turns taken by the consumers, or by a dQ-writer warp (``ORDERED_DQ_WRITER``) with one or
     two stage buffers per consumer (``DQ_WRITER_BUFFERS``; two where they fit), or by a writer warp per
-    column slice (``DQ_WRITER_PER_SLICE``, above 64 columns)."""
+    column slice (``DQ_WRITER_PER_SLICE``, above 64 columns), or so and each tile's first add storing into an
+    accumulator nothing zeroed (``ORDERED_DQ_FIRST_STORES``; NaN-filled here, so a row it misses fails)."""
     way = request.param
     monkeypatch.setattr(hopper_bwd, "ORDERED_DQ_WRITER", way != "own-turns")
     monkeypatch.setattr(hopper_bwd, "DQ_WRITER_BUFFERS", 2 if way == "writer-2-buffers" else 1)
-    monkeypatch.setattr(hopper_bwd, "DQ_WRITER_PER_SLICE", way == "writer-per-slice")
+    monkeypatch.setattr(hopper_bwd, "DQ_WRITER_PER_SLICE", way in ("writer-per-slice", "writer-first-stores"))
+    monkeypatch.setattr(hopper_bwd, "ORDERED_DQ_FIRST_STORES", way == "writer-first-stores")
     monkeypatch.setattr(bwd, "_KEPT", {})  # (launches bound under the other setting)
     return way
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from stages.c_optimized import backward as bwd, configs
-from stages.contract import Problem
+from stages.contract import Problem, validate_backward_inputs
 
 from harness.reference import reference_gradients
 
@@ -164,6 +164,31 @@ def test_bad_arguments_name_themselves(device):
         bwd.attention_backward(o[:, :1], q, k, v, o, lse, causal=False, scale=0.25)
     with pytest.raises(ValueError, match="sm_scale"):
         bwd.attention_backward(o, q, k, v, o, lse, causal=False, scale=float("nan"))
+
+
+def test_a_layout_is_checked_at_its_first_call_and_a_changed_one_again(device, monkeypatch):
+    """The backward keeps each layout it has seen, keyed on every fact its checks read, so a model's later
+    calls skip the checks; a call that differs in any of them (lse's dtype or layout, do's shape or dtype,
+    a device) misses the table and is checked, and refused with the argument's name."""
+    checked = []
+    monkeypatch.setattr(bwd, "validate_backward_inputs",
+                        lambda *a, **kw: (checked.append(1), validate_backward_inputs(*a, **kw))[1])
+    monkeypatch.setattr(bwd, "_KEPT", {})
+    q, k, v = make_qkv(1, 2, 8, 16, torch.float16, device)
+    o, lse = saved_forward(q, k, v, False, 0.25)
+    first = [bwd.attention_backward(o, q, k, v, o, lse, causal=False, scale=0.25) for _ in range(3)]
+    assert len(checked) == 1 and len(bwd._KEPT) == 1
+    for a, b in zip(first[0], first[2]):
+        assert torch.equal(a, b)
+    for bad, name in ((dict(lse=lse.double()), "lse"), (dict(lse=lse.transpose(1, 2).contiguous().transpose(1, 2)), "lse"),
+                      (dict(do=o[:, :1]), "do"), (dict(do=o.float()), "do"), (dict(o=o.float()), "o")):
+        args = dict(do=o, q=q, k=k, v=v, o=o, lse=lse) | bad
+        with pytest.raises((ValueError, TypeError), match=name):
+            bwd.attention_backward(args["do"], args["q"], args["k"], args["v"], args["o"], args["lse"], causal=False,
+                                   scale=0.25)
+    with pytest.raises(TypeError, match="do"):
+        bwd.attention_backward(None, q, k, v, o, lse, causal=False, scale=0.25)
+    assert len(bwd._KEPT) == 1
 
 
 def test_models():

@@ -85,7 +85,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import ops
+from .. import contract, ops
 from ..contract import DTYPES, CompiledKernel, HbmTraffic, Problem, cdiv, new_output, padded_head_dim, \
     key_ranges_alignment, validate_backward_inputs
 from ..launch import KeptLaunch, Launch, compiles_without_interpreter
@@ -99,6 +99,9 @@ from .kernels import tma_supported
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 DELTA_BLOCK = 64  # rows per program of the Δ pre-pass (a streaming kernel: any size near this is fine)
+#: Ordered dQ's semaphores zeroed by each program of the Δ pre-pass: the kernel's one per batch·query head,
+#: column slice (2 at most) and Q tile (32 rows at least) are at most 2 · DELTA_BLOCK / 32 per DELTA_BLOCK rows.
+SEM_CHUNK = 2 * DELTA_BLOCK // 32
 
 
 # ------------------------------------------------------------------------------------------ configs
@@ -411,17 +414,19 @@ def backward_config(D: int, dtype: torch.dtype, arch: int, tuned_tiles: bool = T
 
 # ------------------------------------------------------------------------------------------ kernels
 
-@triton.jit(do_not_specialize=["H", "N"])
+@triton.jit(do_not_specialize=["H", "N", "ZERO_ROWS"])
 def attention_bwd_delta_kernel(
-    O, DO, DELTA, DQ_ACC,
+    O, DO, DELTA, DQ_ACC, DQ_SEM,
     stride_ob, stride_oh, stride_on,
     stride_dob, stride_doh, stride_don,
-    H, N,
-    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+    H, N, ZERO_ROWS,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, SEM_CHUNK: tl.constexpr,
 ):
     """Δ_i = Σ_d dO_id·O_id in fp32, one program per BLOCK rows of one (batch, query head). With a
-    DQ_ACC (atomic dQ) it also zeroes those rows of the fp32 dQ accumulator. ``ALIGN``: the rows'
-    16-byte alignment as the host checked it (``aligned.row_alignment``)."""
+    DQ_ACC (atomic dQ) it also zeroes those of its rows below ``ZERO_ROWS`` in the fp32 dQ accumulator;
+    with DQ_SEM (ordered dQ) ``SEM_CHUNK`` semaphores per program, the program's own share of them
+    (:func:`ordered_dq_semaphore_count`). ``ALIGN``: the rows' 16-byte alignment as the host checked it
+    (``aligned.row_alignment``)."""
     stride_ob, stride_oh, stride_on = aligned_strides(stride_ob, stride_oh, stride_on, ALIGN)
     stride_dob, stride_doh, stride_don = aligned_strides(stride_dob, stride_doh, stride_don, ALIGN)
     pid, bh = tl.program_id(0), tl.program_id(1)
@@ -438,7 +443,10 @@ def attention_bwd_delta_kernel(
     if DQ_ACC is not None:
         # The accumulator is contiguous [B, H, N, D] fp32.
         tl.store(DQ_ACC + bh.to(tl.int64) * N * D + rows[:, None] * D + ds[None, :],
-                 tl.zeros((BLOCK, D_PAD), tl.float32), mask=mask)
+                 tl.zeros((BLOCK, D_PAD), tl.float32), mask=mask & (rows[:, None] < ZERO_ROWS))
+    if DQ_SEM is not None:
+        sems = (bh.to(tl.int64) * tl.num_programs(0) + pid) * SEM_CHUNK + tl.arange(0, SEM_CHUNK)
+        tl.store(DQ_SEM + sems, tl.zeros((SEM_CHUNK, ), tl.int32))
 
 
 @triton.jit
@@ -851,12 +859,18 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     common = dict(D=D, D_PAD=D_pad, GROUP=Hq // Hkv, CAUSAL=causal, CAUSAL_SKIP=causal_skip, EXP2=exp2,
                   DOT_PRECISION=precision)
+    # What the pre-pass zeroes beside Δ: the fp32 accumulator's rows; where ordered dQ's first add of each
+    # tile stores (hopper_bwd.ORDERED_DQ_FIRST_STORES), only rows that no K/V tile sees (causal, Nq > Nk), and
+    # ordered dQ's semaphores (which the caller then allocates unzeroed: _allocate's ``first_stores``).
+    first_stores = ordered and ws is not None and hopper_bwd_first_stores()
+    zero_rows = (max(Nq - Nk, 0) if causal else 0) if first_stores else Nq
     launches = [Launch(
         attention_bwd_delta_kernel, (cdiv(Nq, DELTA_BLOCK), B * Hq),
-        dict(O=o, DO=do, DELTA=delta, DQ_ACC=dq_acc,
+        dict(O=o, DO=do, DELTA=delta, DQ_ACC=dq_acc if zero_rows else None, DQ_SEM=dq_sem if first_stores else None,
              stride_ob=o.stride(0), stride_oh=o.stride(1), stride_on=o.stride(2),
              stride_dob=do.stride(0), stride_doh=do.stride(1), stride_don=do.stride(2),
-             H=Hq, N=Nq, D=D, D_PAD=D_pad, BLOCK=DELTA_BLOCK, ALIGN=row_alignment(o, do)),
+             H=Hq, N=Nq, ZERO_ROWS=zero_rows, D=D, D_PAD=D_pad, BLOCK=DELTA_BLOCK, ALIGN=row_alignment(o, do),
+             SEM_CHUNK=SEM_CHUNK),
         num_warps=4, num_stages=1)]
     if ws is not None:
         from . import hopper_bwd  # (Gluon: imported only where it runs)
@@ -926,30 +940,48 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     """
     if isinstance(do, torch.Tensor):
         do = ops.maybe_contiguous(do)
-    validate_backward_inputs(do, q, k, v, o, lse, scale, causal=causal)
+    return run_backward(do, q, k, v, o, lse, causal, scale, deterministic, tuned_tiles, pipelining, exp2,
+                        causal_skip, warp_specialization, key_starts, key_lengths, tma, config, dq_config,
+                        ws_config, ws_dq_config)
+
+
+def run_backward(do, q, k, v, o, lse, causal, scale, deterministic=False, tuned_tiles=True, pipelining=True,
+                 exp2=True, causal_skip=True, warp_specialization=True, key_starts=None, key_lengths=None,
+                 tma=True, config=None, dq_config=None, ws_config=None, ws_dq_config=None):
+    """:func:`attention_backward` with the arguments by position (what the autograd node calls), ``do``
+    already contiguous in its last dim (:func:`ops.maybe_contiguous`)."""
     # The lean path: what this layout runs (plan, tiles, kernels, every argument but the tensors) is
     # worked out at its first call and kept; a later call allocates the gradients and hands its
     # tensors to the kept launches (stages/launch.py, KeptLaunch). Keyed on everything the launches'
-    # other arguments depend on: shapes, strides, dtype, alignment, the scale, the options.
-    aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | do.data_ptr() | o.data_ptr()) % 16 == 0
-    ranges = key_ranges_alignment(key_starts, key_lengths)
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), q.dtype, q.device,
-           aligned, causal, scale, deterministic, tuned_tiles, pipelining, exp2, causal_skip, tma,
-           warp_specialization, config, dq_config, ws_config, ws_dq_config, ranges)
-    kept = _KEPT.get(key)
+    # other arguments depend on (shapes, strides, dtype, alignment, the scale, the options) and on
+    # everything the checks read (each tensor's shape, dtype and device), so a layout is checked at its
+    # first call only: a model calls its backward with the same layouts step after step.
+    try:
+        aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | do.data_ptr() | o.data_ptr()) % 16 == 0
+        ranges = None if key_starts is None and key_lengths is None else key_ranges_alignment(key_starts, key_lengths)
+        key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), do.shape, do.stride(), o.shape,
+               o.stride(), lse.shape, lse.stride(), q.dtype, k.dtype, v.dtype, do.dtype, o.dtype, lse.dtype,
+               q.device, k.device, v.device, do.device, o.device, lse.device, aligned, causal, scale, deterministic,
+               tuned_tiles, pipelining, exp2, causal_skip, tma, warp_specialization, config, dq_config, ws_config,
+               ws_dq_config, ranges)
+        kept = _KEPT.get(key)
+    except (AttributeError, TypeError):  # (not tensors, or an option of a type it cannot be: the checks say)
+        key = kept = None
     if kept is None:
+        validate_backward_inputs(do, q, k, v, o, lse, scale, causal=causal)
         kept = _plan_layout(do, q, k, v, o, lse, causal=causal, scale=scale, deterministic=deterministic,
                             tuned_tiles=tuned_tiles, pipelining=pipelining, exp2=exp2, causal_skip=causal_skip,
                             tma=tma, warp_specialization=warp_specialization, config=config, dq_config=dq_config,
                             ws_config=ws_config, ws_dq_config=ws_dq_config, key_starts=key_starts,
                             key_lengths=key_lengths)
-        if len(_KEPT) >= _KEPT_MAX:
-            _KEPT.clear()  # a model's layouts come back every step; a cleared table refills
-        _KEPT[key] = kept
-    tensors = _allocate(q, k, v, kept.separate, kept.workspace, kept.split, kept.ordered)
+        if key is not None:
+            if len(_KEPT) >= _KEPT_MAX:
+                _KEPT.clear()  # a model's layouts come back every step; a cleared table refills
+            _KEPT[key] = kept
+    tensors = _allocate(q, k, v, kept.separate, kept.workspace, kept.split, kept.ordered, kept.first_stores)
     tensors.update(do=do, q=q, k=k, v=v, o=o, lse=lse, key_starts=key_starts, key_lengths=key_lengths)
     bound = kept.bound
-    if bound and all(b.open() for b in bound):
+    if bound and bound[0].open():  # (one check for all: they were bound on one device)
         # The leanest path: launches bound at this layout's first call (launch.BoundKeptLaunch): per call
         # only addresses, and tensor maps found by address. It matters most here: autograd runs a CUDA backward on a
         # thread of its own, where the same Python takes longer than on the caller's.
@@ -983,7 +1015,8 @@ class KeptLayout:
     bound: object = None
     workspace: tuple | None = None  # the split backward's dQ partials (decode_backward.workspace_shape)
     split: bool = False  # the split backward (which forms Δ in its own programs: no buffer for it)
-    ordered: bool = False  # ordered dQ (its zeroed semaphores, per call)
+    ordered: bool = False  # ordered dQ (its semaphores, per call)
+    first_stores: bool = False  # ordered dQ's first adds store: the Δ pre-pass zeroes the semaphores
 
 #: Which call tensor each tensor or descriptor argument of the backward kernels takes.
 _ROLES = {"Q": "q", "K": "k", "V": "v", "O": "o", "DO": "do", "DQ": "dq", "DK": "dk", "DV": "dv", "LSE": "lse",
@@ -995,7 +1028,7 @@ _ROLES = {"Q": "q", "K": "k", "V": "v", "O": "o", "DO": "do", "DQ": "dq", "DK": 
 
 
 def _allocate(q, k, v, separate: bool, workspace: tuple | None = None, split: bool = False,
-              ordered: bool = False) -> dict:
+              ordered: bool = False, first_stores: bool = False) -> dict:
     """The buffers one backward writes: Δ, dK, dV, and dQ (separate kernel) or the fp32 atomic
     accumulator (which fp32 inputs use as dQ itself); ``split``: the split backward's, dK, dV, dQ
     and, with ``workspace``, its fp32 dQ partials of that shape (``dq_part``), no Δ; ``ordered``:
@@ -1005,17 +1038,36 @@ def _allocate(q, k, v, separate: bool, workspace: tuple | None = None, split: bo
                dk=_new_gradient(k), dv=_new_gradient(v),
                dq_part=torch.empty(workspace, dtype=torch.float32, device=q.device) if workspace else None,
                dq_sem=None)
-    if ordered:
+    if ordered and first_stores:  # (the Δ pre-pass zeroes them)
+        out["dq_sem"] = torch.empty(ordered_dq_semaphore_count(B, Hq, Nq), dtype=torch.int32, device=q.device)
+    elif ordered:
         from . import hopper_bwd
 
         out["dq_sem"] = hopper_bwd.ordered_dq_semaphores(B, Hq, Nq, q.device)
     if separate:
         out.update(dq=_new_gradient(q), dq_acc=None)
     else:
-        # fp32 inputs accumulate straight into dq; the pre-pass zeroes it.
+        # fp32 inputs accumulate straight into dq; the pre-pass zeroes it (or, with ordered dQ's first adds
+        # storing, the first adds overwrite it: NaN-filled when the tests poison outputs, so a row they miss fails).
         dq_acc = torch.empty((B, Hq, Nq, D), dtype=torch.float32, device=q.device)
+        if first_stores and contract.poison_outputs:
+            dq_acc.fill_(float("nan"))
         out.update(dq_acc=dq_acc, dq=dq_acc if q.dtype == torch.float32 else None)
     return out
+
+
+def ordered_dq_semaphore_count(B: int, Hq: int, Nq: int) -> int:
+    """Ordered dQ's semaphores as the Δ pre-pass zeroes them: :data:`SEM_CHUNK` per program of its grid, at
+    least the Hopper dK/dV kernel's one per batch·query head, column slice (2 at most) and Q tile (32 rows
+    at least)."""
+    return B * Hq * cdiv(Nq, DELTA_BLOCK) * SEM_CHUNK
+
+
+def hopper_bwd_first_stores() -> bool:
+    """``hopper_bwd.ordered_dq_first_stores`` for ordered dQ (imported where it runs: Gluon)."""
+    from . import hopper_bwd
+
+    return hopper_bwd.ordered_dq_first_stores(True)
 
 
 def split_backward(q, k, *, tuned_tiles: bool = True, exp2: bool = True, forced: bool = False,
@@ -1072,13 +1124,15 @@ def _plan_layout(do, q, k, v, o, lse, *, causal, scale, deterministic, tuned_til
     ordered = ws_dq == ORDERED_DQ
     separate = (plan.separate_dq or ws is not None or ws_dq is not None) and ws_dq not in FUSED_DQS
     # (planned over stand-ins of this call's buffers: only their layout counts)
-    t = _allocate(q, k, v, separate, ordered=ordered)
+    first_stores = ordered and hopper_bwd_first_stores()
+    t = _allocate(q, k, v, separate, ordered=ordered, first_stores=first_stores)
     launches = plan_backward(do, q, k, v, o, lse, t["delta"], t["dq"], t["dk"], t["dv"], t["dq_acc"], causal=causal,
                              scale=scale, arch=arch, deterministic=separate or ordered, tuned_tiles=tuned_tiles,
                              pipelining=pipelining, exp2=exp2, causal_skip=causal_skip, tma=tma, config=config,
                              dq_config=dq_config, ws=ws, ws_dq=ws_dq, key_starts=key_starts, key_lengths=key_lengths,
                              dq_sem=t["dq_sem"])
-    return KeptLayout(separate, tuple(KeptLaunch(launch, _ROLES) for launch in launches), ordered=ordered)
+    return KeptLayout(separate, tuple(KeptLaunch(launch, _ROLES) for launch in launches), ordered=ordered,
+                      first_stores=first_stores)
 
 
 @compiles_without_interpreter
@@ -1131,7 +1185,9 @@ def bwd_hbm_bytes(p: Problem, deterministic: bool = False, tuned_tiles: bool = T
     """Bytes the backward kernels request from device memory (no cache assumed), given the saved
     O and lse. e = element bytes, rows of D elements:
 
-    * Δ pre-pass: reads O and dO, writes Δ (4 B/row); atomic dQ: also writes the zeroed fp32 accumulator.
+    * Δ pre-pass: reads O and dO, writes Δ (4 B/row); atomic dQ: also writes the zeroed fp32 accumulator
+      (ordered dQ whose first adds store, ``hopper_bwd.ORDERED_DQ_FIRST_STORES``: only the rows no K/V tile
+      sees, and a visited row's first add reads nothing).
     * dK/dV: reads K and V once, writes dK and dV; for every (K/V tile, visited Q tile) pair reads the
       Q and dO rows plus lse and Δ (8 B/row). With causal skipping a K/V tile starting at key n visits
       query rows from the tile holding row n − (Nk − Nq) on; without, all Nq rows. Atomic dQ: every
@@ -1181,8 +1237,15 @@ def bwd_hbm_bytes(p: Problem, deterministic: bool = False, tuned_tiles: bool = T
         read += p.q_bytes * 2 + p.heads * p.N * 8 + p.heads * kv_rows * 2 * row
         write += p.q_bytes
     else:
-        write += p.heads * p.N * D * 4                     # zeroing the accumulator
-        read += q_rows_all * D * 4                         # atomic read-modify-write
+        if plan.ws_dq == ORDERED_DQ and hopper_bwd_first_stores():
+            # Ordered dQ whose first add of each tile stores: the pre-pass zeroes only the rows no K/V tile
+            # sees (causal, N > Nk), and each visited row's first add writes without reading.
+            visited = p.N - (max(-offset, 0) // BM * BM if skip else 0)
+            write += p.heads * (max(-offset, 0) if p.causal else 0) * D * 4
+            read += (q_rows_all - p.heads * visited) * D * 4
+        else:
+            write += p.heads * p.N * D * 4                 # zeroing the accumulator
+            read += q_rows_all * D * 4                     # atomic read-modify-write
         write += q_rows_all * D * 4
         if p.dtype != "fp32":
             read += p.heads * p.N * D * 4                  # cast to the input dtype

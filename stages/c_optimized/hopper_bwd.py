@@ -51,6 +51,8 @@ FlashAttention-3 does): a consumer stores its share to shared memory and goes on
 writer has not yet sent its last share on (a second stage buffer per consumer, :data:`DQ_WRITER_BUFFERS`, so
 that it never waits for that, bought nothing: entry 96). Where each consumer adds its own column slice (D 128)
 a writer warp per slice takes the two slices' turns side by side (:data:`DQ_WRITER_PER_SLICE`, entry 98).
+Knowing which add comes first, the writer can make it a store (:data:`ORDERED_DQ_FIRST_STORES`, a rung), so
+nothing zeroes the fp32 accumulator first: the Δ pre-pass zeroes the semaphores instead (entry 99).
 A third, for fused dQ or not, keeps the row statistics compact until their use
 (:data:`COMPACT_ROW_STATS`: a quarter fewer instructions per Q tile, and at D 128 with 64-row Q tiles
 fewer spills; on: the 64-row dK/dV kernel at D 128 causal 1.59 → 0.99 ms on the H200, entries 63, 68, 70).
@@ -419,7 +421,7 @@ def _ordered_dq_release(DQ_SEM, pend):
 
 @gluon.jit
 def _dq_writer(wargs, tail, GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-               SLICES: gl.constexpr, SLICE: gl.constexpr = -1):
+               SLICES: gl.constexpr, SLICE: gl.constexpr = -1, FIRST_STORES: gl.constexpr = False):
     """Ordered dQ's writer (:data:`ORDERED_DQ_WRITER`), one warp: it walks the consumers' Q tiles in their
     order and, for each share of dQ they leave in their fp32 stage buffers (``full``: one per consumer,
     or :data:`DQ_WRITER_BUFFERS` taken in turn), waits for the tile's turn, adds it by bulk reduce, gives
@@ -428,7 +430,8 @@ def _dq_writer(wargs, tail, GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: 
     consumer adds 64 of a tile's 128 columns (every tile, both buffers), 1 where the consumers take turns
     by Q tile (buffer ``it % 2``). ``SLICE``
     (0 or 1, with two slices: :data:`DQ_WRITER_PER_SLICE`): this warp takes that slice's adds only, and a
-    second writer warp the other's, so a late turn of one slice holds up no add of the other."""
+    second writer warp the other's, so a late turn of one slice holds up no add of the other.
+    ``FIRST_STORES`` (:data:`ORDERED_DQ_FIRST_STORES`): a tile's first add (turn 0) stores instead."""
     DQ_ACC, dq_stages, bars, DQ_SEM, sched, Hq, Nq, Nk = wargs
     dq_tail_desc = tail[6]
     dq_tail_stages = tail[7]
@@ -453,15 +456,18 @@ def _dq_writer(wargs, tail, GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: 
             if SLICES == 2 and SLICE >= 0:  # (its own last add is all it has in flight)
                 pend0 = _dq_writer_add(DQ_SEM, pend0, (bh * 2 + SLICE) * q_tiles + tile, rank, bars, SLICE, it,
                                        BUFFERS, DQ_ACC, dq_stages, dq_tail_desc, dq_tail_stages, b, h, row0,
-                                       SLICE * COLS, False)
+                                       SLICE * COLS, False, FIRST_STORES)
             elif SLICES == 2:  # (the other slice's add is the one still in flight at each release)
                 pend0 = _dq_writer_add(DQ_SEM, pend0, (bh * 2) * q_tiles + tile, rank, bars, 0, it, BUFFERS,
-                                       DQ_ACC, dq_stages, dq_tail_desc, dq_tail_stages, b, h, row0, 0, True)
+                                       DQ_ACC, dq_stages, dq_tail_desc, dq_tail_stages, b, h, row0, 0, True,
+                                       FIRST_STORES)
                 pend1 = _dq_writer_add(DQ_SEM, pend1, (bh * 2 + 1) * q_tiles + tile, rank, bars, 1, it, BUFFERS,
-                                       DQ_ACC, dq_stages, dq_tail_desc, dq_tail_stages, b, h, row0, COLS, True)
+                                       DQ_ACC, dq_stages, dq_tail_desc, dq_tail_stages, b, h, row0, COLS, True,
+                                       FIRST_STORES)
             else:
                 pend0 = _dq_writer_add(DQ_SEM, pend0, bh * q_tiles + tile, rank, bars, it % 2, it // 2, BUFFERS,
-                                       DQ_ACC, dq_stages, dq_tail_desc, dq_tail_stages, b, h, row0, 0, False)
+                                       DQ_ACC, dq_stages, dq_tail_desc, dq_tail_stages, b, h, row0, 0, False,
+                                       FIRST_STORES)
             it += 1
     _ordered_dq_release(DQ_SEM, pend0)
     _ordered_dq_release(DQ_SEM, pend1)  # (its wait finds nothing left in flight)
@@ -469,19 +475,26 @@ def _dq_writer(wargs, tail, GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: 
 
 @gluon.jit
 def _dq_writer_add(DQ_SEM, pend, index, rank, bars, w, n, BUFFERS: gl.constexpr, dq_desc, dq_stages, dq_tail_desc,
-                   dq_tail_stages, b, h, row0, COL0: gl.constexpr, ANOTHER_IN_FLIGHT: gl.constexpr):
+                   dq_tail_stages, b, h, row0, COL0: gl.constexpr, ANOTHER_IN_FLIGHT: gl.constexpr,
+                   FIRST_STORES: gl.constexpr = False):
     """One add of :func:`_dq_writer`: consumer ``w``'s ``n``-th share (in its buffer ``n % BUFFERS``),
     columns ``COL0`` on of the Q tile from ``row0``, at its turn ``rank`` of semaphore ``index``; first the
     add before it at semaphore ``pend`` is released (complete, but for ``ANOTHER_IN_FLIGHT``: the other
-    slice's last add, issued after it). Returns ``index``, to release at the next add."""
+    slice's last add, issued after it). ``FIRST_STORES``: turn 0 stores the share (a TMA store, complete
+    like a bulk reduce) over whatever the accumulator held. Returns ``index``, to release at the next add."""
     COLS: gl.constexpr = dq_stages.shape[4]
     slot = w * BUFFERS + n % BUFFERS
     seen = _load_acquire(DQ_SEM + index)  # (asked for before the wait on the consumer: its trip to L2 hides)
     mbarrier.wait(bars.index(slot), (n // BUFFERS) & 1)  # the consumer's share is in its buffer
     _ordered_dq_turn(DQ_SEM, pend, index, rank, seen, ANOTHER_IN_FLIGHT)
-    _tma_reduce_add(dq_desc, [b, h, row0, COL0], dq_stages.index(slot))
-    if dq_tail_desc is not None:  # the head-dim tail's columns, in the same turn (a tail: one 64-column slice)
-        _tma_reduce_add(dq_tail_desc, [b, h, row0, COLS], dq_tail_stages.index(slot))
+    if FIRST_STORES and rank == 0:
+        tma.async_copy_shared_to_global(dq_desc, [b, h, row0, COL0], dq_stages.index(slot))
+        if dq_tail_desc is not None:
+            tma.async_copy_shared_to_global(dq_tail_desc, [b, h, row0, COLS], dq_tail_stages.index(slot))
+    else:
+        _tma_reduce_add(dq_desc, [b, h, row0, COL0], dq_stages.index(slot))
+        if dq_tail_desc is not None:  # the head-dim tail's columns, in the same turn (a tail: one 64-column slice)
+            _tma_reduce_add(dq_tail_desc, [b, h, row0, COLS], dq_tail_stages.index(slot))
     tma.store_wait(0)  # the copy engine has read the buffers: the consumer may fill them again
     mbarrier.arrive(bars.index(2 * BUFFERS + slot))
     return index
@@ -1162,7 +1175,7 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
                        COMPACT_STATS: gl.constexpr, EARLY_RELEASE: gl.constexpr, PREFETCH_STATS: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
                        DQ_WRITER: gl.constexpr = False, DQ_BUFFERS: gl.constexpr = 1,
-                       DQ_WRITERS: gl.constexpr = 1):
+                       DQ_WRITERS: gl.constexpr = 1, DQ_FIRST_STORES: gl.constexpr = False):
     """Work items (K/V tile of ``CONSUMERS / SPLIT_D × 64`` rows, batch·K/V head) over ``heads``
     batch·K/V heads, in the order ``tiles_per_chunk`` and ``heads_per_group`` give (:func:`program_order`):
     one program per item, or (``PERSISTENT``, a grid of one program per SM) each program walking every
@@ -1253,9 +1266,11 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
                          COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS)),
             (_producer, producer_args),
             (_dq_writer, ((DQ_ACC, dq_stages, dq_bars, DQ_SEM, sched, Hq, Nq, Nk), tail, GROUP, CAUSAL,
-                          ROWS * KV_TILES, k_desc.block_type.shape[3] // DQ_ACC.block_type.shape[3], 0)),
+                          ROWS * KV_TILES, k_desc.block_type.shape[3] // DQ_ACC.block_type.shape[3], 0,
+                          DQ_FIRST_STORES)),
             (_dq_writer, ((DQ_ACC, dq_stages, dq_bars, DQ_SEM, sched, Hq, Nq, Nk), tail, GROUP, CAUSAL,
-                          ROWS * KV_TILES, k_desc.block_type.shape[3] // DQ_ACC.block_type.shape[3], 1)),
+                          ROWS * KV_TILES, k_desc.block_type.shape[3] // DQ_ACC.block_type.shape[3], 1,
+                          DQ_FIRST_STORES)),
         ], [4, 1, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     elif DQ_WRITER:
         gl.warp_specialize([
@@ -1265,7 +1280,8 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
                          COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS)),
             (_producer, producer_args),
             (_dq_writer, ((DQ_ACC, dq_stages, dq_bars, DQ_SEM, sched, Hq, Nq, Nk), tail, GROUP, CAUSAL,
-                          ROWS * KV_TILES, k_desc.block_type.shape[3] // DQ_ACC.block_type.shape[3])),
+                          ROWS * KV_TILES, k_desc.block_type.shape[3] // DQ_ACC.block_type.shape[3], -1,
+                          DQ_FIRST_STORES)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     elif CONSUMERS == 1:
         gl.warp_specialize([
@@ -1542,6 +1558,12 @@ def ordered_dq_takes(consumers: int, reorder: bool = False) -> bool:
             and not (FUSED_DQ_AHEAD or FUSED_DQ_LAG or FUSED_DQ_STAGGER))
 
 
+def ordered_dq_first_stores(ordered: bool) -> bool:
+    """Whether ordered dQ's first add of each tile stores (:data:`ORDERED_DQ_FIRST_STORES`): with its turns
+    taken by the writer (:data:`ORDERED_DQ_WRITER`), so that the accumulator need not be zeroed first."""
+    return ordered and ORDERED_DQ_WRITER and ORDERED_DQ_FIRST_STORES
+
+
 def ordered_dq_rank(start_n: int, row0: int, Nq: int, Nk: int, block_m: int, block_n: int, causal: bool) -> int:
     """:func:`_ordered_dq_rank` on the host (the tests check the order it gives: each tile's adders take
     the turns 0, 1, ... once each, and each waits only for a program started before it)."""
@@ -1579,6 +1601,13 @@ if DQ_WRITER_BUFFERS not in (1, 2):
 #: the producer. On an H100 that took ordered dQ at D 128 from +15-19 % over fused dQ to +7.5-12 % (Llama 3
 #: 8B's grouped, causal cell from +39-43 % to +25-26 %), performance-log entry 98.
 DQ_WRITER_PER_SLICE = os.environ.get("LAB_DQ_WRITER_PER_SLICE", "1") == "1"
+#: Ordered dQ with the writer: each tile's first add (turn 0) *stores* its share, by a TMA store, instead of
+#: adding it (``LAB_ORDERED_DQ_FIRST_STORES``). Then nothing need zero the fp32 accumulator first: the Δ
+#: pre-pass writes Δ and zeroes the semaphores (a few bytes per Q tile) instead of the accumulator's four
+#: bytes per element (``backward.plan_backward``); only rows that no K/V tile sees (causal with Nq > Nk)
+#: are zeroed. The adds in a fixed order are what make this possible: fused dQ without one cannot tell
+#: which add comes first.
+ORDERED_DQ_FIRST_STORES = os.environ.get("LAB_ORDERED_DQ_FIRST_STORES", "0") == "1"
 
 
 def dkdv_shared_bytes(block_m: int, main: int, tail: int, stages: int, consumers: int, element_bytes: int, *,
@@ -1712,7 +1741,8 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, PERSISTENT=persistent,
                 DQ_WRITER=writer,
                 DQ_BUFFERS=dq_writer_buffers(block_m, main, tail, stages, consumers, q.element_size()) if writer else 1,
-                DQ_WRITERS=2 if writer and DQ_WRITER_PER_SLICE and main > 64 else 1)
+                DQ_WRITERS=2 if writer and DQ_WRITER_PER_SLICE and main > 64 else 1,
+                DQ_FIRST_STORES=ordered_dq_first_stores(dq_sem is not None))
     grid = (min(items, sm_count(q.device)) if persistent else items,)
     return Launch(ws_bwd_dkdv_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)
 
