@@ -40,6 +40,19 @@ CELLS = {
 ROUNDS = 5
 
 
+def parse_cell_arguments(doc: str, argv, script: str, extra=None):
+    """The arguments of a script over these cells: ``--cells``, ``--rounds``, ``--csv`` and what ``extra(ap)``
+    adds, parsed and checked (:func:`check_arguments`); None where there is no sm_90 GPU (it said why)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--cells", default=",".join(CELLS), help=f"some of {','.join(CELLS)}")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"interleaved rounds (default {ROUNDS})")
+    ap.add_argument("--csv", default=None)
+    if extra is not None:
+        extra(ap)
+    args = ap.parse_args(argv)
+    return args if check_arguments(ap, args, script) else None
+
+
 def check_arguments(ap, args, script: str) -> bool:
     """``--cells`` and ``--rounds`` checked (an argparse error names the allowed values); False, with a line
     saying why, where there is no sm_90 GPU to time the Hopper kernels on."""
@@ -76,14 +89,10 @@ def cell_inputs(cell: tuple):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cells", default=",".join(CELLS), help=f"some of {','.join(CELLS)}")
-    ap.add_argument("--deterministic", action="store_true",
-                    help="also the deterministic backward (dQ by a kernel of its own), off and on")
-    ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"interleaved rounds (default {ROUNDS})")
-    ap.add_argument("--csv", default=None)
-    args = ap.parse_args(argv)
-    if not check_arguments(ap, args, "bwd_persistent.py"):
+    args = parse_cell_arguments(__doc__, argv, "bwd_persistent.py", lambda ap: ap.add_argument(
+        "--deterministic", action="store_true",
+        help="also the deterministic backward (dQ by a kernel of its own), off and on"))
+    if args is None:
         return 2
     import triton.testing
 

@@ -27,7 +27,6 @@ a kernel that writes dQ in the input dtype still writes those bytes once).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -36,18 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from experiments.bwd_persistent import CELLS, ROUNDS, cell_inputs, check_arguments  # noqa: E402  (the same cells)
+from experiments.bwd_persistent import CELLS, cell_inputs, parse_cell_arguments  # noqa: E402  (the same cells)
 
 PARTS = ("backward", "kernels", "dkdv", "delta", "delta_no_zero", "cast", "cudnn")
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cells", default=",".join(CELLS), help=f"some of {','.join(CELLS)}")
-    ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"interleaved rounds (default {ROUNDS})")
-    ap.add_argument("--csv", default=None)
-    args = ap.parse_args(argv)
-    if not check_arguments(ap, args, "dq_passes.py"):
+    args = parse_cell_arguments(__doc__, argv, "dq_passes.py")
+    if args is None:
         return 2
     import triton.testing
 

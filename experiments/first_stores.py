@@ -15,7 +15,6 @@ storing one against the other's, and its bits over three runs.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -24,19 +23,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from experiments.bwd_persistent import CELLS, ROUNDS, cell_inputs, check_arguments  # noqa: E402  (the same cells)
+from experiments.bwd_persistent import CELLS, cell_inputs, parse_cell_arguments  # noqa: E402  (the same cells)
 
 #: (name, deterministic, ordered dQ as the deterministic plan, its first add storing)
 WAYS = (("default", False, False, False), ("ordered", True, True, False), ("ordered-first-stores", True, True, True))
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cells", default=",".join(CELLS), help=f"some of {','.join(CELLS)}")
-    ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"interleaved rounds (default {ROUNDS})")
-    ap.add_argument("--csv", default=None)
-    args = ap.parse_args(argv)
-    if not check_arguments(ap, args, "first_stores.py"):
+    args = parse_cell_arguments(__doc__, argv, "first_stores.py")
+    if args is None:
         return 2
     import triton.testing
 

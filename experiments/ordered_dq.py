@@ -24,7 +24,6 @@ forward). First each deterministic way's gradients against the default's, and it
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from experiments.bwd_persistent import CELLS, ROUNDS, cell_inputs, check_arguments  # noqa: E402  (the same cells)
+from experiments.bwd_persistent import CELLS, cell_inputs, parse_cell_arguments  # noqa: E402  (the same cells)
 #: (name, deterministic, ordered dQ as the deterministic plan, a head's K/V tiles spread apart in the grid,
 #: the turns taken by a dQ-writer warp rather than by the consumers: 0 no, else its stage buffers per consumer,
 #: ``hopper_bwd.DQ_WRITER_BUFFERS``, taken where they fit; None: as the modules say, so "deterministic" is the
@@ -51,14 +50,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cells", default=",".join(CELLS), help=f"some of {','.join(CELLS)}")
-    ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"interleaved rounds (default {ROUNDS})")
-    ap.add_argument("--head-by-head", action="store_true",
-                    help="also ordered dQ on a grid that runs one head after another (cells without a mask)")
-    ap.add_argument("--csv", default=None)
-    args = ap.parse_args(argv)
-    if not check_arguments(ap, args, "ordered_dq.py"):
+    args = parse_cell_arguments(__doc__, argv, "ordered_dq.py", lambda ap: ap.add_argument(
+        "--head-by-head", action="store_true",
+        help="also ordered dQ on a grid that runs one head after another (cells without a mask)"))
+    if args is None:
         return 2
     import triton.testing
 
