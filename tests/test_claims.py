@@ -412,6 +412,19 @@ def long_d128_costs(way: str) -> list[float]:
             for c in ordered_dq_costs(way, cell, PER_SLICE_RUNS, causal="0")]
 
 
+def first_stores_costs(way: str, cells: tuple[str, ...]) -> list[float]:
+    """Percent over the default plan of one way of ``experiments/first_stores.py`` at these cells (entry 99)."""
+    return [100 * (float(r["over_default"]) - 1) for r in h100_experiment_rows("2026-12-07_first_stores.csv")
+            if r["way"] == way and r["cell"] in cells and r["status"] == "ok"]
+
+
+def first_stores_gains() -> list[float]:
+    """Points the first stores take off ordered dQ in each cell of that run (entry 99)."""
+    rows = {(r["cell"], r["way"]): float(r["over_default"])
+            for r in h100_experiment_rows("2026-12-07_first_stores.csv") if r["status"] == "ok"}
+    return [100 * (rows[c, "ordered"] - rows[c, "ordered-first-stores"]) for c, w in rows if w == "ordered"]
+
+
 def h100_deterministic_costs() -> list[float]:
     """The H100 results page's deterministic costs of the bf16 backward grid, percent."""
     return [100 * v for k, v in deterministic_costs(Data(ROOT / "results" / "h100-80gb-hbm3")).items()
@@ -766,6 +779,16 @@ CLAIMS = [
                      max(ordered_dq_costs("deterministic", "", PER_SLICE_RUNS, causal="1")))),
     Claim(C_DETAILS, "the bf16\ngrid's deterministic cost on the H100 is −{} % to +{} %",
           lambda d: (-min(h100_deterministic_costs()), max(h100_deterministic_costs()))),
+    Claim(C_DETAILS, "kernel: {}–{} points off each deterministic cell timed on an H100",
+          lambda d: (min(first_stores_gains()), max(first_stores_gains())),
+          why="2026-12-07_first_stores.csv: ordered dQ's cost over the default minus the first stores' (rounded to "
+              "whole points)"),
+    Claim(C_DETAILS, "(−{} % to −{} % without a mask and at GPT-2's shape, +{} % causal at N 4096",
+          lambda d: (-min(first_stores_costs("ordered-first-stores", ("grid-d64-n1024", "grid-d64-n4096",
+                                                                       "grid-d64-n16384", "gpt2"))),
+                     -max(first_stores_costs("ordered-first-stores", ("grid-d64-n1024", "grid-d64-n4096",
+                                                                       "grid-d64-n16384", "gpt2"))),
+                     *first_stores_costs("ordered-first-stores", ("grid-d64-n4096-causal", )))),
     Claim(C_DETAILS, "took the grouped Llama 3\n8B cell from {} to {} ms",
           lambda d: (program_order_ms(d, "llama3-8b", "0"), program_order_ms(d, "llama3-8b", "8"))),
     Claim(C_DETAILS, "twice cuDNN's DRAM bytes at the grid's causal D 128\ncell",
