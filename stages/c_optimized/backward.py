@@ -862,7 +862,7 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
     # What the pre-pass zeroes beside Δ: the fp32 accumulator's rows; where ordered dQ's first add of each
     # tile stores (hopper_bwd.ORDERED_DQ_FIRST_STORES), only rows that no K/V tile sees (causal, Nq > Nk), and
     # ordered dQ's semaphores (which the caller then allocates unzeroed: _allocate's ``first_stores``).
-    first_stores = ordered and ws is not None and hopper_bwd_first_stores()
+    first_stores = ordered and hopper_bwd_first_stores()
     zero_rows = (max(Nq - Nk, 0) if causal else 0) if first_stores else Nq
     launches = [Launch(
         attention_bwd_delta_kernel, (cdiv(Nq, DELTA_BLOCK), B * Hq),
@@ -879,7 +879,7 @@ def plan_backward(do, q, k, v, o, lse, delta, dq, dk, dv, dq_acc, *, causal: boo
                                              sm_scale=scale, block_m=ws.block_m, consumers=ws.consumers,
                                              stages=ws.stages, dq_acc=dq_acc if fused else None,
                                              share_scores=ws.share, pad=ws.pad, reorder=ws.reorder and not ordered,
-                                             dq_sem=dq_sem if ordered else None))
+                                             dq_sem=dq_sem if ordered else None, first_stores=first_stores))
     else:
         launches.append(Launch(
             attention_bwd_dkdv_kernel, (cdiv(Nk, BN), B * Hkv),
@@ -1124,13 +1124,14 @@ def _plan_layout(do, q, k, v, o, lse, *, causal, scale, deterministic, tuned_til
     ordered = ws_dq == ORDERED_DQ
     separate = (plan.separate_dq or ws is not None or ws_dq is not None) and ws_dq not in FUSED_DQS
     # (planned over stand-ins of this call's buffers: only their layout counts)
-    first_stores = ordered and hopper_bwd_first_stores()
-    t = _allocate(q, k, v, separate, ordered=ordered, first_stores=first_stores)
+    t = _allocate(q, k, v, separate, ordered=ordered)
     launches = plan_backward(do, q, k, v, o, lse, t["delta"], t["dq"], t["dk"], t["dv"], t["dq_acc"], causal=causal,
                              scale=scale, arch=arch, deterministic=separate or ordered, tuned_tiles=tuned_tiles,
                              pipelining=pipelining, exp2=exp2, causal_skip=causal_skip, tma=tma, config=config,
                              dq_config=dq_config, ws=ws, ws_dq=ws_dq, key_starts=key_starts, key_lengths=key_lengths,
                              dq_sem=t["dq_sem"])
+    # (where the Δ pre-pass zeroes ordered dQ's semaphores, a call allocates them unzeroed)
+    first_stores = launches[0].args["DQ_SEM"] is not None
     return KeptLayout(separate, tuple(KeptLaunch(launch, _ROLES) for launch in launches), ordered=ordered,
                       first_stores=first_stores)
 

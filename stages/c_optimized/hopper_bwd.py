@@ -1663,7 +1663,8 @@ def ordered_dq_semaphores(B: int, Hq: int, Nq: int, device) -> torch.Tensor:
 
 def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float, sm_scale: float, block_m: int,
               consumers: int, stages: int, dq_acc=None, share_scores: bool = False, pad: bool = False,
-              reorder: bool = False, persistent: bool | None = None, dq_sem=None) -> Launch:
+              reorder: bool = False, persistent: bool | None = None, dq_sem=None,
+              first_stores: bool | None = None) -> Launch:
     """The launch of ``ws_bwd_dkdv_kernel`` for these tensors: K/V tiles of ``consumers × 64`` rows
     (above 128 columns, one tile of 64 rows whose head dim the two consumers split:
     :func:`split_head_dim`), Q/dO tiles of ``block_m`` rows through ``stages`` slots; with ``dq_acc`` (a
@@ -1677,12 +1678,16 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
     where the kernel takes it (contiguous dK and dV, neither ahead nor lagging fused dQ). ``dq_sem`` (with
     ``dq_acc``): ordered dQ, each Q tile's adds in a fixed order (:func:`ordered_dq_semaphores`, zeroed):
     bitwise the same sums every run, on one program per item, the two consumers adding once per pair (their
-    turns taken by a writer warp where :data:`ORDERED_DQ_WRITER` is on)."""
+    turns taken by a writer warp where :data:`ORDERED_DQ_WRITER` is on); ``first_stores``: whether each
+    tile's first add stores (:func:`ordered_dq_first_stores` where None; then nothing need zero ``dq_acc``)."""
     if dq_sem is not None and (dq_acc is None or not ordered_dq_takes(consumers, reorder)):
         raise ValueError(f"ordered dQ (dq_sem) adds fused dQ in a fixed order: it needs the fp32 accumulator "
                          f"(dq_acc), two consumers adding once per pair (LAB_FUSED_DQ_ATOMICS=pair), in each "
                          f"tile's own turn (no '-r', LAB_FUSED_DQ_AHEAD, _LAG or _STAGGER); got "
                          f"{consumers} consumer(s), adding by {FUSED_DQ_ATOMICS!r}, reorder={reorder}")
+    if first_stores and not (dq_sem is not None and ORDERED_DQ_WRITER):
+        raise ValueError("first_stores: a tile's first add stores where ordered dQ's turns are taken by the writer "
+                         "warp (dq_sem and ORDERED_DQ_WRITER); the consumers' own turns add into a zeroed accumulator")
     if dq_acc is not None and block_m not in fused_dq_block_ms(consumers):
         raise ValueError(f"fused dQ with {consumers} consumer(s) adding by {FUSED_DQ_ATOMICS!r} takes Q tiles of "
                          f"{' or '.join(map(str, fused_dq_block_ms(consumers)))} rows, got {block_m}")
@@ -1744,7 +1749,8 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 DQ_WRITER=writer,
                 DQ_BUFFERS=dq_writer_buffers(block_m, main, tail, stages, consumers, q.element_size()) if writer else 1,
                 DQ_WRITERS=2 if writer and DQ_WRITER_PER_SLICE and main > 64 else 1,
-                DQ_FIRST_STORES=ordered_dq_first_stores(dq_sem is not None))
+                DQ_FIRST_STORES=ordered_dq_first_stores(dq_sem is not None) if first_stores is None
+                else first_stores)
     grid = (min(items, sm_count(q.device)) if persistent else items,)
     return Launch(ws_bwd_dkdv_kernel, grid, args, num_warps=4, num_stages=1, extra=extra)
 
