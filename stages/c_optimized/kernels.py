@@ -1033,16 +1033,11 @@ def _grad(ctx, do, dlse):
     if ops.traced(do, q):
         dq, dk, dv = _backward_op(do, q, k, v, o, lse, *ctx.args, key_starts, key_lengths)
     else:
-        # (the backward's positional entry: fewer Python calls, and a gradient may come in any layout)
-        global _run_backward
-        if _run_backward is None:
-            from .backward import run_backward as _run_backward  # (the forward does not need it)
-        dq, dk, dv = _run_backward(ops.maybe_contiguous(do), q, k, v, o, lse, *ctx.args, key_starts, key_lengths)
+        # (the backward's positional entry: fewer Python calls; a gradient may come in any layout)
+        from .backward import run_backward  # (imported here: the forward does not need it)
+
+        dq, dk, dv = run_backward(ops.maybe_contiguous(do), q, k, v, o, lse, *ctx.args, key_starts, key_lengths)
     return dq, dk, dv, *(None,) * (ctx.inputs - 3)
-
-
-#: ``backward.run_backward``, imported at the first eager backward
-_run_backward = None
 
 
 #: the custom ops (stages/ops.py): ``torch.ops.attention_lab.c_forward`` and ``c_backward``
