@@ -1032,18 +1032,15 @@ def _allocate(q, k, v, separate: bool, workspace: tuple | None = None, split: bo
     """The buffers one backward writes: Δ, dK, dV, and dQ (separate kernel) or the fp32 atomic
     accumulator (which fp32 inputs use as dQ itself); ``split``: the split backward's, dK, dV, dQ
     and, with ``workspace``, its fp32 dQ partials of that shape (``dq_part``), no Δ; ``ordered``:
-    ordered dQ's zeroed semaphores (``dq_sem``)."""
+    ordered dQ's semaphores (``dq_sem``), zeroed unless ``first_stores`` (the Δ pre-pass zeroes them)."""
     B, Hq, Nq, D = q.shape
     out = dict(delta=None if split else torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device),
                dk=_new_gradient(k), dv=_new_gradient(v),
                dq_part=torch.empty(workspace, dtype=torch.float32, device=q.device) if workspace else None,
                dq_sem=None)
-    if ordered and first_stores:  # (the Δ pre-pass zeroes them)
-        out["dq_sem"] = torch.empty(ordered_dq_semaphore_count(B, Hq, Nq), dtype=torch.int32, device=q.device)
-    elif ordered:
-        from . import hopper_bwd
-
-        out["dq_sem"] = hopper_bwd.ordered_dq_semaphores(B, Hq, Nq, q.device)
+    if ordered:  # (zeroed here, or by the Δ pre-pass where the first adds store)
+        out["dq_sem"] = (torch.empty if first_stores else torch.zeros)(
+            ordered_dq_semaphore_count(B, Hq, Nq), dtype=torch.int32, device=q.device)
     if separate:
         out.update(dq=_new_gradient(q), dq_acc=None)
     else:
@@ -1057,9 +1054,9 @@ def _allocate(q, k, v, separate: bool, workspace: tuple | None = None, split: bo
 
 
 def ordered_dq_semaphore_count(B: int, Hq: int, Nq: int) -> int:
-    """Ordered dQ's semaphores as the Δ pre-pass zeroes them: :data:`SEM_CHUNK` per program of its grid, at
-    least the Hopper dK/dV kernel's one per batch·query head, column slice (2 at most) and Q tile (32 rows
-    at least)."""
+    """Ordered dQ's semaphores as the backward allocates them and the Δ pre-pass zeroes them: :data:`SEM_CHUNK`
+    per program of its grid, at least the Hopper dK/dV kernel's one per batch·query head, column slice (2 at
+    most) and Q tile (32 rows at least; ``hopper_bwd.ordered_dq_semaphores`` for a caller of the kernel alone)."""
     return B * Hq * cdiv(Nq, DELTA_BLOCK) * SEM_CHUNK
 
 
