@@ -425,6 +425,46 @@ def first_stores_gains() -> list[float]:
     return [100 * (rows[c, "ordered"] - rows[c, "ordered-first-stores"]) for c, w in rows if w == "ordered"]
 
 
+def tune_whole_ms(file: str, D: int, causal: int, kind: str) -> float:
+    """One whole-backward plan's ms at one cell of a committed H100 run of the backward tuner."""
+    return next(float(r["ms"]) for r in h100_experiment_rows(file)
+                if int(r["D"]) == D and int(r["causal"]) == causal and r["kind"] == kind and r["status"] == "ok")
+
+
+def h100_suite_bwd_ms(cell: str, run_id: str, impl: str = "c") -> float:
+    """One impl's backward ms_median at one suite cell in one run of results/h100-80gb-hbm3/models/runs.csv."""
+    import csv
+
+    with (ROOT / "results" / "h100-80gb-hbm3" / "models" / "runs.csv").open(newline="") as f:
+        return next(float(r["ms_median"]) for r in csv.DictReader(f) if r["run_id"] == run_id and
+                    r["cell"] == cell and r["impl"] == impl and r["pass"] == "bwd" and not r["variant"])
+
+
+#: entry 100's suite runs of the backward: fused dQ at D 64 without a mask (before) and ordered dQ (after)
+FUSED_SUITE_RUN, ORDERED_SUITE_RUN = "2026-12-06T11:06:36.962924Z", "2026-12-07T14:40:32.303227Z"
+
+
+def dq_passes() -> dict:
+    """Entry 100's ``dq_passes.py`` run: {cell: {part: ms}}."""
+    out: dict = {}
+    for r in h100_experiment_rows("2026-12-07_dq_passes.csv"):
+        if r["status"] == "ok":
+            out.setdefault(r["cell"], {})[r["part"]] = float(r["ms"])
+    return out
+
+
+def dq_passes_shares() -> list[float]:
+    """Percent of the default backward that the zeroing and the cast take, per cell of that run."""
+    return [100 * (p["backward"] - p["dkdv"] - p["delta_no_zero"]) / p["backward"] for p in dq_passes().values()]
+
+
+def dq_passes_speeds(without: bool) -> list[float]:
+    """Stage C's speed over cuDNN's per cell of that run: the whole backward, or (``without``) its kernels
+    without the zeroing and the cast."""
+    return [p["cudnn"] / ((p["dkdv"] + p["delta_no_zero"]) if without else p["backward"])
+            for p in dq_passes().values()]
+
+
 def h100_deterministic_costs() -> list[float]:
     """The H100 results page's deterministic costs of the bf16 backward grid, percent."""
     return [100 * v for k, v in deterministic_costs(Data(ROOT / "results" / "h100-80gb-hbm3")).items()
@@ -789,6 +829,18 @@ CLAIMS = [
                      -max(first_stores_costs("ordered-first-stores", ("grid-d64-n1024", "grid-d64-n4096",
                                                                        "grid-d64-n16384", "gpt2"))),
                      *first_stores_costs("ordered-first-stores", ("grid-d64-n4096-causal", )))),
+    Claim(C_DETAILS, "now takes ordered dQ\nat D 64 without a mask ({} against fused dQ's {} ms at N 4096)",
+          lambda d: tuple(tune_whole_ms("2026-12-07_tune_backward_first_stores.csv", 64, 0, f"whole_ws+{k}")
+                          for k in ("ordered", "fused"))),
+    Claim(C_DETAILS, "Two heads of 8k tokens, {} pairs per SM, ran {} ms with fused dQ and\n{} ordered",
+          lambda d: (2 * 2 * 8192 / 64 / 132, h100_suite_bwd_ms("few-heads", FUSED_SUITE_RUN),
+                     h100_suite_bwd_ms("few-heads", ORDERED_SUITE_RUN)),
+          why="the pairs: B 2 · H 2 · 8192/64 Q tiles over the H100's 132 SMs"),
+    Claim(C_DETAILS, "the zeroing and the cast are {}–{} % of the default backward",
+          lambda d: (min(dq_passes_shares()), max(dq_passes_shares()))),
+    Claim(C_DETAILS, "would run at {}–{}× cuDNN's speed there instead of {}–{}×",
+          lambda d: (min(dq_passes_speeds(True)), max(dq_passes_speeds(True)), min(dq_passes_speeds(False)),
+                     max(dq_passes_speeds(False)))),
     Claim(C_DETAILS, "took the grouped Llama 3\n8B cell from {} to {} ms",
           lambda d: (program_order_ms(d, "llama3-8b", "0"), program_order_ms(d, "llama3-8b", "8"))),
     Claim(C_DETAILS, "twice cuDNN's DRAM bytes at the grid's causal D 128\ncell",

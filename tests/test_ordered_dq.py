@@ -283,6 +283,44 @@ def test_a_deterministic_backward_takes_ordered_dq_where_fused_dq_won_and_the_sw
     bwd.backward_plan.cache_clear()
 
 
+def test_ordered_dq_stands_as_the_default_plan_only_on_a_grid_that_hides_its_order(monkeypatch):
+    """Where the tuner made ordered dQ the default plan, a grid of fewer (query head, Q tile) pairs per SM
+    than ``ORDERED_DQ_MIN_PAIRS_PER_SM`` runs fused dQ with the same tiles (its first adds store nothing, the
+    pre-pass zeroes the accumulator); at the threshold and above, ordered dQ. A deterministic backward keeps
+    the order on any grid. Planned over storage-free tensors for an sm_90 GPU of 4 SMs, one pair either side."""
+    entry = {"dkdv": "M64-N64-w4-s2", "dq": "M64-N128-w8-s3", "dq_method": "separate", "ws": "ws-M64-c2-s3",
+             "ws_dq": "ordered"}
+    monkeypatch.setattr(bwd, "tuned_backward_table", lambda slug: {"arch": 90, "bf16/D64/causal0": entry})
+    monkeypatch.setattr(bwd.hopper_ws, "supported", lambda *a: True)
+    monkeypatch.setattr(bwd, "device_arch", lambda device: 90)
+    monkeypatch.setattr(bwd, "sm_count", lambda device: 4)
+    bwd.backward_plan.cache_clear()
+    least = bwd.ORDERED_DQ_MIN_PAIRS_PER_SM * 4  # pairs; B 1, H 2: a Q tile of 64 rows per pair and head
+
+    def kept(N, deterministic):
+        q, o, do, k, v = (torch.empty(1, 2, N, 64, dtype=torch.bfloat16, device="meta") for _ in range(5))
+        lse = torch.empty(1, 2, N, dtype=torch.float32, device="meta")
+        return bwd._plan_layout(do, q, k, v, o, lse, causal=False, scale=0.125, deterministic=deterministic,
+                                tuned_tiles=True, pipelining=True, exp2=True, causal_skip=True, tma=True,
+                                warp_specialization=True, config=None, dq_config=None, ws_config=None,
+                                ws_dq_config=None)
+
+    try:
+        for N, ordered in ((least // 2 * 64, True), (least // 2 * 64 - 64, False), (least // 2 * 64 - 63, True)):
+            assert bwd.ordered_dq_hides_its_order(1, 2, N, 64, 4) == ordered
+            layout = kept(N, False)
+            assert (layout.ordered, layout.first_stores, layout.separate) == (ordered, ordered, False), N
+            assert kept(N, True).ordered  # (deterministic: the order on any grid)
+        # The traffic model follows: on the small grid the fused plan's bytes, deterministic the order's.
+        small = Problem(1, 2, least // 2 * 64 - 64, 64, "bf16", False)
+        ordered_bytes, deterministic_bytes = bwd.bwd_hbm_bytes(small), bwd.bwd_hbm_bytes(small, deterministic=True)
+        entry["ws_dq"] = "fused"
+        bwd.backward_plan.cache_clear()
+        assert ordered_bytes == bwd.bwd_hbm_bytes(small) != deterministic_bytes
+    finally:
+        bwd.backward_plan.cache_clear()
+
+
 def _sm90(device):
     if torch.device(device).type != "cuda" or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("ordered dQ runs in the Hopper dK/dV kernel: it needs sm_90")

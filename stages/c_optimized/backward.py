@@ -296,6 +296,22 @@ FUSED_DQS = (FUSED_DQ, ORDERED_DQ)
 #: tuner's ``deterministic`` entry decides per head dim and mask, performance-log entry 95).
 ORDERED_DQ_DEFAULT = os.environ.get("LAB_ORDERED_DQ", "0") == "1"
 
+#: Ordered dQ as the default plan (where the tuner timed it ahead of fused dQ) needs a grid that hides its
+#: order: K/V tile ``j`` of a head adds to each Q tile after tile ``j − 1`` has, so the programs of one head
+#: that start together wait for each other, an add each, before they run in step. Over many (query head,
+#: Q tile) pairs per SM that chain is a small share of the kernel, and the passes ordered dQ saves (the
+#: accumulator's zeroing) pay for it; over few it is not: two heads of 8k tokens (4 pairs per SM on an H100)
+#: ran 16 % slower ordered than fused. A grid with fewer pairs per SM than this runs fused dQ with the
+#: same tiles instead; a deterministic backward keeps the order whatever it costs (performance-log entry 100).
+ORDERED_DQ_MIN_PAIRS_PER_SM = 16
+
+
+def ordered_dq_hides_its_order(B: int, Hq: int, Nq: int, block_m: int, sms: int) -> bool:
+    """Whether a grid of ``B·Hq`` query heads of ``Nq`` rows, in Q tiles of ``block_m``, holds at least
+    :data:`ORDERED_DQ_MIN_PAIRS_PER_SM` (query head, Q tile) pairs per SM: where ordered dQ may stand as
+    the default plan. A count of the grid's work, never of a sequence length alone."""
+    return B * Hq * cdiv(Nq, block_m) >= ORDERED_DQ_MIN_PAIRS_PER_SM * sms
+
 
 def parse_ws_dq(text: WsConfig | str) -> WsConfig | str:
     """A Hopper dQ kernel's tiles, :data:`FUSED_DQ` or :data:`ORDERED_DQ`."""
@@ -1113,6 +1129,9 @@ def _plan_layout(do, q, k, v, o, lse, *, causal, scale, deterministic, tuned_til
         ws_dq = None  # a planned fused dQ goes with the planned dK/dV kernel only (else the tl kernels' dQ)
     if ws_dq == ORDERED_DQ and ws_dq_config is None and (ws is None or ws_config is not None or not ordered_dq_fits(ws)):
         ws_dq = None  # (a planned ordered dQ likewise; the tl dQ kernel, in a fixed order too, instead)
+    if ws_dq == ORDERED_DQ and ws_dq_config is None and not deterministic and fused_dq_fits(ws) and \
+            not ordered_dq_hides_its_order(*q.shape[:3], ws.block_m, sm_count(q.device)):
+        ws_dq = FUSED_DQ  # (ordered dQ as the default plan, on a grid too small to hide its order)
     if ws_dq == FUSED_DQ and deterministic:
         raise ValueError(f"ws_dq_config={FUSED_DQ!r} adds dQ by atomics: it cannot be deterministic (its "
                          f"deterministic twin is ws_dq_config={ORDERED_DQ!r})")
@@ -1235,9 +1254,11 @@ def bwd_hbm_bytes(p: Problem, deterministic: bool = False, tuned_tiles: bool = T
         read += p.q_bytes * 2 + p.heads * p.N * 8 + p.heads * kv_rows * 2 * row
         write += p.q_bytes
     else:
-        if plan.ws_dq == ORDERED_DQ and hopper_bwd_first_stores():
+        if plan.ws_dq == ORDERED_DQ and hopper_bwd_first_stores() and \
+                (deterministic or ordered_dq_hides_its_order(p.B, p.H, p.N, BM, sm_count(None))):
             # Ordered dQ whose first add of each tile stores: the pre-pass zeroes only the rows no K/V tile
-            # sees (causal, N > Nk), and each visited row's first add writes without reading.
+            # sees (causal, N > Nk), and each visited row's first add writes without reading (as the default
+            # plan, on a grid that hides its order: else fused dQ runs, the zeroed accumulator's bytes).
             visited = p.N - (max(-offset, 0) // BM * BM if skip else 0)
             write += p.heads * (max(-offset, 0) if p.causal else 0) * D * 4
             read += (q_rows_all - p.heads * visited) * D * 4
