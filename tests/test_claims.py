@@ -465,6 +465,21 @@ def dq_passes_speeds(without: bool) -> list[float]:
             for p in dq_passes().values()]
 
 
+def ordered_default_costs(small: bool) -> list[float]:
+    """Entry 100's ``ordered_default.py`` run: ordered dQ's time over fused dQ's, percent, on the grids below
+    (``small``) or above 18 (query head, Q tile) pairs per SM; with the largest small and smallest large count."""
+    rows = {}
+    for r in h100_experiment_rows("2026-12-07_ordered_default.csv"):
+        if r["status"] == "ok":
+            rows.setdefault(r["cell"], {"pairs": float(r["pairs_per_sm"])})[r["way"]] = float(r["ms"])
+    return [100 * (c["ordered"] / c["fused"] - 1) for c in rows.values() if (c["pairs"] < 18) == small]
+
+
+def ordered_default_pairs(small: bool) -> float:
+    rows = {r["cell"]: float(r["pairs_per_sm"]) for r in h100_experiment_rows("2026-12-07_ordered_default.csv")}
+    return max(p for p in rows.values() if p < 18) if small else min(p for p in rows.values() if p >= 18)
+
+
 def h100_deterministic_costs() -> list[float]:
     """The H100 results page's deterministic costs of the bf16 backward grid, percent."""
     return [100 * v for k, v in deterministic_costs(Data(ROOT / "results" / "h100-80gb-hbm3")).items()
@@ -836,6 +851,11 @@ CLAIMS = [
           lambda d: (2 * 2 * 8192 / 64 / 132, h100_suite_bwd_ms("few-heads", FUSED_SUITE_RUN),
                      h100_suite_bwd_ms("few-heads", ORDERED_SUITE_RUN)),
           why="the pairs: B 2 · H 2 · 8192/64 Q tiles over the H100's 132 SMs"),
+    Claim(C_DETAILS, "grids of up to {} pairs per SM lost {}–{} % with the order and\ngrids of {} or more won "
+                     "{}–{} %",
+          lambda d: (ordered_default_pairs(True), min(ordered_default_costs(True)), max(ordered_default_costs(True)),
+                     ordered_default_pairs(False), -max(ordered_default_costs(False)),
+                     -min(ordered_default_costs(False)))),
     Claim(C_DETAILS, "the zeroing and the cast are {}–{} % of the default backward",
           lambda d: (min(dq_passes_shares()), max(dq_passes_shares()))),
     Claim(C_DETAILS, "would run at {}–{}× cuDNN's speed there instead of {}–{}×",

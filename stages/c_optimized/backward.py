@@ -300,10 +300,12 @@ ORDERED_DQ_DEFAULT = os.environ.get("LAB_ORDERED_DQ", "0") == "1"
 #: order: K/V tile ``j`` of a head adds to each Q tile after tile ``j − 1`` has, so the programs of one head
 #: that start together wait for each other, an add each, before they run in step. Over many (query head,
 #: Q tile) pairs per SM that chain is a small share of the kernel, and the passes ordered dQ saves (the
-#: accumulator's zeroing) pay for it; over few it is not: two heads of 8k tokens (4 pairs per SM on an H100)
-#: ran 16 % slower ordered than fused. A grid with fewer pairs per SM than this runs fused dQ with the
-#: same tiles instead; a deterministic backward keeps the order whatever it costs (performance-log entry 100).
-ORDERED_DQ_MIN_PAIRS_PER_SM = 16
+#: accumulator's zeroing) pay for it; over few it is not. Timed both ways on an H100, grids of up to 15.5
+#: pairs per SM lost 3-20 % with the order (two heads of 8k tokens, 3.9 per SM: 20 %) and grids of 31 or
+#: more won 1-3.5 %, whatever batch, heads, group and length made up the count. A grid with fewer pairs per
+#: SM than this runs fused dQ with the same tiles instead; a deterministic backward keeps the order whatever
+#: it costs (performance-log entry 100).
+ORDERED_DQ_MIN_PAIRS_PER_SM = 18
 
 
 def ordered_dq_hides_its_order(B: int, Hq: int, Nq: int, block_m: int, sms: int) -> bool:
