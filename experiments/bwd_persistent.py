@@ -40,25 +40,28 @@ CELLS = {
 ROUNDS = 5
 
 
-def parse_cell_arguments(doc: str, argv, script: str, extra=None):
-    """The arguments of a script over these cells: ``--cells``, ``--rounds``, ``--csv`` and what ``extra(ap)``
-    adds, parsed and checked (:func:`check_arguments`); None where there is no sm_90 GPU (it said why)."""
+def parse_cell_arguments(doc: str, argv, script: str, extra=None, cells: dict | None = None, rounds: int = ROUNDS):
+    """The arguments of a script over these cells (``cells``, this module's :data:`CELLS` where None):
+    ``--cells``, ``--rounds`` (default ``rounds``), ``--csv`` and what ``extra(ap)`` adds, parsed and checked
+    (:func:`check_arguments`); None where there is no sm_90 GPU (it said why)."""
+    cells = CELLS if cells is None else cells
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
-    ap.add_argument("--cells", default=",".join(CELLS), help=f"some of {','.join(CELLS)}")
-    ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"interleaved rounds (default {ROUNDS})")
+    ap.add_argument("--cells", default=",".join(cells), help=f"some of {','.join(cells)}")
+    ap.add_argument("--rounds", type=int, default=rounds, help=f"interleaved rounds (default {rounds})")
     ap.add_argument("--csv", default=None)
     if extra is not None:
         extra(ap)
     args = ap.parse_args(argv)
-    return args if check_arguments(ap, args, script) else None
+    return args if check_arguments(ap, args, script, cells) else None
 
 
-def check_arguments(ap, args, script: str) -> bool:
-    """``--cells`` and ``--rounds`` checked (an argparse error names the allowed values); False, with a line
-    saying why, where there is no sm_90 GPU to time the Hopper kernels on."""
-    unknown = [c for c in args.cells.split(",") if c not in CELLS]
+def check_arguments(ap, args, script: str, cells: dict | None = None) -> bool:
+    """``--cells`` (of ``cells``, :data:`CELLS` where None) and ``--rounds`` checked (an argparse error names the
+    allowed values); False, with a line saying why, where there is no sm_90 GPU to time the Hopper kernels on."""
+    cells = CELLS if cells is None else cells
+    unknown = [c for c in args.cells.split(",") if c not in cells]
     if unknown:
-        ap.error(f"--cells: unknown {', '.join(unknown)}; choose from {', '.join(CELLS)}")
+        ap.error(f"--cells: unknown {', '.join(unknown)}; choose from {', '.join(cells)}")
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:

@@ -19,7 +19,6 @@ each ordered backward's gradients are first checked against the fused one's.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from experiments.bwd_persistent import cell_inputs  # noqa: E402
+from experiments.bwd_persistent import cell_inputs, parse_cell_arguments  # noqa: E402
 
 #: name -> (B, Hq, Hkv, N, D, dtype, causal): D 64 without a mask (where the tuner may pick ordered dQ),
 #: from 3 to 62 (query head, 64-row Q tile) pairs per SM of an H100/H200
@@ -48,18 +47,8 @@ WAYS = ("fused", "ordered", "cudnn")
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cells", default=",".join(CELLS), help=f"some of {','.join(CELLS)}")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    ap.add_argument("--csv", default=None)
-    args = ap.parse_args(argv)
-    unknown = [c for c in args.cells.split(",") if c not in CELLS]
-    if unknown:
-        ap.error(f"--cells: unknown {', '.join(unknown)}; choose from {', '.join(CELLS)}")
-    if args.rounds < 1:
-        ap.error(f"--rounds must be at least 1, got {args.rounds}")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        print("ordered_default.py times the Hopper backward kernels: it needs an sm_90 GPU", file=sys.stderr)
+    args = parse_cell_arguments(__doc__, argv, "ordered_default.py", cells=CELLS, rounds=3)
+    if args is None:
         return 2
     import triton.testing
 
