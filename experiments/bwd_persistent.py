@@ -70,6 +70,19 @@ def check_arguments(ap, args, script: str, cells: dict | None = None) -> bool:
     return True
 
 
+def medians_in_turns(fns: dict, rounds: int) -> dict:
+    """{name: median ms} of each callable in ``fns``, timed in ``rounds`` interleaved rounds (each round times
+    every one in turn: do_bench, 10 ms of warm-up, 60 ms of repetitions), so a drift of the GPU's pace
+    falls on all of them alike."""
+    import triton.testing
+
+    samples = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(triton.testing.do_bench(fn, warmup=10, rep=60))
+    return {name: statistics.median(t) for name, t in samples.items()}
+
+
 def cell_inputs(cell: tuple):
     """A cell's inputs on the GPU, its saved forward (stage C's) and cuDNN's backward of the same problem:
     (q, k, v, o, lse, do, scale, cudnn), ``cudnn()`` SDPA's CUDNN backend's ``torch.autograd.grad`` of a

@@ -27,7 +27,6 @@ a kernel that writes dQ in the input dtype still writes those bytes once).
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from experiments.bwd_persistent import CELLS, cell_inputs, parse_cell_arguments  # noqa: E402  (the same cells)
+from experiments.bwd_persistent import CELLS, cell_inputs, medians_in_turns, parse_cell_arguments  # noqa: E402
 
 PARTS = ("backward", "kernels", "dkdv", "delta", "delta_no_zero", "cast", "cudnn")
 
@@ -44,8 +43,6 @@ def main(argv=None) -> int:
     args = parse_cell_arguments(__doc__, argv, "dq_passes.py")
     if args is None:
         return 2
-    import triton.testing
-
     from stages.c_optimized import backward as bwd
     from stages.c_optimized.tune_backward import _write_csv
 
@@ -81,11 +78,7 @@ def main(argv=None) -> int:
                "delta_no_zero": no_zero.run,
                "cast": lambda: tensors["dq_acc"].to(q.dtype),
                "cudnn": cudnn}
-        samples = {p: [] for p in PARTS}
-        for _ in range(args.rounds):
-            for part in PARTS:
-                samples[part].append(triton.testing.do_bench(fns[part], warmup=10, rep=60))
-        ms = {p: statistics.median(samples[p]) for p in PARTS}
+        ms = medians_in_turns(fns, args.rounds)
         for part in PARTS:
             rows.append(dict(cell=name, B=B, Hq=Hq, Hkv=Hkv, N=N, D=D, dtype=dtype_name, causal=int(causal),
                              plan=str(plan), part=part, ms=round(ms[part], 4), status="ok"))

@@ -19,7 +19,6 @@ each ordered backward's gradients are first checked against the fused one's.
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from experiments.bwd_persistent import cell_inputs, parse_cell_arguments  # noqa: E402
+from experiments.bwd_persistent import cell_inputs, medians_in_turns, parse_cell_arguments  # noqa: E402
 
 #: name -> (B, Hq, Hkv, N, D, dtype, causal): D 64 without a mask (where the tuner may pick ordered dQ),
 #: from 3 to 62 (query head, 64-row Q tile) pairs per SM of an H100/H200
@@ -50,8 +49,6 @@ def main(argv=None) -> int:
     args = parse_cell_arguments(__doc__, argv, "ordered_default.py", cells=CELLS, rounds=3)
     if args is None:
         return 2
-    import triton.testing
-
     from stages.c_optimized import backward as bwd
     from stages.c_optimized.tune_backward import _write_csv
 
@@ -71,11 +68,7 @@ def main(argv=None) -> int:
         fused, ordered = run("fused"), run("ordered")
         diff = max(float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(ordered, fused))
         fns = {"fused": lambda: run("fused"), "ordered": lambda: run("ordered"), "cudnn": cudnn}
-        samples = {w: [] for w in WAYS}
-        for _ in range(args.rounds):
-            for way in WAYS:
-                samples[way].append(triton.testing.do_bench(fns[way], warmup=10, rep=60))
-        ms = {w: statistics.median(samples[w]) for w in WAYS}
+        ms = medians_in_turns(fns, args.rounds)
         for way in WAYS:
             rows.append(dict(cell=name, B=B, Hq=Hq, Hkv=Hkv, N=N, D=D, dtype=dtype_name, causal=int(causal),
                              ws=str(ws), pairs_per_sm=round(pairs / sms, 2), way=way, ms=round(ms[way], 4),
