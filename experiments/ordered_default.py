@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         q, k, v, o, lse, do, scale, cudnn = cell_inputs(CELLS[name])
         ws = bwd.backward_plan(D, q.dtype, 90, causal).ws
         ws = ws if ws is not None and bwd.ordered_dq_fits(ws) else bwd.WsConfig(64, 2, 2)
-        pairs = B * Hq * -(-N // ws.block_m)
+        pairs = bwd.query_tile_pairs(B, Hq, N, ws.block_m)
 
         def run(way):
             return bwd.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, ws_config=ws,

@@ -308,11 +308,17 @@ ORDERED_DQ_DEFAULT = os.environ.get("LAB_ORDERED_DQ", "0") == "1"
 ORDERED_DQ_MIN_PAIRS_PER_SM = 18
 
 
+def query_tile_pairs(B: int, Hq: int, Nq: int, block_m: int) -> int:
+    """The (query head, Q tile) pairs of a backward grid: ``B·Hq`` query heads of ``Nq`` rows in Q tiles of
+    ``block_m``, the work ordered dQ's start-up chain is spread over."""
+    return B * Hq * cdiv(Nq, block_m)
+
+
 def ordered_dq_hides_its_order(B: int, Hq: int, Nq: int, block_m: int, sms: int) -> bool:
-    """Whether a grid of ``B·Hq`` query heads of ``Nq`` rows, in Q tiles of ``block_m``, holds at least
-    :data:`ORDERED_DQ_MIN_PAIRS_PER_SM` (query head, Q tile) pairs per SM: where ordered dQ may stand as
-    the default plan. A count of the grid's work, never of a sequence length alone."""
-    return B * Hq * cdiv(Nq, block_m) >= ORDERED_DQ_MIN_PAIRS_PER_SM * sms
+    """Whether the grid holds at least :data:`ORDERED_DQ_MIN_PAIRS_PER_SM` (query head, Q tile) pairs per SM
+    (:func:`query_tile_pairs`): where ordered dQ may stand as the default plan. A count of the grid's work,
+    never of a sequence length alone."""
+    return query_tile_pairs(B, Hq, Nq, block_m) >= ORDERED_DQ_MIN_PAIRS_PER_SM * sms
 
 
 def parse_ws_dq(text: WsConfig | str) -> WsConfig | str:
