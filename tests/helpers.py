@@ -39,18 +39,24 @@ def check_against_reference(o, q, k, v, *, causal, dtype_name, sm_scale=None, fa
     assert torch.isfinite(o).all(), "output has NaN/inf: an element was not written, or overflowed"
     ref = reference_attention(q, k, v, causal=causal, sm_scale=sm_scale)
     err = rel_err(o, ref)
-    torch_err = rel_err(torch_same_precision(q, k, v, causal=causal, sm_scale=sm_scale), ref)
+    same = torch_same_precision(q, k, v, causal=causal, sm_scale=sm_scale)
+    torch_err = rel_err(same, ref)
     assert err <= _bound(torch_err, dtype_name, factor), (
         f"relative error {err:.3e} vs PyTorch same-precision {torch_err:.3e}")
-    # Each head separately, so a batch/head offset bug cannot hide behind a good average. A head
-    # whose reference is all zeros (every row masked) must be exactly zero.
+    # Each head separately, so a batch/head offset bug (an error of order 1) cannot hide behind a good
+    # average. A head's rounding error may be 4x the whole call's bound, or 4x what PyTorch's same-precision
+    # formulation makes on that head: a head of a few elements at huge logits is one rounding of a score
+    # or two, whichever formulation makes it. A head whose reference is all zeros (every row masked) must
+    # be exactly zero.
     for b in range(q.shape[0]):
         for h in range(q.shape[1]):
             if not ref[b, h].any():
                 assert not o[b, h].any(), f"head (b={b}, h={h}) should be all zeros"
                 continue
             head_err = rel_err(o[b, h], ref[b, h])
-            assert head_err <= 4 * _bound(torch_err, dtype_name, factor), (
+            if head_err <= 4 * _bound(torch_err, dtype_name, factor):
+                continue
+            assert head_err <= 4 * rel_err(same[b, h], ref[b, h]), (
                 f"head (b={b}, h={h}) error {head_err:.3e}")
     return err, torch_err
 

@@ -29,6 +29,7 @@ import math
 import os
 import random
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import torch
@@ -39,6 +40,7 @@ from stages.contract import HEAD_DIMS
 from .conftest import HAS_CUDA
 from .helpers import (DTYPES, check_against_reference, check_gradients, fp32_rounding_floors, half_rounding_floors,
                       make_qkv)
+from .test_key_ranges import embedded
 
 SEED = int(os.environ.get("LAB_CONTRACT_SEED", "0"))
 DRAWS = int(os.environ.get("LAB_CONTRACT_DRAWS", "24" if HAS_CUDA else "4"))
@@ -69,9 +71,11 @@ class Draw:
     backward: bool
     grad_layout: str     # "dense", "transposed" (a non-contiguous view) or "expanded" (o.sum()'s gradient)
     deterministic: bool
+    cache: tuple[int, int] | None = None  # stage C: the keys sit in a longer cache, (keys before, keys after)
 
     def __str__(self) -> str:
         extra = f"-bwd-{self.grad_layout}{'-det' if self.deterministic else ''}" if self.backward else ""
+        extra += f"-range-{self.cache[0]}-{self.cache[1]}" if self.cache else ""
         return (f"draw-{self.index}-{self.stage}-B{self.B}-Hq{self.Hq}-Hkv{self.Hkv}-Nq{self.Nq}-Nk{self.Nk}"
                 f"-D{self.D}-{'causal' if self.causal else 'full'}-{self.dtype}-{self.layout}-x{self.logit_scale:g}"
                 f"{extra}")
@@ -106,11 +110,15 @@ def draw(index: int, seed: int = SEED) -> Draw:
     # Shrink the lengths together until the float64 references fit (the draw keeps its shape's kind).
     while B * Hkv * group * Nq * Nk > MAX_SCORES // (4 if backward else 1):
         Nq, Nk = max(1, Nq * 3 // 4), max(1, Nk * 3 // 4)
-    return Draw(index=index, stage=stage, B=B, Hq=Hkv * group, Hkv=Hkv, Nq=Nq, Nk=Nk, D=D,
-                causal=rng.random() < 0.5, dtype=dtype, layout=rng.choice(["bhnd", "bnhd"]),
-                logit_scale=rng.choice([1.0, 1.0, 2.0, 6.0]), backward=backward,
-                grad_layout=rng.choice(["dense", "transposed", "expanded"]),
-                deterministic=stage == "c" and rng.random() < 0.5)
+    causal, layout = rng.random() < 0.5, rng.choice(["bhnd", "bnhd"])
+    logit_scale, grad_layout = rng.choice([1.0, 1.0, 2.0, 6.0]), rng.choice(["dense", "transposed", "expanded"])
+    deterministic = stage == "c" and rng.random() < 0.5
+    # Stage C takes a key range (a static cache's filled slots, a left-padded batch's real keys): the
+    # draw's keys then sit inside a longer cache whose other slots are NaN.
+    cache = (_length(rng, MAX_ROWS) - 1, _length(rng, MAX_ROWS) - 1) if stage == "c" and rng.random() < 0.25 else None
+    return Draw(index=index, stage=stage, B=B, Hq=Hkv * group, Hkv=Hkv, Nq=Nq, Nk=Nk, D=D, causal=causal,
+                dtype=dtype, layout=layout, logit_scale=logit_scale, backward=backward, grad_layout=grad_layout,
+                deterministic=deterministic, cache=cache)
 
 
 DRAWN = [draw(i) for i in range(DRAWS)]
@@ -130,6 +138,7 @@ def test_draws_repeat_and_cover_the_contract():
     assert any(d.Hq > d.Hkv for d in many) and any(d.Hq == d.Hkv for d in many)
     assert any(d.deterministic for d in many) and not any(d.deterministic and d.stage != "c" for d in many)
     assert {d.D for d in many} == set(HEAD_DIMS if HAS_CUDA else CPU_HEAD_DIMS)
+    assert any(d.cache for d in many) and not any(d.cache and d.stage != "c" for d in many)
     assert all(d.B * d.Hq * d.Nq * d.Nk <= MAX_SCORES for d in many)
 
 
@@ -161,8 +170,13 @@ def _gradient(o: torch.Tensor, layout: str, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("d", DRAWN, ids=str)
 def test_a_drawn_problem_matches_float64(d: Draw, device):
-    attention = stages.get_stage(d.stage).attention
     options = {"deterministic": True} if d.deterministic else {}
+    if d.cache:
+        # (the call as a function of the range's keys alone: the reference is the contract on them)
+        before, after = d.cache
+        attention = embedded(before, before + d.Nk, before + d.Nk + after, **options)
+    else:
+        attention = partial(stages.get_stage(d.stage).attention, **options)
     q, k, v = make_qkv(d.B, d.Hq, d.Nq, d.D, DTYPES[d.dtype], device, layout=d.layout, scale=d.logit_scale,
                        seed=SEED * 100_003 + d.index, Hkv=d.Hkv, Nk=d.Nk)
     with torch.no_grad():
@@ -172,13 +186,13 @@ def test_a_drawn_problem_matches_float64(d: Draw, device):
         return
     do = _gradient(o, d.grad_layout, seed=SEED * 100_003 + d.index + 1)
     check_gradients(attention, q, k, v, causal=d.causal, dtype_name=d.dtype, do=do,
-                    abs_floor=_floors(d.dtype, d.causal), **options)
+                    abs_floor=_floors(d.dtype, d.causal))
     if d.deterministic and device == "cuda":
         # A fixed summation order: the same inputs give the same bits, run after run.
         runs = []
         for _ in range(2):
             qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-            attention(qg, kg, vg, causal=d.causal, deterministic=True).backward(do)
+            attention(qg, kg, vg, causal=d.causal).backward(do)
             runs.append((qg.grad, kg.grad, vg.grad))
         for name, a, b in zip(("dq", "dk", "dv"), *runs):
             assert torch.equal(a, b), f"deterministic backward: {name} differs between two runs"
