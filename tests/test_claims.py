@@ -465,6 +465,33 @@ def dq_passes_speeds(without: bool) -> list[float]:
             for p in dq_passes().values()]
 
 
+def ncu_cells_row(cell: str) -> tuple:
+    """Entry 101's Nsight Compute table, one cell's row: stage C / cuDNN for the main kernel's ms, the other
+    kernels' ms, DRAM GB read and written, tensor pipe and issue slots busy %, barrier and long-scoreboard
+    stalls per issue, millions of instructions (``cell``: a suite cell's name, or "D {D}, N {N}")."""
+    parts: dict = {}
+    for r in h100_experiment_rows("2026-12-07_backward_ncu_cells.csv"):
+        name = r["cell"] or f"D {r['D']}, N {r['N']}"
+        if name != cell:
+            continue
+        d = parts.setdefault(r["case"], {"other": 0.0})
+        ms = float(r["gpu__time_duration.sum"]) / 1e6
+        if "dkdv" in r["kernel"] or "bprop" in r["kernel"]:
+            d["row"] = (ms, float(r["dram__bytes_read.sum"]) / 1e9, float(r["dram__bytes_write.sum"]) / 1e9,
+                        float(r["sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"]),
+                        float(r["smsp__issue_active.avg.pct_of_peak_sustained_active"]),
+                        float(r["smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"]),
+                        float(r["smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio"]),
+                        float(r["smsp__inst_executed.sum"]) / 1e6)
+        else:
+            d["other"] += ms
+    c, n = parts["default"], parts["cudnn"]
+    columns = [c["row"][0], n["row"][0], c["other"], n["other"]]
+    for i in range(1, 8):
+        columns += [c["row"][i], n["row"][i]]
+    return tuple(columns)
+
+
 def ordered_default_costs(small: bool) -> list[float]:
     """Entry 100's ``ordered_default.py`` run: ordered dQ's time over fused dQ's, percent, on the grids below
     (``small``) or above 18 (query head, Q tile) pairs per SM; with the largest small and smallest large count."""
@@ -977,6 +1004,9 @@ CLAIMS = [
           + h100_suite_ratios("decode-long", (ONE_KEY_TILE_SUITE_RUN,)), rel=0.006),
     Claim(PERF_MODELS, "{} µs for B's, {} for C's",
           lambda d: (ncu_duration_us("64", "b"), ncu_duration_us("64", "c")), rel=0.002),
+    *[Claim("docs/performance-log/backward.md", f"| {cell} | " + " | ".join(["{} / {}"] * 9) + " |",
+            lambda d, cell=cell: ncu_cells_row(cell), rel=0.002)
+      for cell in ("D 128, N 4096", "llama3-8b", "few-heads", "D 64, N 1024")],
     Claim(NB["08"], "counted {} warps waiting at a barrier per issued instruction, against cuDNN's {}",
           lambda d: bwd_ncu_d64()[4:6], rel=0.002),
     Claim(NB["08"], "the dK/dV kernel (at D 32 it is ahead",

@@ -918,6 +918,62 @@ def test_staggered_q_tiles_change_only_the_fused_kernel(monkeypatch):
     assert "rem.s32" not in ptx[False, "fused"] and "rem.s32" in ptx[True, "fused"]
 
 
+def test_walking_down_changes_only_the_causal_kernels_it_may(monkeypatch):
+    """``CAUSAL_WALK_DOWN`` turns a causal program's walk over its Q tiles around (from the last tile down to
+    its diagonal), with fused dQ and with a dQ kernel of its own; a problem without a mask, whose programs
+    all start at the first tile anyway, and ordered dQ, whose turns follow the walk up, compile the same."""
+    from stages.c_optimized import hopper_bwd
+
+    assert hopper_bwd.q_walk(True) == hopper_bwd.WALK_UP  # (off by default until timed)
+    monkeypatch.setenv("LAB_FUSED_DQ_ATOMICS", "pair")
+    monkeypatch.setattr(hopper_bwd, "FUSED_DQ_ATOMICS", "pair")
+    strip = lambda text: re.sub(r"\.loc.*|// .*", "", text)  # noqa: E731 - (debug line numbers)
+    ptx = {}
+    for down in (False, True):
+        monkeypatch.setenv("LAB_BWD_WALK_DOWN", "1" if down else "0")  # (a compile in a child process)
+        monkeypatch.setattr(hopper_bwd, "CAUSAL_WALK_DOWN", down)
+        for causal in (False, True):
+            for dq in ("fused", "ordered", "ws-M128-c1-s2"):
+                problem = Problem(1, 4, 200, 64, "bf16", causal, Hkv=2, Nk=300)
+                kernels = bwd.compile_backward(problem, 90, ws_config="ws-M64-c2-s2", ws_dq_config=dq,
+                                               deterministic=dq == "ordered")
+                ptx[down, causal, dq] = strip(next(k for k in kernels if k.name == "ws_bwd_dkdv_kernel").asm["ptx"])
+    for dq in ("fused", "ordered", "ws-M128-c1-s2"):
+        assert ptx[False, False, dq] == ptx[True, False, dq]
+        assert (ptx[False, True, dq] == ptx[True, True, dq]) == (dq == "ordered"), dq
+    assert hopper_bwd.q_walk(True) == hopper_bwd.WALK_DOWN and hopper_bwd.q_walk(False) == hopper_bwd.WALK_UP
+    assert hopper_bwd.q_walk(True, fused_dq=True, ordered=True) == hopper_bwd.WALK_UP
+    assert hopper_bwd.q_walk(True, fused_dq=True, reorder=True) == hopper_bwd.WALK_STAGGERED
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", WS_SHAPES + [(1, 4, 2, 1000, 700, 80), (2, 2, 1, 130, 1100, 96),
+                                               (1, 2, 1, 300, 420, 256)],
+                         ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nk{}-D{}".format(*s))
+def test_causal_walk_down_matches_float64(shape, monkeypatch, device):
+    """Causal programs walking their Q tiles from the last one down (``CAUSAL_WALK_DOWN``): producer and
+    consumers (the split head dim's, which share the scores, too) must agree on the order, and every tile be
+    visited once, the diagonal ones, met last now, masked: the default plan, fused dQ and a dQ kernel of its
+    own, one consumer and two, with GQA, Nq ≠ Nk both ways and a head-dim tail."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper dK/dV kernel needs sm_90")
+    from stages.c_optimized import hopper_bwd
+
+    monkeypatch.setattr(hopper_bwd, "CAUSAL_WALK_DOWN", True)
+    monkeypatch.setattr(bwd, "_KEPT", {})  # (the kept launches were planned under the default)
+    B, Hq, Hkv, Nq, Nk, D = shape
+    ways = [{}]
+    if D <= 128:
+        ways += [{"ws_config": "ws-M64-c2-s2", "ws_dq_config": "fused"},
+                 {"ws_config": "ws-M64-c2-s2", "ws_dq_config": "ws-M128-c1-s2"}]
+        if D % 64 == 0:
+            ways.append({"ws_config": "ws-M64-c1-s3", "ws_dq_config": "fused"})
+    for i, kernels in enumerate(ways):
+        dtype_name = ("bf16", "fp16")[i % 2]
+        q, k, v = make_qkv(B, Hq, Nq, D, DTYPES[dtype_name], device, Hkv=Hkv, Nk=Nk, seed=17 + i)
+        check_gradients(attention, q, k, v, causal=True, dtype_name=dtype_name, **kernels)
+
+
 def test_compact_row_statistics_go_through_shared_memory_and_cut_the_causal_spills(monkeypatch):
     """``COMPACT_ROW_STATS``: each consumer loads a Q tile's log-sum-exps and Δs one per thread and
     spreads them through shared memory (a 4-byte store, 16-byte loads) right before their use. At

@@ -145,6 +145,18 @@ FUSED_DQ_LAG = os.environ.get("LAB_FUSED_DQ_LAG", "0") == "1"
 #: its count), so the programs of one head that run side by side, which all add into that head's dQ,
 #: add into different tiles of it at any moment instead of all into the same one (``LAB_FUSED_DQ_STAGGER``).
 FUSED_DQ_STAGGER = os.environ.get("LAB_FUSED_DQ_STAGGER", "0") == "1"
+#: A causal program walks its Q tiles from the last one down to its diagonal, as FlashAttention-2's backward
+#: does, instead of up from the diagonal (``LAB_BWD_WALK_DOWN``). Up, the programs of a head that run side by
+#: side each start at their own diagonal, so a Q tile (its Q, dO and fp32 dQ rows) is met by each of them at
+#: a different time, as far apart as the kernel is long, and between two visits it has left L2; down, they
+#: all start at the last tile and meet each tile at the same step, as the programs of an unmasked head do.
+#: Nsight Compute on an H100 (bf16, D 128, causal, the walk up): Llama 3 8B's grouped cell (B 1, H 32/8, N
+#: 8192) read 1.38 GB from DRAM in the dK/dV kernel against cuDNN's 0.33, and wrote 0.86 GB against 0.25
+#: (its accumulator's lines evicted between adds); the FA grid's N 4096 cell (B 4, H 16) read cuDNN's bytes.
+#: Not with ordered dQ (whose turns follow the walk up) or the stagger. Off until timed.
+CAUSAL_WALK_DOWN = os.environ.get("LAB_BWD_WALK_DOWN", "0") == "1"
+#: The orders a program's Q tiles can be walked in (:func:`q_walk`, the kernel's ``WALK``).
+WALK_UP, WALK_STAGGERED, WALK_DOWN = 0, 1, 2
 #: The consumers' row statistics (the Q tile's 64 log-sum-exps and Δs) loaded one per thread before the
 #: tile's wait (their latency still hidden) and spread to the 16 columns of Sᵀ each thread holds only
 #: right before their use, through 256 bytes of shared memory (a store, the warpgroup's barrier, four
@@ -260,12 +272,16 @@ def _q_range(start_n, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUS
 
 
 @gluon.jit
-def _q_tile_row(first, j, n_tiles, start_n, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGGER: gl.constexpr):
-    """The first row of the ``j``-th Q tile a program visits: tile ``j`` from ``first`` on, or with
-    ``STAGGER`` (:data:`FUSED_DQ_STAGGER`) tile ``j`` counted from the program's own index (its K/V
-    tile, ``start_n // BLOCK_N``), modulo the ``n_tiles`` it visits. Producer and consumers ask the same."""
-    if STAGGER:
+def _q_tile_row(first, j, n_tiles, start_n, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, WALK: gl.constexpr):
+    """The first row of the ``j``-th Q tile a program visits, by ``WALK`` (:func:`q_walk`): :data:`WALK_UP`,
+    tile ``j`` from ``first`` on; :data:`WALK_STAGGERED` (:data:`FUSED_DQ_STAGGER`), tile ``j`` counted from
+    the program's own index (its K/V tile, ``start_n // BLOCK_N``), modulo the ``n_tiles`` it visits;
+    :data:`WALK_DOWN` (:data:`CAUSAL_WALK_DOWN`), from the last tile down to ``first``. Producer and
+    consumers ask the same."""
+    if WALK == 1:
         j = (j + start_n // BLOCK_N) % n_tiles
+    elif WALK == 2:
+        j = n_tiles - 1 - j
     return first + j * BLOCK_M
 
 
@@ -291,7 +307,7 @@ def _copy_tile(desc, tail_desc, bar, buf, tail_buf, b, h, row):
 
 @gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, kv_free, ring, tail, sched, Nq, Nk,
-              GROUP: gl.constexpr, CAUSAL: gl.constexpr, STAGGER: gl.constexpr):
+              GROUP: gl.constexpr, CAUSAL: gl.constexpr, WALK: gl.constexpr):
     """One warp: :func:`_producer_item` for each work item of this program, the ring's slots running on
     from item to item. ``sched``: the program's one item (batch, K/V head, first key), or with a
     persistent grid what finds its items (:func:`_item_coords`'s five values). (Told apart by its length:
@@ -300,19 +316,19 @@ def _producer(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, kv_free, 
     args = (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, kv_free, ring, tail, Nq, Nk)
     if len(sched) == 3:
         b, h_kv, start_n = sched
-        _producer_item(args, b, h_kv, start_n, start_n * 0, 0, GROUP, CAUSAL, STAGGER, False)
+        _producer_item(args, b, h_kv, start_n, start_n * 0, 0, GROUP, CAUSAL, WALK, False)
     else:
         it = 0
         t = 0
         for item in range(gl.program_id(0), _items(sched), gl.num_programs(0)):
             b, h_kv, start_n = _item_coords(item, sched, ROWS_TOTAL)
-            it = _producer_item(args, b, h_kv, start_n, it, t, GROUP, CAUSAL, STAGGER, True)
+            it = _producer_item(args, b, h_kv, start_n, it, t, GROUP, CAUSAL, WALK, True)
             t += 1
 
 
 @gluon.jit
 def _producer_item(args, b, h_kv, start_n, it, t, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-                   STAGGER: gl.constexpr, PERSISTENT: gl.constexpr):
+                   WALK: gl.constexpr, PERSISTENT: gl.constexpr):
     """One work item: its K and V tiles (64 rows each: one per consumer, or one that two consumers split
     by head-dim halves) once (persistent: as soon as the consumers are done with the last item's,
     ``kv_free``), then the Q and dO tiles of every query head of the group, in the consumers' order,
@@ -346,7 +362,7 @@ def _producer_item(args, b, h_kv, start_n, it, t, GROUP: gl.constexpr, CAUSAL: g
                 mbarrier.expect(ready.index(s), 2 * (q_desc.block_type.nbytes + q_tail_desc.block_type.nbytes))
             else:
                 mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            row = _q_tile_row(first, j, n_tiles, start_n, ROWS * KV_TILES, BLOCK_M, STAGGER)
+            row = _q_tile_row(first, j, n_tiles, start_n, ROWS * KV_TILES, BLOCK_M, WALK)
             _copy_tile(q_desc, q_tail_desc, ready.index(s), q_bufs.index(s), q_tail_bufs.index(s), b, h, row)
             _copy_tile(do_desc, do_tail_desc, ready.index(s), do_bufs.index(s), do_tail_bufs.index(s), b, h, row)
             it += 1
@@ -684,7 +700,7 @@ def _store_rows(ptr, acc, row0, Nk, COL0: gl.constexpr, HEAD_DIM: gl.constexpr):
 
 @gluon.jit
 def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-              ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr, AHEAD: gl.constexpr, STAGGER: gl.constexpr,
+              ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr, AHEAD: gl.constexpr, WALK: gl.constexpr,
               LAG: gl.constexpr, COMPACT_STATS: gl.constexpr, EARLY_RELEASE: gl.constexpr,
               PREFETCH_STATS: gl.constexpr):
     """One warpgroup, over this program's work items (``sched`` in ``args``, as :func:`_producer` reads
@@ -697,14 +713,14 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
     if len(sched) == 3:  # one item: the same machine code as before the persistent grid
         b, h_kv, start_n = sched
         _consumer_item(args, tail, b, h_kv, start_n, start_n * 0, 0, WG, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D,
-                       AHEAD, STAGGER, LAG, COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS, False)
+                       AHEAD, WALK, LAG, COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS, False)
     else:
         it = 0
         t = 0
         for item in range(gl.program_id(0), _items(sched), gl.num_programs(0)):
             b, h_kv, start_n = _item_coords(item, sched, ROWS_TOTAL)
             it = _consumer_item(args, tail, b, h_kv, start_n, it, t, WG, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D,
-                                AHEAD, STAGGER, LAG, COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS, True)
+                                AHEAD, WALK, LAG, COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS, True)
             t += 1
         tma.store_wait(0)
 
@@ -712,7 +728,7 @@ def _consumer(args, tail, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.cons
 @gluon.jit
 def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP: gl.constexpr,
                    CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr,
-                   AHEAD: gl.constexpr, STAGGER: gl.constexpr, LAG: gl.constexpr, COMPACT_STATS: gl.constexpr,
+                   AHEAD: gl.constexpr, WALK: gl.constexpr, LAG: gl.constexpr, COMPACT_STATS: gl.constexpr,
                    EARLY_RELEASE: gl.constexpr, PREFETCH_STATS: gl.constexpr, PERSISTENT: gl.constexpr):
     """One warpgroup, one work item: dK and dV of its 64 K/V rows, over every Q tile of the group's query heads; with
     a dQ accumulator (``DQ_ACC``, fused dQ), also each Q tile's share of dQ from these rows. With
@@ -790,14 +806,14 @@ def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP:
     dv_t = gl.zeros([ROWS, DT], gl.float32, t_layout)
     if PREFETCH_STATS > 0:  # the first Q tile's statistics, asked for before the wait on K and V
         lse_n, delta_n = _load_row_stats(LSE, DELTA, (b * Hq + h_kv * GROUP).to(gl.int64),
-                                         _q_tile_row(first, 0, n_tiles, start_n, ROWS * KV_TILES, BLOCK_M, STAGGER),
+                                         _q_tile_row(first, 0, n_tiles, start_n, ROWS * KV_TILES, BLOCK_M, WALK),
                                          Nq, n_tiles > 0, BLOCK_M, stat_layout)
     mbarrier.wait(kv_bar, t & 1)
     it0 = it  # (the ring's slots count on from the last item; this item's tiles from here)
     for g in range(GROUP):
         bh = (b * Hq + h_kv * GROUP + g).to(gl.int64)
         for j in range(n_tiles):
-            row0 = _q_tile_row(first, j, n_tiles, start_n, ROWS * KV_TILES, BLOCK_M, STAGGER)
+            row0 = _q_tile_row(first, j, n_tiles, start_n, ROWS * KV_TILES, BLOCK_M, WALK)
             queries = row0 + gl.arange(0, BLOCK_M, layout=query_layout)
             if OWN_TURNS:  # ordered dQ: this tile's semaphore, its count asked for now, used at the add
                 sem_index = (bh * SLICES + WG % SLICES) * q_tiles + row0 // BLOCK_M
@@ -816,7 +832,7 @@ def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP:
                 wrap = (j + 1 == n_tiles).to(gl.int32)
                 lse_n, delta_n = _load_row_stats(
                     LSE, DELTA, (b * Hq + h_kv * GROUP + g + wrap).to(gl.int64),
-                    _q_tile_row(first, (j + 1) % n_tiles, n_tiles, start_n, ROWS * KV_TILES, BLOCK_M, STAGGER), Nq,
+                    _q_tile_row(first, (j + 1) % n_tiles, n_tiles, start_n, ROWS * KV_TILES, BLOCK_M, WALK), Nq,
                     g + wrap < GROUP, BLOCK_M, stat_layout)
             elif COMPACT_STATS:  # asked for before the wait on the tile, so their latency hides behind it
                 lse_c, delta_c = _load_row_stats(LSE, DELTA, bh, row0, Nq, True, BLOCK_M, stat_layout)
@@ -1024,24 +1040,24 @@ def _consumer_item(args, tail, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP:
 
 
 @gluon.jit
-def _consumer_shared_scores(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+def _consumer_shared_scores(args, WG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, WALK: gl.constexpr):
     """:func:`_consumer_shared_scores_item` over this program's work items, as :func:`_consumer`."""
     sched = args[13]
     if len(sched) == 3:
         b, h_kv, start_n = sched
-        _consumer_shared_scores_item(args, b, h_kv, start_n, start_n * 0, 0, WG, GROUP, CAUSAL, False)
+        _consumer_shared_scores_item(args, b, h_kv, start_n, start_n * 0, 0, WG, GROUP, CAUSAL, WALK, False)
     else:
         it = 0
         t = 0
         for item in range(gl.program_id(0), _items(sched), gl.num_programs(0)):
             b, h_kv, start_n = _item_coords(item, sched, args[2].shape[3])
-            it = _consumer_shared_scores_item(args, b, h_kv, start_n, it, t, WG, GROUP, CAUSAL, True)
+            it = _consumer_shared_scores_item(args, b, h_kv, start_n, it, t, WG, GROUP, CAUSAL, WALK, True)
             t += 1
 
 
 @gluon.jit
 def _consumer_shared_scores_item(args, b, h_kv, start_n, it, t, WG: gl.constexpr, GROUP: gl.constexpr,
-                                 CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+                                 CAUSAL: gl.constexpr, WALK: gl.constexpr, PERSISTENT: gl.constexpr):
     """One work item of one of two warpgroups that share one 64-row K/V tile and split its head dim (as ``_consumer``
     with ``SPLIT_D`` = 2), computing the scores once between them: of each Q tile this consumer
     computes the columns of Sᵀ and dPᵀ of its half of the queries, keeps its Pᵀ and dSᵀ in registers
@@ -1082,7 +1098,7 @@ def _consumer_shared_scores_item(args, b, h_kv, start_n, it, t, WG: gl.constexpr
     for g in range(GROUP):
         bh = (b * Hq + h_kv * GROUP + g).to(gl.int64)
         for j in range(n_tiles):
-            row0 = first + j * BLOCK_M
+            row0 = _q_tile_row(first, j, n_tiles, start_n, ROWS, BLOCK_M, WALK)
             queries = row0 + WG * HALF + gl.arange(0, HALF, layout=query_layout)
             lse = gl.load(LSE + bh * Nq + queries, mask=queries < Nq, other=float("inf"))
             delta = gl.load(DELTA + bh * Nq + queries, mask=queries < Nq, other=0.0)
@@ -1171,7 +1187,7 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
                        Hq, Hkv, Nq, Nk, tiles_per_chunk, heads_per_group, heads,
                        STAGES: gl.constexpr, CONSUMERS: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                        HEAD_DIM: gl.constexpr, ATOMICS: gl.constexpr, SPLIT_D: gl.constexpr,
-                       SHARE_SCORES: gl.constexpr, AHEAD: gl.constexpr, STAGGER: gl.constexpr, LAG: gl.constexpr,
+                       SHARE_SCORES: gl.constexpr, AHEAD: gl.constexpr, WALK: gl.constexpr, LAG: gl.constexpr,
                        COMPACT_STATS: gl.constexpr, EARLY_RELEASE: gl.constexpr, PREFETCH_STATS: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
                        DQ_WRITER: gl.constexpr = False, DQ_BUFFERS: gl.constexpr = 1,
@@ -1251,18 +1267,18 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
     args = (dk_desc, dv_desc, k_bufs, v_bufs, kv_bar, out_bar, ring, LSE, DELTA, DQ_ACC, ds_bufs, dq_stages, kv_free,
             sched, DK, DV, Hq, Hkv, Nq, Nk, qk_scale, sm_scale, DQ_SEM, dq_bars if DQ_WRITER else _NONE)
     producer_args = (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, kv_free, ring, producer_tail, sched,
-                     Nq, Nk, GROUP, CAUSAL, STAGGER)
+                     Nq, Nk, GROUP, CAUSAL, WALK)
     if SHARE_SCORES:
         gl.warp_specialize([
-            (_consumer_shared_scores, (args, 0, GROUP, CAUSAL)),
-            (_consumer_shared_scores, (args, 1, GROUP, CAUSAL)),
+            (_consumer_shared_scores, (args, 0, GROUP, CAUSAL, WALK)),
+            (_consumer_shared_scores, (args, 1, GROUP, CAUSAL, WALK)),
             (_producer, producer_args),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif DQ_WRITER and DQ_WRITERS == 2:  # a writer warp per column slice (DQ_WRITER_PER_SLICE)
         gl.warp_specialize([
-            (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG,
+            (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, WALK, LAG,
                          COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS)),
-            (_consumer, (args, tail, 1, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG,
+            (_consumer, (args, tail, 1, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, WALK, LAG,
                          COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS)),
             (_producer, producer_args),
             (_dq_writer, ((DQ_ACC, dq_stages, dq_bars, DQ_SEM, sched, Hq, Nq, Nk), tail, GROUP, CAUSAL,
@@ -1274,9 +1290,9 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
         ], [4, 1, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     elif DQ_WRITER:
         gl.warp_specialize([
-            (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG,
+            (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, WALK, LAG,
                          COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS)),
-            (_consumer, (args, tail, 1, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG,
+            (_consumer, (args, tail, 1, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, WALK, LAG,
                          COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS)),
             (_producer, producer_args),
             (_dq_writer, ((DQ_ACC, dq_stages, dq_bars, DQ_SEM, sched, Hq, Nq, Nk), tail, GROUP, CAUSAL,
@@ -1285,15 +1301,15 @@ def ws_bwd_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_tail
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     elif CONSUMERS == 1:
         gl.warp_specialize([
-            (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG,
+            (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, WALK, LAG,
                          COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS)),
             (_producer, producer_args),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG,
+            (_consumer, (args, tail, 0, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, WALK, LAG,
                          COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS)),
-            (_consumer, (args, tail, 1, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, STAGGER, LAG,
+            (_consumer, (args, tail, 1, GROUP, CAUSAL, HEAD_DIM, ATOMICS, SPLIT_D, AHEAD, WALK, LAG,
                          COMPACT_STATS, EARLY_RELEASE, PREFETCH_STATS)),
             (_producer, producer_args),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -1558,6 +1574,15 @@ def ordered_dq_takes(consumers: int, reorder: bool = False) -> bool:
             and not (FUSED_DQ_AHEAD or FUSED_DQ_LAG or FUSED_DQ_STAGGER))
 
 
+def q_walk(causal: bool, *, fused_dq: bool = False, ordered: bool = False, reorder: bool = False) -> int:
+    """The order the dK/dV kernel's programs walk their Q tiles in: staggered where fused dQ is reordered
+    (:data:`FUSED_DQ_STAGGER`, or a ``-r`` config), down from the last tile where the problem is causal and
+    :data:`CAUSAL_WALK_DOWN` is on (not with ordered dQ: its turns follow the walk up), else up."""
+    if fused_dq and (FUSED_DQ_STAGGER or reorder):
+        return WALK_STAGGERED
+    return WALK_DOWN if causal and CAUSAL_WALK_DOWN and not ordered else WALK_UP
+
+
 def ordered_dq_first_stores(ordered: bool) -> bool:
     """Whether ordered dQ's first add of each tile stores (:data:`ORDERED_DQ_FIRST_STORES`): with its turns
     taken by the writer (:data:`ORDERED_DQ_WRITER`), so that the accumulator need not be zeroed first."""
@@ -1739,7 +1764,8 @@ def plan_dkdv(q, k, v, do, dk, dv, lse, delta, *, causal: bool, qk_scale: float,
                 STAGES=stages, CONSUMERS=consumers,
                 GROUP=Hq // Hkv, CAUSAL=causal, HEAD_DIM=q.shape[-1], ATOMICS=atomics, SPLIT_D=split,
                 SHARE_SCORES=share_scores, AHEAD=FUSED_DQ_AHEAD,
-                STAGGER=(FUSED_DQ_STAGGER or reorder) and dq_acc is not None, LAG=lag,
+                WALK=q_walk(causal, fused_dq=dq_acc is not None, ordered=dq_sem is not None, reorder=reorder),
+                LAG=lag,
                 COMPACT_STATS=(2 if joined_row_stats((main + tail) // split, block_m) else 1) if COMPACT_ROW_STATS
                 else 0,
                 EARLY_RELEASE=EARLY_SLOT_RELEASE,
