@@ -19,8 +19,8 @@ a failure reproduces by itself with the same seed::
     LAB_CONTRACT_SEED=3 pytest tests/test_contract_draws.py -k "draw-7"
 
 ``LAB_CONTRACT_SEED`` (default 0) picks the draws and ``LAB_CONTRACT_DRAWS`` how many (default 24 on
-a GPU, where the problems reach about 2,000 rows; 4 on the CPU, whose interpreter is held to a few
-dozen rows and the head dims its tiles run quickly).
+a GPU, where the problems reach about 2,000 rows; 4 on the CPU, whose interpreter is held to 100 rows
+and the head dims its tiles run quickly).
 """
 
 from __future__ import annotations

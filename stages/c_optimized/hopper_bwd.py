@@ -153,6 +153,9 @@ FUSED_DQ_STAGGER = os.environ.get("LAB_FUSED_DQ_STAGGER", "0") == "1"
 #: Nsight Compute on an H100 (bf16, D 128, causal, the walk up): Llama 3 8B's grouped cell (B 1, H 32/8, N
 #: 8192) read 1.38 GB from DRAM in the dK/dV kernel against cuDNN's 0.33, and wrote 0.86 GB against 0.25
 #: (its accumulator's lines evicted between adds); the FA grid's N 4096 cell (B 4, H 16) read cuDNN's bytes.
+#: A model of L2 over the kernel's schedule (``experiments/walk_locality.py``, performance-log entry 101)
+#: predicts no fewer bytes either way: a grouped program walks one query head's tiles after another's, so
+#: the programs of a head fall out of step after the first, and programs past the first wave start apart.
 #: Not with ordered dQ (whose turns follow the walk up) or the stagger. Off until timed.
 CAUSAL_WALK_DOWN = os.environ.get("LAB_BWD_WALK_DOWN", "0") == "1"
 #: The orders a program's Q tiles can be walked in (:func:`q_walk`, the kernel's ``WALK``).
