@@ -101,11 +101,23 @@ def dram_bytes(cell, *, walk, l2_mb=50.0, sms=132, kv_rows=128, block_m=64, fuse
     return read + 2 * kv, written + 2 * kv
 
 
+def l2_sizes(text: str) -> list[float]:
+    """``--l2-mb``'s comma-separated sizes, each a positive number of MB."""
+    try:
+        sizes = [float(x) for x in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(x <= 0 for x in sizes):
+        raise argparse.ArgumentTypeError(f"expected positive sizes in MB separated by commas (e.g. 50,40), got {text!r}")
+    return sizes
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cells", default=",".join(c for c in CELLS if c != "long-context"),
                     help=f"some of {','.join(CELLS)}")
-    ap.add_argument("--l2-mb", default="50,40", help="the L2 sizes the model keeps, MB (an H100's and H200's is 50)")
+    ap.add_argument("--l2-mb", type=l2_sizes, default=[50.0, 40.0],
+                    help="the L2 sizes the model keeps, MB, comma-separated (an H100's and H200's L2 is 50)")
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
@@ -114,7 +126,7 @@ def main(argv=None) -> int:
         if name not in CELLS:
             print(f"--cells: unknown cell {name!r}; the cells are {', '.join(CELLS)}", file=sys.stderr)
             return 2
-        for l2 in (float(x) for x in args.l2_mb.split(",")):
+        for l2 in args.l2_mb:
             for walk in ("up", "down"):
                 for inner in (False, True):
                     read, written = dram_bytes(CELLS[name], walk=walk, l2_mb=l2, sms=args.sms, heads_inner=inner)
