@@ -825,7 +825,7 @@ CLAIMS = [
           lambda d: tuple(f(c / n for c, n in bwd_pairs(d, "c", "sdpa_cudnn", (64, 128))) for f in (min, max))),
     Claim(NB["08"], "took a quarter of the loop's\ninstructions away and the fused kernel from {} to {} ms (D 128, causal)",
           lambda d: (fused_dq_ms(d, 1, False), fused_dq_ms(d, 1, True))),
-    Claim(C_DETAILS, "Bitwise reproducible gradients cost {}–{} % more time than the default backward on the bf16 grid",
+    Claim(C_DETAILS, "Bitwise reproducible gradients cost {}–{} % more time than the default backward on the H200's bf16 grid",
           lambda d: tuple(100 * f(v for k, v in deterministic_costs(d).items() if k[0] == "bf16") for f in (min, max))),
     Claim(C_DETAILS, "Taken by the consumers themselves, the turns cost {}–{} % on an H100",
           lambda d: (min(ordered_dq_costs("ordered", "", ("ordered_dq",))),
