@@ -223,13 +223,14 @@ class Data:
     # ------------------------------------------------------------------ other files
     @cached_property
     def latency_runs(self) -> dict[str, dict[str, float]]:
-        """{run_id: {impl: host µs per call}} from ``latency.csv``, every run (oldest first)."""
+        """{run_id: {impl: host µs per call}} from ``latency.csv``, every run (oldest first): the forward
+        calls and the floor (a file from before the ``pass`` column timed only those)."""
         path = self.dir / "latency.csv"
         runs: dict[str, dict[str, float]] = {}
         if path.exists():
             with path.open(newline="") as f:
                 for r in csv.DictReader(f):
-                    if r["status"] == "ok" and r["us_per_call"]:
+                    if r["status"] == "ok" and r["us_per_call"] and r.get("pass", "fwd") in ("fwd", ""):
                         runs.setdefault(r["run_id"], {})[r["impl"]] = float(r["us_per_call"])
         return dict(sorted(runs.items()))
 

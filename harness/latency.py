@@ -16,8 +16,16 @@ On a CPU the stages and the empty kernel run in the Triton interpreter and the p
 CPU kernels: the figures are interpreter times, useful for checking the command, not for
 conclusions about a GPU.
 
+Passes (``--pass``, the ``pass`` column), as ``sweep`` names them: ``fwd`` the forward call; ``bwd``
+the backward alone, ``torch.autograd.grad(o, (q, k, v), dO, retain_graph=True)`` on one saved
+forward, which is what a training step's backward costs the host beside its forward; ``fwd_bwd``
+both, a whole training call. A layer's backward runs an autograd node of the impl's (a Python
+function for the stages, C++ for SDPA) and launches more kernels than its forward (the Δ pre-pass,
+dQ), so its host path can be the longer one.
+
 Rows go to ``latency.csv`` (``--out DIR``; by default ``results/<gpu>/`` on a GPU, nothing on a
-CPU), appended, one per impl, with the :data:`LATENCY_COLUMNS`.
+CPU), appended, one per impl and pass (the floor once, its pass empty), with the :data:`LATENCY_COLUMNS`.
+A file written before the ``pass`` column existed gets it, its rows ``fwd``.
 """
 
 from __future__ import annotations
@@ -28,8 +36,12 @@ from pathlib import Path
 from typing import Callable
 
 LATENCY_CSV = "latency.csv"
-LATENCY_COLUMNS = ("run_id", "impl", "kind", "B", "H", "N", "D", "dtype", "causal", "device", "calls",
+LATENCY_COLUMNS = ("run_id", "impl", "kind", "B", "H", "N", "D", "dtype", "causal", "pass", "device", "calls",
                    "us_per_call", "x_floor", "status")
+#: what a row of a file written before a column existed meant by it: every such run timed the forward
+LATENCY_DEFAULTS = {"pass": "fwd"}
+#: the passes ``--pass`` takes, in the order they are timed and shown
+LATENCY_PASSES = ("fwd", "bwd", "fwd_bwd")
 
 #: the problem ``latency`` times by default: tiny, so the host path, not the GPU, sets the pace
 DEFAULT_PROBLEM = dict(B=1, H=8, N=128, D=64, dtype="fp16")
@@ -72,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--D", type=_head_dim, default=d["D"], help=f"head dim (default {d['D']})")
     p.add_argument("--dtype", type=_dtype, default=d["dtype"], help=f"fp16, bf16 or fp32 (default {d['dtype']})")
     _add_causal_argument(p, "no", choices=("no", "yes"))
+    p.add_argument("--pass", dest="passes", type=_passes, default=("fwd",), metavar="fwd,bwd,fwd_bwd",
+                   help="what each call does: fwd (the forward), bwd (the backward alone, on a saved forward), "
+                        "fwd_bwd (both); a comma-separated list, one row each (default fwd)")
     p.add_argument("--calls", type=_positive_int, default=None,
                    help=f"calls timed per impl (default {GPU_CALLS} on a GPU, {CPU_CALLS} on a CPU)")
     p.add_argument("--stages", type=_names, default=None, metavar="a,b,c",
@@ -83,12 +98,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"on a CPU no file unless given)")
 
 
+def _passes(text: str) -> tuple[str, ...]:
+    """``--pass``: a comma-separated list of :data:`LATENCY_PASSES`, in their order, each once."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in LATENCY_PASSES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown pass {', '.join(map(repr, bad)) or repr(text)}; "
+                                         f"allowed: {', '.join(LATENCY_PASSES)} (comma-separated)")
+    return tuple(p for p in LATENCY_PASSES if p in names)
+
+
+def pass_call(impl, problem, q, k, v, pass_: str) -> Callable[[], object]:
+    """The call ``latency`` repeats for ``pass_``: the same calls ``sweep`` times (``measure``'s), on
+    inputs made once. For ``bwd`` the forward whose graph the backward walks runs here, once."""
+    from .inputs import make_grad_output
+    from .measure import CellData, _pass_calls
+
+    do = make_grad_output(problem, q.device) if pass_ != "fwd" else None
+    cell = CellData(problem, q, k, v, ref=None, torch_rel_err=None, pass_=pass_, do=do)
+    _run, make_call = _pass_calls(impl, cell)
+    return make_call()
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from . import cli
     from . import impls as impls_mod
     from .inputs import make_inputs
+    from .measure import NoBackward
     from .peers import PeerUnsupported
     from .results import run_id_now, write_env
     from stages.contract import Problem
@@ -105,25 +143,28 @@ def run(args: argparse.Namespace) -> int:
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     run_id = run_id_now()
 
-    def row(impl: str, kind: str) -> dict:
+    def row(impl: str, kind: str, pass_: str) -> dict:
         return {"run_id": run_id, "impl": impl, "kind": kind, "B": problem.B, "H": problem.H, "N": problem.N,
-                "D": problem.D, "dtype": problem.dtype, "causal": int(problem.causal),
+                "D": problem.D, "dtype": problem.dtype, "causal": int(problem.causal), "pass": pass_,
                 "device": "gpu" if on_gpu else "interpreter", "calls": calls}
 
-    floor = row("triton_empty_kernel", "floor")
+    floor = row("triton_empty_kernel", "floor", "")
     floor["us_per_call"] = host_us_per_call(empty_kernel_launch(), calls, sync)
     floor["status"] = "ok"
     rows = [floor]
     for impl in impl_list:
-        r = row(impl.label, impl.kind)
-        try:
-            r["us_per_call"] = host_us_per_call(lambda: impl.attention(q, k, v, causal=problem.causal), calls, sync)
-            r["status"] = "ok"
-        except (PeerUnsupported, ValueError, NotImplementedError) as e:
-            r["status"] = f"unsupported: {(str(e).splitlines() or [''])[0][:200]}"
-        except Exception as e:
-            r["status"] = f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
-        rows.append(r)
+        for pass_ in args.passes:
+            r = row(impl.label, impl.kind, pass_)
+            try:
+                r["us_per_call"] = host_us_per_call(pass_call(impl, problem, q, k, v, pass_), calls, sync)
+                r["status"] = "ok"
+            except NoBackward:
+                r["status"] = "unsupported: no backward"
+            except (PeerUnsupported, ValueError, NotImplementedError) as e:
+                r["status"] = f"unsupported: {(str(e).splitlines() or [''])[0][:200]}"
+            except Exception as e:
+                r["status"] = f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+            rows.append(r)
     for r in rows:
         if r.get("us_per_call") is not None:
             r["x_floor"] = r["us_per_call"] / floor["us_per_call"]
@@ -148,18 +189,19 @@ def write_rows(out_dir: str | Path, rows: list[dict]) -> Path:
     """Append ``rows`` to ``out_dir/latency.csv`` (header when the file is new)."""
     from .results import append_rows
 
-    return append_rows(Path(out_dir) / LATENCY_CSV, LATENCY_COLUMNS, rows)
+    return append_rows(Path(out_dir) / LATENCY_CSV, LATENCY_COLUMNS, rows, LATENCY_DEFAULTS)
 
 
 def latency_table(rows: list[dict], title: str):
     from rich.table import Table
 
     table = Table(title=title, header_style="bold")
-    for col, justify in (("impl", "left"), ("µs / call", "right"), ("× floor", "right"), ("status", "left")):
+    for col, justify in (("impl", "left"), ("pass", "left"), ("µs / call", "right"), ("× floor", "right"),
+                         ("status", "left")):
         table.add_column(col, justify=justify)
     for r in rows:
         us = r.get("us_per_call")
-        table.add_row(r["impl"], "" if us is None else f"{us:,.1f}",
+        table.add_row(r["impl"], r.get("pass") or "", "" if us is None else f"{us:,.1f}",
                       "" if r.get("x_floor") is None else f"{r['x_floor']:.1f}×", r["status"])
     return table
 

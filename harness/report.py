@@ -933,19 +933,42 @@ def render_backward_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -
 FLOOR_IMPL = "triton_empty_kernel"
 
 
-def latency_table(rows: list[dict]) -> str:
-    """``harness latency``'s rows as Markdown: impl, µs per call, multiple of the floor (an empty
-    Triton kernel's launch), status; the floor first, then stages and peers in display order."""
-    ordered = sorted(rows, key=lambda r: (r["impl"] != FLOOR_IMPL, views.impl_sort_key(r["impl"])))
-    out = ["| impl | µs per call | × floor | status |", "|---|--:|--:|---|"]
-    for r in ordered:
-        name = "empty Triton kernel (the floor)" if r["impl"] == FLOOR_IMPL else label(r["impl"])
-        us = r.get("us_per_call")
-        floor_x = r.get("x_floor")
-        out.append(f"| {_md(name)} | {'—' if us is None else f'{us:,.1f}'} | "
-                   f"{'—' if floor_x is None else f'{floor_x:.1f}×'} | {_md(r['status'])} |")
-    return "\n".join(out)
+#: the latency table's column heads per pass
+LATENCY_PASS_TITLES = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
 
+
+def latency_table(rows: list[dict]) -> str:
+    """``harness latency``'s rows as Markdown, one line per impl: µs per call and the multiple of the
+    floor (an empty Triton kernel's launch) for each pass the run timed, then the status (each pass's
+    where they differ); the floor first, then stages and peers in display order."""
+    from .latency import LATENCY_PASSES
+
+    passes = [p for p in LATENCY_PASSES if any(r.get("pass") == p for r in rows)] or ["fwd"]
+    by_impl: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        by_impl.setdefault(r["impl"], {})[r.get("pass") or ""] = r
+    ordered = sorted(by_impl, key=lambda impl: (impl != FLOOR_IMPL, views.impl_sort_key(impl)))
+    titles = [LATENCY_PASS_TITLES[p] for p in passes]
+    head = "| impl | " + " | ".join(f"{t}, µs per call | × floor" for t in titles) + " | status |"
+    out = [head, "|---|" + "--:|--:|" * len(passes) + "---|"]
+    for impl in ordered:
+        cells = by_impl[impl]
+        if impl == FLOOR_IMPL:  # one launch, the floor of every pass
+            floor = next(iter(cells.values()))
+            us = f"{floor['us_per_call']:,.1f}" if floor.get("us_per_call") is not None else "—"
+            line = [us, "1.0×"] * len(passes)
+            out.append(f"| empty Triton kernel (the floor) | {' | '.join(line)} | {_md(floor['status'])} |")
+            continue
+        line = []
+        for p in passes:
+            r = cells.get(p, {})
+            us, floor_x = r.get("us_per_call"), r.get("x_floor")
+            line += ["—" if us is None else f"{us:,.1f}", "—" if floor_x is None else f"{floor_x:.1f}×"]
+        statuses = {p: cells[p]["status"] for p in passes if p in cells}
+        status = (next(iter(statuses.values())) if len(set(statuses.values())) == 1
+                  else "; ".join(f"{LATENCY_PASS_TITLES[p]}: {st}" for p, st in statuses.items()))
+        out.append(f"| {_md(label(impl))} | {' | '.join(line)} | {_md(status)} |")
+    return "\n".join(out)
 
 
 def render_latency_block(results_dir, readme_dir=".", *, dtype: str = "fp16") -> str:
@@ -963,6 +986,14 @@ def render_latency_block(results_dir, readme_dir=".", *, dtype: str = "fp16") ->
             f"{_md(r0['dtype'])}{', causal' if r0['causal'] else ''}, {r0['calls']} calls back to back per impl, "
             "one synchronize at the end: CPU wall time per call, nothing subtracted. The floor is an empty "
             "`@triton.jit` kernel with no arguments.")
+    meanings = {"fwd": "forward: the attention call",
+                "bwd": "backward: `torch.autograd.grad` of its output on one saved forward (the impl's autograd "
+                       "node and its kernels)",
+                "fwd_bwd": "forward + backward: both, a training call"}
+    timed = [p for p in meanings if any(r.get("pass") == p for r in rows)]
+    if timed != ["fwd"] and timed:
+        said = "; ".join(meanings[p] for p in timed)
+        text += f" {said[0].upper()}{said[1:]}."
     return "\n\n".join([note, text, latency_table(rows)]) + "\n"
 
 
@@ -1331,7 +1362,8 @@ RESULTS_PAGE_SECTIONS = (
      "not; the same in fp16 where it ran): what padding D costs stage C, to the next power of two or to half "
      "that plus a narrow tail.", HEAD_DIM_SCRIPT),
     ("latency", "The host path",
-     "What one call costs the CPU on a tiny problem, beside the launch of an empty Triton kernel.",
+     "What one call costs the CPU on a tiny problem, forward and backward, beside the launch of an empty "
+     "Triton kernel.",
      views.HINTS["latency"]),
     ("generate", "Inside a model",
      "Small GPT-2- and Llama-shaped transformers models with random weights, decoding with their KV cache "

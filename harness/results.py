@@ -450,21 +450,47 @@ def run_id_now() -> str:
     return run_id
 
 
-def append_rows(path: str | os.PathLike, columns: tuple, rows: list[dict]) -> Path:
+def append_rows(path: str | os.PathLike, columns: tuple, rows: list[dict], defaults: dict | None = None) -> Path:
     """Append ``rows`` to the CSV at ``path`` with these ``columns`` (the header when the file is new;
-    floats to 6 significant digits, missing values empty): the small result files beside runs.csv."""
-    import csv
-
+    floats to 6 significant digits, missing values empty): the small result files beside runs.csv.
+    A file written before some of ``columns`` existed gets them first (:func:`ensure_columns`, each
+    older row the value ``defaults`` says it meant); a file cut mid-row by a crash gets a line break
+    before the new rows, so they stay whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
+    if not new:
+        ensure_columns(path, columns, defaults)
     with path.open("a", newline="") as f:
+        if not new:
+            f.write(_fresh_line_prefix(path))
         w = csv.DictWriter(f, fieldnames=columns)
         if new:
             w.writeheader()
         for r in rows:
             w.writerow({c: (f"{r[c]:.6g}" if isinstance(r.get(c), float) else r.get(c, "")) for c in columns})
     return path
+
+
+def ensure_columns(path: str | os.PathLike, columns: tuple, defaults: dict | None = None) -> None:
+    """Make the existing CSV at ``path`` have the header ``columns`` before rows are appended to it.
+    A file written before some of them existed is rewritten with them (:func:`rewrite_csv`), each of
+    its rows taking the value ``defaults`` gives the column (what an older row meant). Any other
+    header, one with columns this version does not write or lacking one with no default, raises
+    :class:`ResultsError` naming the file: appending under it would put values in the wrong columns."""
+    path = Path(path)
+    defaults = defaults or {}
+    with path.open(newline="") as f:
+        header = tuple(next(csv.reader(f), []))
+    if header == tuple(columns):
+        return
+    missing = [c for c in columns if c not in header]
+    if set(header) - set(columns) or any(c not in defaults for c in missing):
+        raise ResultsError(f"{path}: its columns {list(header)} are not this version's {list(columns)}; "
+                           f"write to another --out directory or move the old file away")
+    with path.open(newline="") as f:
+        old = list(csv.DictReader(f))
+    rewrite_csv(path, tuple(columns), ({**{c: defaults[c] for c in missing}, **row} for row in old))
 
 
 def write_env(out_dir: str | os.PathLike, env: dict) -> Path:

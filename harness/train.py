@@ -635,37 +635,20 @@ def max_loss_gap(losses: list[float], reference: list[float]) -> float:
 
 def _append_rows(path: Path, fields: tuple[str, ...], rows: list[dict], defaults: dict | None = None) -> None:
     """Append ``rows`` to the CSV at ``path`` (made with a header if new). A file written before some of
-    ``fields`` existed gets them first, each older row the value ``defaults`` says it meant."""
-    from .results import ResultsError
+    ``fields`` existed gets them first, each older row the value ``defaults`` says it meant
+    (``results.ensure_columns``). Floats keep 9 significant digits (:func:`_fmt`)."""
+    from .results import ensure_columns
 
-    defaults = defaults or {}
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
     if not new:
-        with path.open(newline="") as f:
-            header = next(csv.reader(f), [])
-        if tuple(header) != fields:
-            missing = [c for c in fields if c not in header]
-            if set(header) - set(fields) or any(c not in defaults for c in missing):
-                raise ResultsError(f"{path}: its columns {header} are not this version's {list(fields)}; "
-                                   f"write to another --out")
-            _add_columns(path, fields, defaults)
+        ensure_columns(path, fields, defaults)
     with path.open("a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         if new:
             writer.writeheader()
         for row in rows:
             writer.writerow({k: _fmt(row.get(k)) for k in fields})
-
-
-def _add_columns(path: Path, fields: tuple[str, ...], defaults: dict) -> None:
-    """Rewrite ``path`` with the columns ``fields``, the ones it lacks filled from ``defaults``
-    (``results.rewrite_csv``: a crash leaves either file whole)."""
-    from .results import rewrite_csv
-
-    with path.open(newline="") as f:
-        old = list(csv.DictReader(f))
-    rewrite_csv(path, fields, ({**defaults, **row} for row in old))
 
 
 def _fmt(value) -> str:

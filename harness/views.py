@@ -30,7 +30,7 @@ HINTS = {
     "bwd": "python -m harness sweep --pass bwd",
     "models": "python -m harness sweep --suite models",
     "shapes": "results/publish.sh shapes",
-    "latency": "python -m harness latency",
+    "latency": "python -m harness latency --pass fwd,bwd",
     "train": "python -m harness train --stages c,sdpa --compile off|inductor|cudagraphs",
     "peers": "python -m harness compare",
     "dram": "python -m harness profile",
@@ -481,19 +481,20 @@ def load_latency(results_dir) -> list[dict]:
     import csv
     from pathlib import Path
 
-    from .latency import LATENCY_COLUMNS, LATENCY_CSV
+    from .latency import LATENCY_COLUMNS, LATENCY_CSV, LATENCY_DEFAULTS
 
     path = Path(results_dir) / LATENCY_CSV
     if not path.exists():
         return []
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
-        missing = [c for c in LATENCY_COLUMNS if c not in (reader.fieldnames or ())]
+        # (a file from before a column existed lacks it: its rows mean LATENCY_DEFAULTS, the forward)
+        missing = [c for c in LATENCY_COLUMNS if c not in (reader.fieldnames or ()) and c not in LATENCY_DEFAULTS]
         if missing:
             raise ResultsError(f"{path}: missing columns {missing}")
         rows = []
         for raw in reader:
-            row = dict(raw)
+            row = {**LATENCY_DEFAULTS, **raw}
             try:
                 for c in ("us_per_call", "x_floor"):
                     row[c] = float(raw[c]) if raw.get(c) else None

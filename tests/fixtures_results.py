@@ -236,6 +236,7 @@ def write_latency(out_dir, us=None, *, run_id: str = "2026-12-02T03:00:00Z", dev
     floor = us["triton_empty_kernel"]
     rows = [{"run_id": run_id, "impl": impl, "kind": "floor" if impl == "triton_empty_kernel" else
              ("stage" if impl in ("a", "b", "c") else "peer"), "B": 1, "H": 8, "N": 128, "D": 64, "dtype": "fp16",
-             "causal": 0, "device": device, "calls": 1000, "us_per_call": t, "x_floor": t / floor, "status": "ok"}
+             "causal": 0, "pass": "" if impl == "triton_empty_kernel" else "fwd", "device": device, "calls": 1000,
+             "us_per_call": t, "x_floor": t / floor, "status": "ok"}
             for impl, t in us.items()]
     return write_rows(out_dir, rows)

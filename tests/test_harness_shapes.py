@@ -314,6 +314,53 @@ def test_latency_command_on_the_interpreter(tmp_path, capsys):
     assert float(rows[0]["x_floor"]) == pytest.approx(1.0)
 
 
+def test_latency_times_the_backward_on_a_saved_forward(tmp_path, capsys):
+    """``--pass fwd,bwd,fwd_bwd``: a row per impl and pass (the floor once, its pass empty), each call
+    the one ``sweep`` times for that pass; a bad pass is named with the allowed ones."""
+    code, out, err = _main(["latency", "--H", "1", "--N", "16", "--D", "16", "--calls", "1", "--stages", "a",
+                            "--peers", "math", "--pass", "bwd,fwd", "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    with (tmp_path / latency.LATENCY_CSV).open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["impl"], r["pass"]) for r in rows] == [("triton_empty_kernel", ""), ("a", "fwd"), ("a", "bwd"),
+                                                      ("sdpa_math", "fwd"), ("sdpa_math", "bwd")]
+    assert all(r["status"] == "ok" and float(r["us_per_call"]) > 0 for r in rows)
+    code, out, err = _main(["latency", "--pass", "fwd,back"], capsys)
+    assert code == 2 and "--pass: unknown pass 'back'; allowed: fwd, bwd, fwd_bwd" in err
+
+
+def test_latency_backward_call_is_the_sweeps(monkeypatch):
+    """The timed backward differentiates one saved forward again and again (the forward is not in
+    the loop): the impl's forward runs once, its backward on every call."""
+    import torch
+
+    from stages.contract import Problem
+
+    calls = {"forward": 0, "backward": 0}
+
+    class Counted(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            calls["forward"] += 1
+            return q * 1.0
+
+        @staticmethod
+        def backward(ctx, do):
+            calls["backward"] += 1
+            return do, torch.zeros_like(do), torch.zeros_like(do)
+
+    impl = impls.Impl("counted", "stage", "", lambda q, k, v, causal=False: Counted.apply(q, k, v), None, None)
+    problem = Problem(1, 1, 4, 8, "fp32", False)
+    q, k, v = inputs.make_inputs(problem, "cpu")
+    call = latency.pass_call(impl, problem, q, k, v, "bwd")
+    for _ in range(3):
+        dq, dk, dv = call()
+    assert calls == {"forward": 1, "backward": 3} and dq.shape == q.shape
+    call = latency.pass_call(impl, problem, q, k, v, "fwd_bwd")
+    call()
+    assert calls == {"forward": 2, "backward": 4}
+
+
 # --------------------------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu

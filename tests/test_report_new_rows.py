@@ -9,6 +9,7 @@ missing; ``report --check`` notices a stale new block.
 from __future__ import annotations
 
 import argparse
+import csv
 import statistics
 from pathlib import Path
 
@@ -19,11 +20,11 @@ from harness import plots, report, views
 from harness.results import load_rows
 
 try:
-    from fixtures_results import (SUITE_RUNS, build_backward_rows, build_foreign_rows, build_results, build_rows,
-                                  build_suite, build_suite_rows, write_latency)
+    from fixtures_results import (LATENCY_US, SUITE_RUNS, build_backward_rows, build_foreign_rows, build_results,
+                                  build_rows, build_suite, build_suite_rows, write_latency)
 except ImportError:  # tests/ imported as a package
-    from tests.fixtures_results import (SUITE_RUNS, build_backward_rows, build_foreign_rows, build_results,
-                                        build_rows, build_suite, build_suite_rows, write_latency)
+    from tests.fixtures_results import (LATENCY_US, SUITE_RUNS, build_backward_rows, build_foreign_rows,
+                                        build_results, build_rows, build_suite, build_suite_rows, write_latency)
 
 NEW_BLOCKS = ("models", "shapes", "backward", "latency")
 
@@ -184,6 +185,61 @@ def test_latency_block_takes_the_latest_run(tmp_path):
     assert {r["run_id"] for r in rows} == {"2026-12-02T03:00:00Z"}
     write_latency(tmp_path, run_id="2026-12-03T00:00:00Z", device="interpreter")
     assert "not GPU host times" in report.render_latency_block(tmp_path, tmp_path)
+
+
+def test_latency_block_puts_each_pass_in_columns_of_its_own(tmp_path):
+    from harness.latency import write_rows
+
+    write_latency(tmp_path)  # a forward-only run first: the block shows the latest run alone
+    run = "2026-12-04T00:00:00Z"
+    base = {"run_id": run, "B": 1, "H": 8, "N": 128, "D": 64, "dtype": "fp16", "causal": 0, "device": "gpu",
+            "calls": 1000}
+    rows = [dict(base, impl="triton_empty_kernel", kind="floor", us_per_call=10.0, x_floor=1.0, status="ok")]
+    for impl, fwd, bwd in (("c", 40.0, 130.0), ("sdpa_cudnn", 50.0, 70.0)):
+        for pass_, us in (("fwd", fwd), ("bwd", bwd)):
+            rows.append(dict(base, impl=impl, kind="stage" if impl == "c" else "peer", **{"pass": pass_},
+                             us_per_call=us, x_floor=us / 10, status="ok"))
+    rows.append(dict(base, impl="b_cuda", kind="stage", **{"pass": "fwd"}, us_per_call=60.0, x_floor=6.0,
+                     status="ok"))
+    rows.append(dict(base, impl="b_cuda", kind="stage", **{"pass": "bwd"}, status="unsupported: no backward"))
+    write_rows(tmp_path, rows)
+    block = report.render_latency_block(tmp_path, tmp_path)
+    assert "| impl | forward, µs per call | × floor | backward, µs per call | × floor | status |" in block
+    assert "| empty Triton kernel (the floor) | 10.0 | 1.0× | 10.0 | 1.0× | ok |" in block
+    assert "| C optimized | 40.0 | 4.0× | 130.0 | 13.0× | ok |" in block
+    assert "| SDPA CUDNN | 50.0 | 5.0× | 70.0 | 7.0× | ok |" in block
+    assert "| 60.0 | 6.0× | — | — | forward: ok; backward: unsupported: no backward |" in block
+    assert "Backward: `torch.autograd.grad`" not in block and "backward: `torch.autograd.grad`" in block
+    assert "forward + backward" not in block  # only the passes the run timed are explained
+
+
+def test_latency_file_from_before_the_pass_column_gets_it(tmp_path):
+    """An older latency.csv (no ``pass`` column: every run timed the forward) loads as forward rows, and
+    appending a new run rewrites it with the column, its old rows ``fwd``, nothing lost."""
+    from harness.latency import LATENCY_COLUMNS, write_rows
+
+    old_columns = [c for c in LATENCY_COLUMNS if c != "pass"]
+    path = tmp_path / "latency.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=old_columns)
+        w.writeheader()
+        for impl, us in (("triton_empty_kernel", 14.0), ("c", 46.0)):
+            w.writerow({"run_id": "2026-12-01T00:00:00Z", "impl": impl, "kind": "stage", "B": 1, "H": 8, "N": 128,
+                        "D": 64, "dtype": "fp16", "causal": 0, "device": "gpu", "calls": 1000, "us_per_call": us,
+                        "x_floor": us / 14.0, "status": "ok"})
+    assert {r["pass"] for r in views.load_latency(tmp_path)} == {"fwd"}
+    assert "| C optimized | 46.0 | 3.3× | ok |" in report.render_latency_block(tmp_path, tmp_path)
+    write_latency(tmp_path)
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == LATENCY_COLUMNS
+        rows = list(reader)
+    assert [(r["run_id"][:10], r["impl"], r["pass"]) for r in rows[:2]] == [
+        ("2026-12-01", "triton_empty_kernel", "fwd"), ("2026-12-01", "c", "fwd")]
+    assert len(rows) == 2 + len(LATENCY_US)
+    with pytest.raises(report.ResultsError, match="latency.csv: its columns"):
+        path.write_text("run_id,impl,speed\nx,c,1\n")
+        write_rows(tmp_path, [{"run_id": "y", "impl": "c"}])
 
 
 def test_latency_file_with_a_bad_number_names_the_file(tmp_path):
