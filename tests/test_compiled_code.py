@@ -535,6 +535,54 @@ def test_early_merge_launches_the_merge_before_the_split_kernel_ends(monkeypatch
     kernels._recipe.cache_clear()
 
 
+def _pv_chains(ptx: str, block_n: int) -> list[list[tuple[int, str]]]:
+    """The P·V products of a warp-specialized forward's PTX, each as its chain of ``block_n / 16``
+    wgmma k-steps (N: a part of the head dim, told from the Q·Kᵀ products by N = ``block_n``), each
+    step as (N, its scale-d operand: the predicate that says whether it adds to the accumulator)."""
+    steps = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.[^;]*\}, %rd\d+, (%p\d+|\d), 1, 1, 1;", ptx)
+    steps = [(int(n), operand) for n, operand in steps if int(n) != block_n]
+    k_steps = block_n // 16
+    return [steps[i:i + k_steps] for i in range(0, len(steps), k_steps)]
+
+
+@pytest.mark.parametrize("D", [64, 80])
+def test_ws_forward_fresh_pv_starts_each_item_in_its_product(monkeypatch, D):
+    """``hopper_ws.FRESH_PV``: a work item's first ``P·V`` starts the accumulator afresh (wgmma's
+    scale-d false) instead of the softmax scaling the previous item's O by 0. Off, each P·V chain's
+    k-steps all add to the accumulator (one predicate, always true); on, each chain's first step
+    takes a runtime predicate of its own and the rest still add, in the loop's product and the
+    program's last one, the head-dim tail's chain too (D 80: 64 + 16 columns). No tile loop spills, and
+    at D 64 the lazy rescale's jump over the multiplies stays."""
+    from stages.c_optimized import kernels
+
+    config = next(c for c in configs.ws_shapes(D) if c.persistent and c.consumers == 2 and c.block_n == 128)
+    chains = {}
+    try:
+        for fresh in (False, True):
+            monkeypatch.setattr(hopper_ws, "FRESH_PV", fresh)
+            monkeypatch.setenv("LAB_WS_FRESH_PV", str(int(fresh)))  # (an interpreting process compiles in a child)
+            kernels._recipe.cache_clear()
+            (kernel,) = STAGES["c"].compile(Problem(B=128, H=16, N=128, D=D, dtype="bf16"), 90, config=config)
+            assert kernel.name == "ws_attention_kernel"
+            chains[fresh] = _pv_chains(kernel.asm["ptx"], config.block_n)
+            if fresh:
+                machine_code = sass(kernel.asm["ptx"], "sm_90a")
+                if machine_code:
+                    assert _spills_in_tile_loops(machine_code) == []
+                    if D == 64:  # (with a tail ptxas moves the jump further from its vote than the helper looks)
+                        assert _rescale_jumps(machine_code) == [D // 2] * config.consumers
+    finally:
+        kernels._recipe.cache_clear()
+    parts = 2 if D % 64 else 1  # (a head-dim tail has a P·V of its own)
+    for fresh, found in chains.items():
+        assert len(found) == 2 * config.consumers * parts, (fresh, found)  # the loop's product and the last one
+        for chain in found:
+            assert len({n for n, _ in chain}) == 1 and len({op for _, op in chain[1:]}) == 1, chain
+            assert (chain[0][1] != chain[1][1]) == fresh, (fresh, chain)
+    constants, _ = hopper_ws.kernel_constants(causal=False, block_n=128, stages=3, fresh_pv=True)
+    assert constants["FRESH_PV"] is True
+
+
 def test_ws_forward_as_a_programmatic_dependent_launch_waits_before_any_memory_access(monkeypatch):
     """The warp-specialized forward launched as a programmatic dependent launch (hopper_ws.PDL): its
     programs wait in ``griddepcontrol.wait`` before their first copy, load or store (the kernel ahead of

@@ -122,6 +122,15 @@ ROWS_PER_CONSUMER = 64
 #: (docs/performance-log/model-shapes.md, entry 86; ``experiments/ws_launch.py``).
 PDL = os.environ.get("LAB_WS_PDL", "1") == "1"
 
+#: A work item's first K/V tile starts its accumulator in the ``P·V`` product itself (``FRESH_PV``:
+#: wgmma with ``use_acc`` false) instead of scaling what the accumulator held, the previous item's O
+#: already stored, by alpha = 0 (``LAB_WS_FRESH_PV=1``, off). The tile's alpha is then 1, so the
+#: lazy rescale's vote finds nothing to do and its warps jump over the D / 2 multiplies per thread
+#: that every warp ran at each item's start. One tile in N / BLOCK_N: nothing on long sequences, and
+#: on a one-tile item (the model suite's ``short``: 2,048 heads of 128 tokens) one of the few
+#: stretches of arithmetic an item has besides its softmax. Off until timed.
+FRESH_PV = os.environ.get("LAB_WS_FRESH_PV", "0") == "1"
+
 
 @gluon.jit
 def _wait_for_prior_grids():
@@ -422,7 +431,7 @@ def _pass_turn(next_turn, ISSUE_TURNS: gl.constexpr):
 
 @gluon.jit
 def _issue_tile(cur, acc, acc_t, p_prev, p2_prev, q_tile, q_tail, ring, tail, keys, turns, s_layout: gl.constexpr,
-                s2_layout: gl.constexpr, WG: gl.constexpr, ISSUE_TURNS: gl.constexpr):
+                s2_layout: gl.constexpr, WG: gl.constexpr, ISSUE_TURNS: gl.constexpr, pv_acc=True):
     """K/V tile ``cur`` (ring slot / ping-pong batch): ``S = Q·K_jᵀ`` and ``acc += P_prev·V`` (the
     previous tile's, which at an item boundary is the previous item's last) issued together (with
     three consumers, as one ping-pong turn); returns both, done. Each slot is released as soon as
@@ -431,7 +440,8 @@ def _issue_tile(cur, acc, acc_t, p_prev, p2_prev, q_tile, q_tail, ring, tail, ke
     products, the same two turns. With a key tail (``keys``, :func:`key_widths`) the tile's last keys
     have scores of their own, ``S2`` (returned beside ``S``; ``S`` itself without one), and their
     probabilities ``p2_prev`` a ``P·V`` of their own into the same accumulators: twice the products,
-    the same turns."""
+    the same turns. ``pv_acc``: whether ``P_prev·V`` adds to the accumulators (False, a runtime value with
+    :data:`FRESH_PV`: ``P_prev`` is an item's first tile, and the product starts them afresh)."""
     k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
     k_tail_desc = tail[1]
     k_tail_bufs, v_tail_bufs = tail[5], tail[6]
@@ -463,7 +473,7 @@ def _issue_tile(cur, acc, acc_t, p_prev, p2_prev, q_tile, q_tail, ring, tail, ke
         if TAIL:
             S2 = warpgroup_mma(q_tail, k_kt_bufs.index(s).reshape([KT, DT]).permute((1, 0)), S2, is_async=True)
     mbarrier.wait(v_ready.index(sp), (vp // STAGES) & 1)
-    acc = warpgroup_mma(p_prev, v_bufs.index(sp).reshape([BLOCK_N, D]), acc, is_async=True)
+    acc = warpgroup_mma(p_prev, v_bufs.index(sp).reshape([BLOCK_N, D]), acc, use_acc=pv_acc, is_async=True)
     if KEYS:
         acc = warpgroup_mma(p2_prev, v_keys_bufs.index(sp).reshape([KT, D]), acc, is_async=True)
     t_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_t.type.layout, k_width=2)
@@ -471,7 +481,8 @@ def _issue_tile(cur, acc, acc_t, p_prev, p2_prev, q_tile, q_tail, ring, tail, ke
     p2_tail = p2_prev
     if TAIL:
         p_tail = gl.convert_layout(p_prev, t_op)
-        acc_t = warpgroup_mma(p_tail, v_tail_bufs.index(sp).reshape([BLOCK_N, DT]), acc_t, is_async=True)
+        acc_t = warpgroup_mma(p_tail, v_tail_bufs.index(sp).reshape([BLOCK_N, DT]), acc_t, use_acc=pv_acc,
+                              is_async=True)
         if KEYS:
             p2_tail = gl.convert_layout(p2_prev, t_op)
             acc_t = warpgroup_mma(p2_tail, v_kt_bufs.index(sp).reshape([KT, DT]), acc_t, is_async=True)
@@ -509,12 +520,14 @@ def _pv_products(keys, tail):
 def _softmax_tile(S, S2, j, n_unmasked, acc, acc_t, m_i, l_i, rows, N, qk_scale, dtype: gl.constexpr,
                   o_layout: gl.constexpr, p_layout: gl.constexpr, NEED_MASK: gl.constexpr, CAUSAL: gl.constexpr,
                   WG: gl.constexpr, CONSUMERS: gl.constexpr, EXP_TURNS: gl.constexpr, LAZY_RESCALE: gl.constexpr,
-                  LANE_ROW_SUMS: gl.constexpr, TAIL: gl.constexpr, KEYS: gl.constexpr, TILE_N: gl.constexpr):
+                  LANE_ROW_SUMS: gl.constexpr, TAIL: gl.constexpr, KEYS: gl.constexpr, TILE_N: gl.constexpr,
+                  FRESH_PV: gl.constexpr = False):
     """The softmax of score tile j, P converted for the next turn's ``P·V``, and the accumulator
     rescaled: one stretch of code with no branch in it after the mask, so ptxas can slot the
     conversions (and the eager rescale) in between the exponentials, whose unit is the bottleneck at
     D = 64. The lazy rescale comes after that stretch, behind its warp vote and jump. With a key tail
-    (``KEYS``) the tile's keys are ``S`` and then ``S2``, ``TILE_N`` in all, and both P come back."""
+    (``KEYS``) the tile's keys are ``S`` and then ``S2``, ``TILE_N`` in all, and both P come back.
+    ``FRESH_PV``: at tile 0 the accumulator is left as it is (alpha 1), for the next ``P·V`` overwrites it."""
     if NEED_MASK:
         if j >= n_unmasked:  # a runtime branch, not a second copy of the loop: less code to fetch
             BLOCK_N: gl.constexpr = S.shape[1]
@@ -527,6 +540,8 @@ def _softmax_tile(S, S2, j, n_unmasked, acc, acc_t, m_i, l_i, rows, N, qk_scale,
                 S2 = _mask(S2, cols2, rows2, N, CAUSAL)
     p, p2, alpha, m_i, l_i = _softmax_step(S, S2, m_i, l_i, qk_scale, WG, CONSUMERS, EXP_TURNS, LAZY_RESCALE,
                                            LANE_ROW_SUMS, KEYS)
+    if FRESH_PV:  # (the running sums started at 0, so alpha's value there changed nothing but O)
+        alpha = gl.where(j == 0, 1.0, alpha)
     p_next = gl.convert_layout(p.to(dtype), p_layout)
     p2_next = p_next  # (without a key tail: never used)
     if KEYS:
@@ -661,7 +676,8 @@ def _prefetch_q_to_l2(Q, stride_qb, stride_qh, stride_qn, b, h, row0, N, ROWS: g
 @gluon.jit
 def _consumer(args, tail, keys, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr, ISSUE_TURNS: gl.constexpr,
               EXP_TURNS: gl.constexpr, CAUSAL: gl.constexpr, EVEN_N: gl.constexpr, ZIGZAG: gl.constexpr,
-              PREFETCH_L2: gl.constexpr, LAZY_RESCALE: gl.constexpr, LANE_ROW_SUMS: gl.constexpr):
+              PREFETCH_L2: gl.constexpr, LAZY_RESCALE: gl.constexpr, LANE_ROW_SUMS: gl.constexpr,
+              FRESH_PV: gl.constexpr = False):
     """One warpgroup: for each work item of this program, the whole flash loop for its 64 rows.
     ``args`` is the same for every consumer; ``WG`` is this consumer's index (its Q buffers are
     ``q_bufs[WG·Q_BUFS ...]``), ``turns`` its ping-pong barrier and the next consumer's.
@@ -674,7 +690,9 @@ def _consumer(args, tail, keys, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr
     slot and ping-pong batch ``cur`` count the K/V tiles this consumer has started, over all its items.
     With three Q buffers (``deep_q``) the buffer an O leaves through takes the Q of the item after
     next, so each Q has a whole item's time to arrive. With a key tail (``keys``, :func:`key_widths`) a
-    K/V tile is two parts, ``BLOCK_N`` keys and ``KT`` more, ``TILE_N`` in all."""
+    K/V tile is two parts, ``BLOCK_N`` keys and ``KT`` more, ``TILE_N`` in all. With ``FRESH_PV``
+    (:data:`FRESH_PV`) ``pv_acc`` says whether the pending ``P·V`` adds to the accumulator: not when its
+    P is an item's first tile."""
     q_desc, o_desc, Q, LSE, stride_qb, stride_qh, stride_qn, q_bufs, q_bars, ring, H, N, n_m, total, qk_scale = args
     k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
     my_turn, next_turn = turns
@@ -731,6 +749,7 @@ def _consumer(args, tail, keys, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr
     # that starts out as the same value as `t` and is set to `t` in the body looks unchanged; it
     # would silently stay the first item (every later O stored over the first item's).
     t_prev = -1
+    pv_acc = True  # (with FRESH_PV, set to a runtime value per tile: the program's first P is all zeros anyway)
     it = 0    # K/V tiles of the earlier items
     item = 0  # items before this one: this item's Q is in buffer Q0 + item % Q_BUFS
     while t < total:
@@ -759,7 +778,7 @@ def _consumer(args, tail, keys, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr
             if j == 1:  # after tile 0's softmax; a one-tile item does this after the loop
                 _fetch_next_q(q_desc, q_bufs, q_bars, nb, b_ahead, h_ahead, start_ahead + WG * ROWS, more, tail)
             S, S2, acc, acc_t = _issue_tile(it + j, acc, acc_t, p_prev, p2_prev, q_tile, q_tail, ring, tail, keys,
-                                            turns, s_layout, s2_layout, WG, ISSUE_TURNS)
+                                            turns, s_layout, s2_layout, WG, ISSUE_TURNS, pv_acc)
             if Q_BUFS > 1:  # (one item per program: nothing before it to store)
                 if j == 0:
                     if it > 0:  # acc is the previous item's finished O: out through its Q buffer
@@ -770,7 +789,10 @@ def _consumer(args, tail, keys, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr
             l_in = gl.where(j == 0, 0.0, l_i)
             acc, acc_t, p_prev, p2_prev, m_i, l_i = _softmax_tile(
                 S, S2, j, n_unmasked, acc, acc_t, m_in, l_in, rows, N, qk_scale, q_desc.dtype, o_layout, p_layout,
-                NEED_MASK, CAUSAL, WG, CONSUMERS, EXP_TURNS, LAZY_RESCALE, LANE_ROW_SUMS, TAIL, KEYS, TILE_N)
+                NEED_MASK, CAUSAL, WG, CONSUMERS, EXP_TURNS, LAZY_RESCALE, LANE_ROW_SUMS, TAIL, KEYS, TILE_N,
+                FRESH_PV)
+            if FRESH_PV:
+                pv_acc = j != 0  # (the P just formed: an item's first tile starts the accumulator afresh)
         if n_tiles == 1:
             _fetch_next_q(q_desc, q_bufs, q_bars, nb, b_ahead, h_ahead, start_ahead + WG * ROWS, more, tail)
         it += n_tiles
@@ -782,14 +804,15 @@ def _consumer(args, tail, keys, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr
     sl = (it - 1) % STAGES
     mbarrier.wait(v_ready.index(sl), ((it - 1) // STAGES) & 1)
     _my_turn(my_turn, it, WG, ISSUE_TURNS)
-    acc = warpgroup_mma(p_prev, v_bufs.index(sl).reshape([BLOCK_N, D]), acc, is_async=True)
+    acc = warpgroup_mma(p_prev, v_bufs.index(sl).reshape([BLOCK_N, D]), acc, use_acc=pv_acc, is_async=True)
     if KEYS:
         acc = warpgroup_mma(p2_prev, keys[5].index(sl).reshape([KT, D]), acc, is_async=True)
     if TAIL:
         v_tail_bufs = tail[6]
         t_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=t_layout, k_width=2)
         p_tail = gl.convert_layout(p_prev, t_op)
-        acc_t = warpgroup_mma(p_tail, v_tail_bufs.index(sl).reshape([BLOCK_N, DT]), acc_t, is_async=True)
+        acc_t = warpgroup_mma(p_tail, v_tail_bufs.index(sl).reshape([BLOCK_N, DT]), acc_t, use_acc=pv_acc,
+                              is_async=True)
         if KEYS:
             p2_tail = gl.convert_layout(p2_prev, t_op)
             acc_t = warpgroup_mma(p2_tail, keys[7].index(sl).reshape([KT, DT]), acc_t, is_async=True)
@@ -821,7 +844,7 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, q_tail_desc, k_tail_desc
                         CONSUMER_REGS: gl.constexpr, PREFETCH_L2: gl.constexpr = True,
                         LAZY_RESCALE: gl.constexpr = True, GROUP: gl.constexpr = 1,
                         LANE_ROW_SUMS: gl.constexpr = True, PRODUCER_REGS: gl.constexpr = 24,
-                        PDL: gl.constexpr = False):
+                        PDL: gl.constexpr = False, FRESH_PV: gl.constexpr = False):
     """Grid: one program per SM (persistent, ``Q_BUFS`` = 2) or per work item (``Q_BUFS`` = 1); work
     item t covers ``CONSUMERS × 64`` query rows of one (batch, query head), ``CONSUMERS`` 1, 2 or 3;
     ``GROUP`` query heads share a K/V head. Nq = Nk only (the causal mask and the tile ranges assume
@@ -879,25 +902,25 @@ def ws_attention_kernel(q_desc, k_desc, v_desc, o_desc, q_tail_desc, k_tail_desc
     if CONSUMERS == 1:  # ladder rung 1: one consumer, nobody to share K/V or take turns with
         gl.warp_specialize([
             (_consumer, (args, tail, keys, (turn0, turn1), 0, 1, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG,
-                         PREFETCH_L2, LAZY_RESCALE, LANE_ROW_SUMS)),
+                         PREFETCH_L2, LAZY_RESCALE, LANE_ROW_SUMS, FRESH_PV)),
             (_producer, producer_args),
         ], [1], [PRODUCER_REGS])
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (args, tail, keys, (turn0, turn1), 0, 2, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG,
-                         PREFETCH_L2, LAZY_RESCALE, LANE_ROW_SUMS)),
+                         PREFETCH_L2, LAZY_RESCALE, LANE_ROW_SUMS, FRESH_PV)),
             (_consumer, (args, tail, keys, (turn1, turn0), 1, 2, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG,
-                         PREFETCH_L2, LAZY_RESCALE, LANE_ROW_SUMS)),
+                         PREFETCH_L2, LAZY_RESCALE, LANE_ROW_SUMS, FRESH_PV)),
             (_producer, producer_args),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (args, tail, keys, (turn0, turn1), 0, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG,
-                         PREFETCH_L2, LAZY_RESCALE, LANE_ROW_SUMS)),
+                         PREFETCH_L2, LAZY_RESCALE, LANE_ROW_SUMS, FRESH_PV)),
             (_consumer, (args, tail, keys, (turn1, turn2), 1, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG,
-                         PREFETCH_L2, LAZY_RESCALE, LANE_ROW_SUMS)),
+                         PREFETCH_L2, LAZY_RESCALE, LANE_ROW_SUMS, FRESH_PV)),
             (_consumer, (args, tail, keys, (turn2, turn0), 2, 3, ISSUE_TURNS, EXP_TURNS, CAUSAL, EVEN_N, ZIGZAG,
-                         PREFETCH_L2, LAZY_RESCALE, LANE_ROW_SUMS)),
+                         PREFETCH_L2, LAZY_RESCALE, LANE_ROW_SUMS, FRESH_PV)),
             (_producer, producer_args),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
@@ -1108,7 +1131,7 @@ def kernel_constants(*, causal: bool, block_n: int, stages: int, consumers: int 
                      persistent: bool = True, prefetch_l2: bool = True, lazy_rescale: bool = True, group: int = 1,
                      lane_row_sums: bool = True, register_realloc: bool = True,
                      even_n: bool = True, deep_q: bool = False, pdl: bool | None = None,
-                     programs_per_sm: int = 1) -> tuple[dict, dict]:
+                     programs_per_sm: int = 1, fresh_pv: bool | None = None) -> tuple[dict, dict]:
     """(constexpr arguments, launch options): everything about the launch that no size changes, but
     ``even_n`` (N a multiple of ``block_n``: the consumers' K/V loop then runs without the ragged-N
     mask, the one length fact this kernel is compiled for; two variants at most).
@@ -1118,7 +1141,8 @@ def kernel_constants(*, causal: bool, block_n: int, stages: int, consumers: int 
     with two, 160 with three); off, every warpgroup gets the same share of the 64K (with one
     consumer that share is the hardware's per-thread limit already, so it is always off). ``pdl``: a
     programmatic dependent launch (None: as :data:`PDL` says). ``programs_per_sm``: see
-    :func:`register_budget` (the kernel is the same; its register pool is halved)."""
+    :func:`register_budget` (the kernel is the same; its register pool is halved). ``fresh_pv``: an
+    item's first tile starts the accumulator in its ``P·V`` (None: as :data:`FRESH_PV` says)."""
     if consumers not in (1, 2, 3):
         raise ValueError(f"consumers must be 1, 2 or 3, got {consumers}")
     pdl = PDL if pdl is None else pdl
@@ -1129,7 +1153,8 @@ def kernel_constants(*, causal: bool, block_n: int, stages: int, consumers: int 
                      CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
                      ISSUE_TURNS=pingpong and consumers == 3,
                      EXP_TURNS=pingpong and consumers == 2, PREFETCH_L2=prefetch_l2, LAZY_RESCALE=lazy_rescale,
-                     GROUP=group, LANE_ROW_SUMS=lane_row_sums, PDL=pdl)
+                     GROUP=group, LANE_ROW_SUMS=lane_row_sums, PDL=pdl,
+                     FRESH_PV=FRESH_PV if fresh_pv is None else fresh_pv)
     return constants, {"maxnreg": maxnreg, "launch_pdl": pdl}
 
 
