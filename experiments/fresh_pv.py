@@ -98,7 +98,6 @@ def main(argv=None) -> int:
                     times[kind, how].append(us)
                     rows.append(dict(cell=c.name, variant=kind, timing=how, round=r, us=f"{us:.3f}", status=state))
         turns.print_medians(times, variants, HOW, width=10)
-        variants.clear()  # (the cell's tensors go with the calls that hold them)
         torch.cuda.empty_cache()
     turns.write_rows(args.csv, rows)
     return 0
