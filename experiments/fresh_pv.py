@@ -1,11 +1,12 @@
-"""An item's accumulator started by its first P·V (``hopper_ws.FRESH_PV``) against the kernel as it runs, on the
-model suite's cells that take the warp-specialized forward, beside cuDNN.
+"""An item's accumulator started by its first P·V (``hopper_ws.FRESH_PV``, on by default) against the kernel
+without it, on the model suite's cells that take the warp-specialized forward, beside cuDNN.
 
-Why. The persistent forward starts each work item's accumulator by scaling what it held, the previous item's
+Why. Without it, the persistent forward starts each work item's accumulator by scaling what it held, the previous item's
 O (already stored), by alpha = 0 in the softmax of the item's first tile, so the lazy rescale runs its D / 2
 multiplies per thread on that tile in every warp. ``FRESH_PV`` gives that tile alpha 1 and starts the
 accumulator in the P·V product instead (wgmma's scale-d false on the chain's first k-step). One tile in
-N / BLOCK_N: a cell of one-tile items (``short``, 2,048 heads of 128 tokens) is where it can show.
+N / BLOCK_N: a cell of one-tile items (``short``, 2,048 heads of 128 tokens) is where it can show. (It is
+on because of what the old start does to a NaN, not for speed: ``hopper_ws.FRESH_PV``'s comment.)
 
 Per cell (the model suite's, by name), both kernels are planned once (``kernels.plan`` with the switch off,
 then on, each an output of its own) and, in rounds of turns, each launch list is timed eagerly and on the GPU

@@ -124,12 +124,16 @@ PDL = os.environ.get("LAB_WS_PDL", "1") == "1"
 
 #: A work item's first K/V tile starts its accumulator in the ``P·V`` product itself (``FRESH_PV``:
 #: wgmma with ``use_acc`` false) instead of scaling what the accumulator held, the previous item's O
-#: already stored, by alpha = 0 (``LAB_WS_FRESH_PV=1``, off). The tile's alpha is then 1, so the
-#: lazy rescale's vote finds nothing to do and its warps jump over the D / 2 multiplies per thread
-#: that every warp ran at each item's start. One tile in N / BLOCK_N: nothing on long sequences, and
-#: on a one-tile item (the model suite's ``short``: 2,048 heads of 128 tokens) one of the few
-#: stretches of arithmetic an item has besides its softmax. Off until timed.
-FRESH_PV = os.environ.get("LAB_WS_FRESH_PV", "0") == "1"
+#: already stored, by alpha = 0 (``LAB_WS_FRESH_PV=0`` turns it off). Why it is on: a persistent program
+#: runs several items one after another in the same registers, and NaN · 0 is NaN, so a head whose
+#: output is NaN (a key with an infinite component) used to hand its NaN to every item its program ran
+#: next: other heads, other sequences of the batch. Seen on an H100
+#: (``test_gpu_ws_nan_in_one_head_stays_in_that_head``); starting afresh stops it. Its cost, timed in
+#: turns on six model-suite cells of an H100: -0.8 % to +1.4 %, within the runs' spread
+#: (docs/performance-log/model-shapes.md, entry 104). The tile's alpha is 1, so the lazy rescale's vote
+#: jumps over the D / 2 multiplies per thread that every warp ran at each item's start; that did not
+#: make the one-tile items of ``short`` faster.
+FRESH_PV = os.environ.get("LAB_WS_FRESH_PV", "1") == "1"
 
 
 @gluon.jit
