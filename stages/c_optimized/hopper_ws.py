@@ -788,7 +788,7 @@ def _consumer(args, tail, keys, turns, WG: gl.constexpr, CONSUMERS: gl.constexpr
                     if it > 0:  # acc is the previous item's finished O: out through its Q buffer
                         _store_o(acc, acc_t, m_i, l_i, o_desc, LSE, q_bufs.index(nb), tail, nb, t_prev, n_m, H, N,
                                  o_layout, WG, CONSUMERS, CAUSAL, ZIGZAG, LANE_ROW_SUMS)
-            # Tile 0 starts a fresh softmax (alpha = 0: the accumulator starts over).
+            # Tile 0 starts a fresh softmax. The accumulator starts over in its P·V (FRESH_PV), or else by alpha = 0.
             m_in = gl.where(j == 0, float("-inf"), m_i)
             l_in = gl.where(j == 0, 0.0, l_i)
             acc, acc_t, p_prev, p2_prev, m_i, l_i = _softmax_tile(
