@@ -450,12 +450,17 @@ def run_id_now() -> str:
     return run_id
 
 
-def append_rows(path: str | os.PathLike, columns: tuple, rows: list[dict], defaults: dict | None = None) -> Path:
+def _six_digits(value):
+    return f"{value:.6g}" if isinstance(value, float) else value
+
+
+def append_rows(path: str | os.PathLike, columns: tuple, rows: list[dict], defaults: dict | None = None,
+                fmt=_six_digits) -> Path:
     """Append ``rows`` to the CSV at ``path`` with these ``columns`` (the header when the file is new;
-    floats to 6 significant digits, missing values empty): the small result files beside runs.csv.
-    A file written before some of ``columns`` existed gets them first (:func:`ensure_columns`, each
-    older row the value ``defaults`` says it meant); a file cut mid-row by a crash gets a line break
-    before the new rows, so they stay whole."""
+    each value as ``fmt`` writes it, by default floats to 6 significant digits; missing values empty):
+    the small result files beside runs.csv. A file written before some of ``columns`` existed gets them
+    first (:func:`ensure_columns`, each older row the value ``defaults`` says it meant); a file cut
+    mid-row by a crash gets a line break before the new rows, so they stay whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
@@ -468,7 +473,7 @@ def append_rows(path: str | os.PathLike, columns: tuple, rows: list[dict], defau
         if new:
             w.writeheader()
         for r in rows:
-            w.writerow({c: (f"{r[c]:.6g}" if isinstance(r.get(c), float) else r.get(c, "")) for c in columns})
+            w.writerow({c: fmt(r.get(c)) for c in columns})
     return path
 
 

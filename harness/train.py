@@ -633,25 +633,8 @@ def max_loss_gap(losses: list[float], reference: list[float]) -> float:
 
 # ------------------------------------------------------------------------------------------ result files
 
-def _append_rows(path: Path, fields: tuple[str, ...], rows: list[dict], defaults: dict | None = None) -> None:
-    """Append ``rows`` to the CSV at ``path`` (made with a header if new). A file written before some of
-    ``fields`` existed gets them first, each older row the value ``defaults`` says it meant
-    (``results.ensure_columns``). Floats keep 9 significant digits (:func:`_fmt`)."""
-    from .results import ensure_columns
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists() or path.stat().st_size == 0
-    if not new:
-        ensure_columns(path, fields, defaults)
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        if new:
-            writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _fmt(row.get(k)) for k in fields})
-
-
 def _fmt(value) -> str:
+    """How the training files write a value (``results.append_rows``'s ``fmt``)."""
     if value is None:
         return ""
     if isinstance(value, float):
@@ -663,10 +646,12 @@ def _fmt(value) -> str:
 def write_run(out_dir: Path, run_id: str, run: TrainRun, model_cfg: ModelConfig, cfg: TrainConfig, *,
               device: str, reference_losses: list[float] | None) -> dict:
     """Append one stage's losses and its summary row under ``out_dir/train/``; return the summary row."""
+    from .results import append_rows
+
     train_dir = Path(out_dir) / "train"
-    _append_rows(train_dir / LOSSES_CSV, LOSS_FIELDS,
-                 [{"run_id": run_id, "stage": run.stage, "dtype": cfg.dtype, "step": i + 1, "loss": loss, "step_ms": ms}
-                  for i, (loss, ms) in enumerate(zip(run.losses, run.step_ms))])
+    append_rows(train_dir / LOSSES_CSV, LOSS_FIELDS,
+                [{"run_id": run_id, "stage": run.stage, "dtype": cfg.dtype, "step": i + 1, "loss": loss, "step_ms": ms}
+                 for i, (loss, ms) in enumerate(zip(run.losses, run.step_ms))], fmt=_fmt)
     gap = None if reference_losses is None else max_loss_gap(run.losses, reference_losses)
     row = {"run_id": run_id, "stage": run.stage, "device": device, **asdict(model_cfg), **asdict(cfg),
            "step_ms_median": run.step_ms_median, "tokens_per_s": run.tokens_per_s,
@@ -675,7 +660,7 @@ def write_run(out_dir: Path, run_id: str, run: TrainRun, model_cfg: ModelConfig,
            "final_loss": run.losses[-1] if run.losses else None,
            "reference": REFERENCE if reference_losses is not None else "", "max_loss_gap": gap,
            "tolerance": LOSS_TOLERANCE[cfg.dtype], "status": run.status}
-    _append_rows(train_dir / SUMMARY_CSV, SUMMARY_FIELDS, [row], SUMMARY_DEFAULTS)
+    append_rows(train_dir / SUMMARY_CSV, SUMMARY_FIELDS, [row], SUMMARY_DEFAULTS, fmt=_fmt)
     return row
 
 
