@@ -68,33 +68,6 @@ def graph_us(fn, calls: int) -> float:
     return per_call_us(graph.replay, calls)
 
 
-def profile_python(step, calls: int, rows: int) -> None:
-    """cProfile over ``calls`` steps (after a warm-up), autograd's device threads off (the profiler sees
-    the thread it was started on): the ``rows`` functions with the most time of their own, µs per step.
-    The profiler's own cost inflates every line, the small functions most; read it for where, not how much."""
-    import cProfile
-    import pstats
-
-    with torch.autograd.set_multithreading_enabled(False):
-        for _ in range(20):
-            step()
-        torch.cuda.synchronize()
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(calls):
-            step()
-        profiler.disable()
-        torch.cuda.synchronize()
-    stats = pstats.Stats(profiler).stats
-    total = sum(tt for _, _, tt, _, _ in stats.values())
-    print(f"  profiled forward + autograd.grad, stage C: {total / calls * 1e6:8.1f} µs of Python per step "
-          f"(the profiler's cost included); the {rows} functions with the most time of their own:")
-    print(f"    {'own µs':>8} {'with callees':>12} {'calls/step':>10}  function")
-    for (path, line, name), (_, ncalls, tt, ct, _) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:rows]:
-        where = f"{Path(path).name}:{line}" if line else path
-        print(f"    {tt / calls * 1e6:8.1f} {ct / calls * 1e6:12.1f} {ncalls / calls:10.1f}  {name} ({where})")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--B", type=int, default=1)
@@ -108,8 +81,9 @@ def main() -> None:
     ap.add_argument("--compiled", action="store_true", help="also time the attention through torch.compile")
     ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
                     help="also profile the Python of a forward and autograd.grad through stage C (cProfile, autograd's "
-                         "device threads off so that the backward runs where the profiler looks) and print the "
-                         "ROWS functions that take the most time of their own")
+                         "device threads off so that the backward runs where the profiler looks; "
+                         "compiled_host_profile.python_profile) and print the ROWS functions that take the most "
+                         "time of their own, in seconds over --calls steps")
     args = ap.parse_args()
     for option in ("B", "H", "N", "D", "calls"):
         if getattr(args, option) < 1:
@@ -161,9 +135,12 @@ def main() -> None:
             fn = grad_of(lambda: sdpa(q, k, v, is_causal=causal, enable_gqa=gqa))
             print(f"  autograd.grad, SDPA CUDNN_ATTENTION, autograd's device threads off: "
                   f"{per_call_us(fn, args.calls):8.1f}")
-    if args.profile:
-        profile_python(lambda: torch.autograd.grad(stages.STAGES["c"].attention(q, k, v, causal=causal), (q, k, v), do),
-                       args.calls, args.profile)
+    if args.profile:  # (autograd's threads off: cProfile sees only the thread it was started on)
+        from compiled_host_profile import python_profile
+
+        with torch.autograd.set_multithreading_enabled(False):
+            print(python_profile(lambda: torch.autograd.grad(stages.STAGES["c"].attention(q, k, v, causal=causal),
+                                                             (q, k, v), do), args.calls, args.profile))
     if args.compiled:  # the attention alone through torch.compile, as harness train --compile inductor runs it
         for name, attend in (("stage C", lambda a, b, c: stages.STAGES["c"].attention(a, b, c, causal=causal)),
                              ("SDPA CUDNN_ATTENTION", lambda a, b, c: sdpa(a, b, c, is_causal=causal, enable_gqa=gqa))):
