@@ -10,6 +10,7 @@ Each line is the mean wall time per call over ``--calls`` calls, the GPU synchro
 (so a line is host-bound when the host is slower than the kernels it queues, which is the point):
 
 * ``autograd.grad`` through each impl's attention (what training pays), and through SDPA's backends;
+  stage C's and cuDNN's again with autograd's device threads off (the backward on the caller's thread);
 * stage C's ``attention_backward`` called directly (no autograd), and what a compiled graph calls
   instead: the custom ops ``torch.ops.attention_lab.c_forward``/``c_backward`` against the same
   functions called directly and cuDNN's forward op; with ``--compiled``, the forward and
