@@ -129,7 +129,7 @@ PDL = os.environ.get("LAB_WS_PDL", "1") == "1"
 #: output is NaN (a key with an infinite component) used to hand its NaN to every item its program ran
 #: next: other heads, other sequences of the batch. Seen on an H100
 #: (``test_gpu_ws_nan_in_one_head_stays_in_that_head``); starting afresh stops it. Its cost, timed in
-#: turns on six model-suite cells of an H100: -0.8 % to +1.4 %, within the runs' spread
+#: turns on six model-suite cells of an H100: -0.6 % to +1.4 %, within the runs' spread
 #: (docs/performance-log/model-shapes.md, entry 104). The tile's alpha is 1, so the lazy rescale's vote
 #: jumps over the D / 2 multiplies per thread that every warp ran at each item's start; that did not
 #: make the one-tile items of ``short`` faster.
